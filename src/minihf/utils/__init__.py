@@ -1,0 +1,1 @@
+"""Small shared utilities: process spawning for tests and local runs, seeding, timers."""

@@ -1,0 +1,48 @@
+"""Environment report for ``minihf doctor``: what the job will be able to use on this machine."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import platform
+
+
+def _version_of(module: str) -> str:
+    if importlib.util.find_spec(module) is None:
+        return "not installed"
+    mod = __import__(module)
+    return getattr(mod, "__version__", "installed")
+
+
+def report() -> dict[str, str]:
+    """Key/value pairs describing torch, accelerators, distributed backends and threads."""
+    import torch
+    import torch.distributed as dist
+
+    from minihf import __version__
+
+    cuda = torch.cuda.is_available()
+    info = {
+        "minihf": __version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "cuda available": str(cuda),
+        "cuda version": str(torch.version.cuda),
+        "gpu count": str(torch.cuda.device_count() if cuda else 0),
+        "distributed": str(dist.is_available()),
+        "gloo": str(dist.is_available() and dist.is_gloo_available()),
+        "nccl": str(dist.is_available() and dist.is_nccl_available()),
+        "flash-attn": _version_of("flash_attn"),
+        "transformers": _version_of("transformers"),
+        "safetensors": _version_of("safetensors"),
+        "tokenizers": _version_of("tokenizers"),
+        "wandb": _version_of("wandb"),
+        "cpu cores": str(os.cpu_count()),
+        "torch threads": str(torch.get_num_threads()),
+        "torch interop threads": str(torch.get_num_interop_threads()),
+    }
+    if cuda:
+        info["gpu 0"] = torch.cuda.get_device_name(0)
+        info["bf16 supported"] = str(torch.cuda.is_bf16_supported())
+    return info

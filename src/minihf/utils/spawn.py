@@ -1,0 +1,124 @@
+"""Run one function on N local processes that form a torch.distributed group.
+
+Used by the tests (gloo on CPU) and by benchmarks. Every child initialises the process
+group itself, runs ``fn(rank, world_size, *args)`` and sends back either its return value
+or its traceback. The parent waits with a deadline, so a broken or hung rank fails the
+call instead of hanging CI; when one rank fails, the others are killed.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+
+class SpawnError(RuntimeError):
+    """A spawned rank raised, died, or did not finish before the deadline."""
+
+
+def free_port() -> int:
+    """A TCP port on the loopback interface that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(fn, rank, world_size, port, backend, threads, pg_timeout_s, args, results):
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=pg_timeout_s),
+        )
+        out = fn(rank, world_size, *args)
+        results.put((rank, True, out))
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - peers may already be gone
+                pass
+
+
+def spawn_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout_s: float = 300.0,
+    pg_timeout_s: float = 60.0,
+    threads: int = 1,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return per-rank results.
+
+    ``fn`` must be importable by module name (a module-level function). Raises
+    :class:`SpawnError` with the failing rank's traceback if any rank raises or dies, or if
+    the whole run takes longer than ``timeout_s`` seconds.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_child,
+            args=(fn, r, world_size, port, backend, threads, pg_timeout_s, args, results),
+            daemon=False,
+        )
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(out) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise SpawnError(
+                    f"spawn_ranks: ranks {sorted(set(range(world_size)) - set(out))} did not "
+                    f"finish within {timeout_s:.0f}s"
+                )
+            try:
+                rank, ok, payload = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [
+                    r for r, p in enumerate(procs)
+                    if r not in out and not p.is_alive() and p.exitcode not in (0, None)
+                ]
+                if dead:
+                    # Give the queue a moment: a rank may have reported just before exiting.
+                    time.sleep(0.5)
+                    if results.empty():
+                        codes = {r: procs[r].exitcode for r in dead}
+                        raise SpawnError(f"spawn_ranks: rank(s) died without a result: exit codes {codes}")
+                continue
+            if not ok:
+                raise SpawnError(f"rank {rank} of {world_size} failed:\n{payload}")
+            out[rank] = payload
+    finally:
+        for p in procs:
+            p.join(timeout=10 if len(out) == world_size else 0.1)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    return [out[r] for r in range(world_size)]
+
+
+def cpu_threads_per_rank(world_size: int) -> int:
+    """Threads per rank that do not oversubscribe this machine's cores."""
+    return max(1, (os.cpu_count() or 1) // max(1, world_size))

@@ -1,0 +1,29 @@
+"""The multi-process test harness itself: results come back, failures and hangs are reported."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from minihf.utils.spawn import SpawnError, spawn_ranks
+
+
+def _allreduce(rank, world_size):
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def _raise_on_one(rank, world_size):
+    if rank == 1:
+        raise ValueError("boom on rank one")
+    dist.barrier()  # rank 0 would wait here forever without the harness killing it
+    return rank
+
+
+def test_spawn_collects_results():
+    assert spawn_ranks(_allreduce, 2) == [3.0, 3.0]
+
+
+def test_spawn_reports_failing_rank_traceback():
+    with pytest.raises(SpawnError, match="rank 1 of 2 failed(.|\n)*boom on rank one"):
+        spawn_ranks(_raise_on_one, 2, timeout_s=60, pg_timeout_s=20)

@@ -1,0 +1,359 @@
+"""Configuration: validated dataclasses, YAML recipes, dotted command-line overrides.
+
+A config is a tree of dataclasses; each module declares its own section next to the code
+that uses it (``ControllerConfig`` here, the trainer's sections in ``trainer/``) and a job
+composes them as fields of one root dataclass. ``load_config(Root, recipe, overrides)``
+layers, in increasing precedence: the dataclass defaults, the recipe file
+(``recipes/<name>/config.yaml``), and ``key.sub.key=value`` overrides whose values are
+parsed as YAML scalars (``1e-6``, ``true``, ``[1, 2]``, ``null``); ``~key.sub`` deletes an
+entry of a dict-typed field. Dicts are merged key by key at every level; lists are replaced.
+
+Every value is type-checked against the annotations (Optional, Union, Literal, list,
+tuple, dict, nested dataclasses); an unknown key is an error that lists the valid keys at
+that level and suggests the closest one. Range checks live in each dataclass's
+``__post_init__``; their messages are prefixed with the dotted path of the section.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TypeVar, Union
+
+import yaml
+
+T = TypeVar("T")
+DEFAULT_RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
+
+
+class ConfigError(ValueError):
+    """A configuration value, key or file is invalid; the message says which and why."""
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML 1.1 loader that also reads ``1e-6`` / ``3E5`` as floats (YAML 1.2 does)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"))
+
+
+def parse_value(text: str) -> Any:
+    """Parse one override value as a YAML scalar or flow collection."""
+    try:
+        return yaml.load(text, Loader=_Loader)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"cannot parse value {text!r} as YAML: {e}") from None
+
+
+def _suggest(key: str, valid: list[str]) -> str:
+    close = difflib.get_close_matches(key, valid, n=1)
+    return f"did you mean {close[0]!r}? " if close else ""
+
+
+def _describe(tp: Any) -> str:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Literal:
+        return " or ".join(repr(a) for a in args)
+    if origin in (Union, types.UnionType):
+        return " or ".join(_describe(a) for a in args)
+    if tp is type(None):
+        return "null"
+    if origin is not None:
+        return f"{origin.__name__}[{', '.join(_describe(a) for a in args)}]"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, path: str) -> Any:
+    """Check ``value`` against annotation ``tp`` and convert it (dict -> dataclass, ...)."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin is Literal:
+        if any(value == a and type(value) is type(a) for a in args):
+            return value
+        names = [a for a in args if isinstance(a, str)]
+        hint = _suggest(value, names) if isinstance(value, str) else ""
+        allowed = ", ".join(map(repr, args))
+        raise ConfigError(f"{path}: {value!r} is not one of {allowed}; {hint}".rstrip("; "))
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        options = [a for a in args if a is not type(None)]
+        if len(options) == 1 and (dataclasses.is_dataclass(options[0])
+                                  or typing.get_origin(options[0]) is not None):
+            return _coerce(value, options[0], path)  # the section's own error is more precise
+        for arg in options:
+            try:
+                return _coerce(value, arg, path)
+            except ConfigError:
+                pass
+        raise ConfigError(f"{path}: expected {_describe(tp)}, got {value!r} "
+                          f"({type(value).__name__})")
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if isinstance(value, dict):
+            return from_dict(tp, value, path)
+        raise ConfigError(f"{path}: expected a section ({tp.__name__}: a mapping of "
+                          f"{', '.join(_field_names(tp))}), got {value!r}")
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path}: expected {_describe(tp)} (e.g. [1, 2]), got {value!r}")
+        if origin is list or not args or (len(args) == 2 and args[1] is Ellipsis):
+            args = (args[0] if args else Any,) * len(value)
+        if len(args) != len(value):
+            raise ConfigError(f"{path}: expected {len(args)} items ({_describe(tp)}), "
+                              f"got {value!r}")
+        items = [_coerce(v, a, f"{path}[{i}]") for i, (v, a) in enumerate(zip(value, args))]
+        return items if origin is list else tuple(items)
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping ({_describe(tp)}), got {value!r}")
+        kt, vt = args or (Any, Any)
+        return {_coerce(k, kt, f"{path}.{k}"): _coerce(v, vt, f"{path}.{k}")
+                for k, v in value.items()}
+    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if tp is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)  # `run_name=2024` means the string
+    if tp is Path and isinstance(value, (str, Path)):
+        return Path(value)
+    if isinstance(tp, type) and isinstance(value, tp) and not (tp is int and type(value) is bool):
+        return value
+    raise ConfigError(f"{path}: expected {_describe(tp)}, got {value!r} "
+                      f"({type(value).__name__})")
+
+
+def _field_names(cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls) if f.init]
+
+
+def from_dict(cls: type[T], data: dict, path: str = "") -> T:
+    """Build dataclass ``cls`` from a nested dict, type-checking every value.
+
+    Keys absent from ``data`` keep their dataclass defaults. Errors name the dotted path.
+    """
+    hints = typing.get_type_hints(cls)
+    valid = _field_names(cls)
+    where = path or cls.__name__
+    for key in data:
+        if key not in valid:
+            raise ConfigError(f"unknown key {_join(path, str(key))!r}; {_suggest(str(key), valid)}"
+                              f"valid keys in {where}: {', '.join(valid)}")
+    kwargs = {k: _coerce(v, hints[k], _join(path, k)) for k, v in data.items()}
+    missing = [f.name for f in dataclasses.fields(cls) if f.init and f.name not in kwargs
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ConfigError(f"{where}: missing required keys {missing}")
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as e:  # __post_init__ checks: add where they apply
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def to_dict(cfg: Any) -> Any:
+    """Plain, YAML-serialisable nested dict/list/scalar form of a config tree."""
+    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
+        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg) if f.init}
+    if isinstance(cfg, (list, tuple)):
+        return [to_dict(v) for v in cfg]
+    if isinstance(cfg, dict):
+        return {k: to_dict(v) for k, v in cfg.items()}
+    if isinstance(cfg, Path):
+        return str(cfg)
+    return cfg
+
+
+def dump_yaml(cfg: Any, path: str | Path) -> Path:
+    """Write ``to_dict(cfg)`` as YAML; ``load_config(type(cfg), path)`` reads it back."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    return path
+
+
+def _defaults(cls: type) -> dict:
+    """The defaults of ``cls`` as a nested dict (sections without a default are recursed)."""
+    out: dict = {}
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = to_dict(f.default)
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = to_dict(f.default_factory())
+        elif dataclasses.is_dataclass(hints[f.name]):
+            out[f.name] = _defaults(hints[f.name])
+    return out
+
+
+def _merge(base: Any, new: Any) -> Any:
+    if isinstance(base, dict) and isinstance(new, dict):
+        out = dict(base)
+        for k, v in new.items():
+            out[k] = _merge(base.get(k), v)
+        return out
+    return new
+
+
+def apply_override(data: dict, override: str) -> None:
+    """Apply one ``a.b.c=value`` (or ``~a.b.c``) override to a nested dict in place."""
+    delete = override.startswith("~")
+    key, eq, text = override[delete:].partition("=")
+    if (not eq and not delete) or not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {override!r} must look like key.sub=value "
+                          "(e.g. actor.optim.lr=1e-6) or ~key.sub to delete an entry")
+    *parents, last = key.split(".")
+    node = data
+    for i, part in enumerate(parents):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        elif not isinstance(child, dict):
+            raise ConfigError(f"override {override!r}: {'.'.join(parents[:i + 1])!r} is a value "
+                              f"({child!r}), not a section")
+        node = child
+    if delete:
+        if last not in node:
+            raise ConfigError(f"override {override!r}: nothing to delete; "
+                              f"{_suggest(last, list(node))}keys there: "
+                              f"{', '.join(map(str, node))}")
+        del node[last]
+    else:
+        node[last] = _merge(node.get(last), parse_value(text))
+
+
+def find_recipe(recipe: str | Path, recipes_dir: str | Path | None = None) -> Path:
+    """A recipe name (``recipes/<name>/config.yaml``), a recipe directory or a YAML file."""
+    path = Path(recipe)
+    if path.is_dir():
+        path = path / "config.yaml"
+    if path.is_file():
+        return path
+    root = Path(recipes_dir) if recipes_dir is not None else DEFAULT_RECIPES_DIR
+    named = root / str(recipe) / "config.yaml"
+    if named.is_file():
+        return named
+    names = sorted(p.parent.name for p in root.glob("*/config.yaml"))
+    raise ConfigError(f"recipe {str(recipe)!r} not found (no such file, and no {named}); "
+                      f"{_suggest(str(recipe), names)}recipes in {root}: "
+                      f"{', '.join(names) or 'none'}")
+
+
+def load_config(cls: type[T], recipe: str | Path | None = None, overrides: list[str] = (),
+                recipes_dir: str | Path | None = None) -> T:
+    """Defaults of ``cls`` <- recipe YAML <- dotted overrides, validated into ``cls``."""
+    data = _defaults(cls)
+    if recipe is not None:
+        path = find_recipe(recipe, recipes_dir)
+        try:
+            loaded = yaml.load(path.read_text(), Loader=_Loader) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"cannot parse recipe {path}: {e}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"recipe {path} must be a mapping of keys, "
+                              f"got {type(loaded).__name__}")
+        data = _merge(data, loaded)
+    for override in overrides:
+        apply_override(data, override)
+    return from_dict(cls, data)
+
+
+def split_cli_args(args: list[str]) -> tuple[str | None, list[str]]:
+    """Split script arguments into the ``recipe=NAME`` value and the other overrides."""
+    recipes = [a.partition("=")[2] for a in args if a.startswith("recipe=")]
+    if len(recipes) > 1:
+        raise ConfigError(f"recipe given {len(recipes)} times: {recipes}")
+    return (recipes[0] if recipes else None), [a for a in args if not a.startswith("recipe=")]
+
+
+# ---- controller section ----------------------------------------------------------------
+
+@dataclass
+class RoleSpec:
+    """Where one role runs: ``ranks`` ("all" or a list of global ranks) and its TP size."""
+    ranks: Union[Literal["all"], list[int]] = "all"
+    tp_size: int = 1
+
+    def __post_init__(self):
+        if self.tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
+        if self.ranks != "all":
+            if not self.ranks:
+                raise ValueError("ranks is empty; give at least one rank or 'all'")
+            if len(set(self.ranks)) != len(self.ranks):
+                raise ValueError(f"ranks {self.ranks} contain duplicates")
+
+
+PlacementConfig = dict[str, RoleSpec]  # role name -> RoleSpec
+
+
+@dataclass(frozen=True)
+class RolePlacement:
+    """A role's placement resolved against the world size: sorted global ranks + TP size."""
+    ranks: list[int]
+    tp_size: int
+
+    @property
+    def dp_size(self) -> int:
+        return len(self.ranks) // self.tp_size
+
+
+def resolve_placement(placement: PlacementConfig, world_size: int,
+                      roles: list[str] | None = None) -> dict[str, RolePlacement]:
+    """Resolve ``placement`` for ``world_size`` ranks.
+
+    With ``roles`` (the roles the job builds), roles not named in ``placement`` run on all
+    ranks with TP 1, and placement entries for roles that do not exist are errors.
+    """
+    if world_size < 1:
+        raise ConfigError(f"world_size must be >= 1, got {world_size}")
+    placement = {k: v if isinstance(v, RoleSpec) else from_dict(RoleSpec, v, f"placement.{k}")
+                 for k, v in placement.items()}
+    if roles is not None:
+        for name in placement:
+            if name not in roles:
+                raise ConfigError(f"placement names unknown role {name!r}; "
+                                  f"{_suggest(name, list(roles))}roles: {', '.join(roles)}")
+        placement = {r: placement.get(r, RoleSpec()) for r in roles}
+    out = {}
+    for name, spec in placement.items():
+        ranks = list(range(world_size)) if spec.ranks == "all" else sorted(spec.ranks)
+        bad = [r for r in ranks if not 0 <= r < world_size]
+        if bad:
+            raise ConfigError(f"placement.{name}.ranks: {bad} out of range for world size "
+                              f"{world_size} (valid ranks 0..{world_size - 1})")
+        if len(ranks) % spec.tp_size:
+            raise ConfigError(f"placement.{name}.tp_size={spec.tp_size} does not divide the "
+                              f"role's {len(ranks)} ranks {ranks}")
+        out[name] = RolePlacement(ranks, spec.tp_size)
+    return out
+
+
+@dataclass
+class ControllerConfig:
+    """Process group and placement settings for ``minihf.controller``."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl with CUDA, else gloo
+    timeout_s: float = 600.0  # collectives and dead-peer detection give up after this
+    placement: PlacementConfig = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.backend not in ("auto", "gloo", "nccl"):
+            raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', got {self.backend!r}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")

@@ -1,0 +1,201 @@
+"""ModelArgs: the architecture hyper-parameters of a Llama-family decoder.
+
+Built from a Hugging Face ``config.json`` (a dict, a path, or a transformers config
+object) and turned back into one for saving. Both rope layouts are understood:
+transformers <= 4.x keeps ``rope_theta`` and ``rope_scaling`` at the top level,
+transformers 5.x nests both in ``rope_parameters``. The raw config is kept in
+``hf_config`` so a save writes back what was loaded, with only the head and dtype updated.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# HF class-name prefix per arch, and HF class-name suffix per head kind.
+ARCH_PREFIX = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}
+HEAD_SUFFIX = {"lm": "ForCausalLM", "score": "ForSequenceClassification", "value": "ForTokenClassification"}
+SUPPORTED_ARCHITECTURES = {
+    prefix + suffix: (arch, head)
+    for arch, prefix in ARCH_PREFIX.items()
+    for head, suffix in HEAD_SUFFIX.items()
+}
+ROPE_TYPES = ("default", "llama3", "linear")
+
+
+def hf_architecture(arch: str, head: str) -> str:
+    """The transformers class name for ``arch`` with ``head`` (e.g. Qwen2ForCausalLM)."""
+    return ARCH_PREFIX[arch] + HEAD_SUFFIX[head]
+
+
+def _unsupported(name: str) -> ValueError:
+    causal = ", ".join(n for n in SUPPORTED_ARCHITECTURES if n.endswith("ForCausalLM"))
+    return ValueError(
+        f"unsupported architecture {name!r}: minihf.models supports {causal} "
+        "(and their ForSequenceClassification / ForTokenClassification variants for reward "
+        "and critic checkpoints). Convert the checkpoint to one of these or add the architecture."
+    )
+
+
+@dataclass
+class ModelArgs:
+    arch: str = "llama"
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 32
+    head_dim: int = 128
+    intermediate_size: int = 11008
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # always carries "rope_type" when not None
+    attention_bias: bool = False  # bias on q/k/v projections
+    o_proj_bias: bool = False  # Llama/Qwen3 `attention_bias` also biases o_proj; Qwen2 does not
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 4096
+    initializer_range: float = 0.02
+    sliding_window: int | None = None  # informational: minihf attends over the full context
+    head: str = "lm"  # head kind of the checkpoint these args were read from
+    hf_config: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.arch not in ARCH_PREFIX:
+            raise _unsupported(self.arch)
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}; fix the config."
+            )
+        if self.rope_scaling is not None and self.rope_scaling.get("rope_type") not in ROPE_TYPES:
+            raise ValueError(
+                f"unsupported rope_scaling {self.rope_scaling!r}: minihf supports rope_type in "
+                f"{ROPE_TYPES}."
+            )
+
+    # ---------------------------------------------------------------- reading
+    @classmethod
+    def from_hf(cls, config: Any) -> "ModelArgs":
+        """Build from a config dict, a transformers config object, a checkpoint dir or a
+        path to ``config.json``."""
+        if isinstance(config, (str, Path)):
+            path = Path(config)
+            if path.is_dir():
+                path = path / "config.json"
+            if not path.exists():
+                raise FileNotFoundError(f"no config.json at {path}: pass an HF checkpoint dir")
+            cfg = json.loads(path.read_text())
+        elif isinstance(config, dict):
+            cfg = copy.deepcopy(config)
+        elif hasattr(config, "to_dict"):
+            cfg = config.to_dict()
+        else:
+            raise TypeError(f"cannot read model args from {type(config).__name__}; pass a dict, "
+                            "a path or a transformers config")
+        return cls(**_parse(cfg))
+
+    # ---------------------------------------------------------------- writing
+    def to_hf_config(self, head: str = "lm", dtype: str | None = None) -> dict:
+        """A config.json dict for this model with ``head`` (lm|value|score)."""
+        cfg = copy.deepcopy(self.hf_config)
+        rope = {"rope_type": "default", "rope_theta": self.rope_theta}
+        if self.rope_scaling is not None:
+            rope.update(self.rope_scaling)
+        cfg.update(
+            architectures=[hf_architecture(self.arch, head)],
+            model_type=self.arch,
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            intermediate_size=self.intermediate_size,
+            rms_norm_eps=self.rms_norm_eps,
+            tie_word_embeddings=self.tie_word_embeddings,
+            max_position_embeddings=self.max_position_embeddings,
+            initializer_range=self.initializer_range,
+            hidden_act=cfg.get("hidden_act", "silu"),
+        )
+        if self.arch in ("llama", "qwen3"):
+            cfg["attention_bias"] = self.attention_bias
+        if self.arch == "llama":
+            cfg["mlp_bias"] = self.mlp_bias
+        if "rope_parameters" in cfg or "rope_theta" not in cfg:
+            cfg["rope_parameters"] = rope  # transformers >= 5 layout
+        if "rope_theta" in cfg or "rope_parameters" not in self.hf_config:
+            # transformers <= 4 layout; written too for configs built in code so both read it
+            cfg["rope_theta"] = self.rope_theta
+            cfg["rope_scaling"] = copy.deepcopy(self.rope_scaling)
+        if head in ("value", "score"):
+            cfg["num_labels"] = 1
+            cfg["id2label"] = {"0": "LABEL_0"}
+            cfg["label2id"] = {"LABEL_0": 0}
+        if dtype is not None:
+            cfg["dtype"] = dtype
+            if "torch_dtype" in cfg:
+                cfg["torch_dtype"] = dtype
+        return cfg
+
+
+def _parse(cfg: dict) -> dict:
+    archs = cfg.get("architectures") or []
+    if archs:
+        name = archs[0]
+        if name not in SUPPORTED_ARCHITECTURES:
+            raise _unsupported(name)
+        arch, head = SUPPORTED_ARCHITECTURES[name]
+    else:
+        arch, head = cfg.get("model_type", "<missing model_type>"), "lm"
+        if arch not in ARCH_PREFIX:
+            raise _unsupported(arch)
+    heads = cfg["num_attention_heads"]
+    hidden = cfg["hidden_size"]
+    rope_theta, rope_scaling = _parse_rope(cfg)
+    attn_bias = bool(cfg.get("attention_bias", False))
+    window = None
+    if arch == "mistral" or (arch in ("qwen2", "qwen3") and cfg.get("use_sliding_window")):
+        window = cfg.get("sliding_window")
+    return dict(
+        arch=arch,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=hidden,
+        num_hidden_layers=cfg["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or hidden // heads,
+        intermediate_size=cfg["intermediate_size"],
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        attention_bias=True if arch == "qwen2" else (attn_bias if arch in ("llama", "qwen3") else False),
+        o_proj_bias=attn_bias if arch in ("llama", "qwen3") else False,
+        mlp_bias=bool(cfg.get("mlp_bias", False)) if arch == "llama" else False,
+        qk_norm=arch == "qwen3",
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        initializer_range=cfg.get("initializer_range", 0.02),
+        sliding_window=window,
+        head=head,
+        hf_config=cfg,
+    )
+
+
+def _parse_rope(cfg: dict) -> tuple[float, dict | None]:
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and "rope_theta" in params:  # transformers >= 5
+        scaling = dict(params)
+        theta = float(scaling.pop("rope_theta"))
+    else:  # transformers <= 4
+        theta = float(cfg.get("rope_theta", 10000.0))
+        scaling = dict(cfg.get("rope_scaling") or {})
+    rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
+    scaling.pop("type", None)
+    if rope_type == "default":
+        return theta, None
+    return theta, {"rope_type": rope_type, **scaling}

@@ -1,0 +1,106 @@
+"""Decoder building blocks: RMSNorm, grouped-query attention, SwiGLU MLP, the block.
+
+Module and parameter names mirror transformers' Llama layout so state-dict keys equal
+HF's and the parallelism code (apply_tp, apply_fsdp) can match on names. The attention
+module reads its head counts from ``self.num_heads`` / ``self.num_kv_heads`` /
+``self.head_dim`` at forward time, so tensor parallelism can shrink them after
+construction. The KV cache is never owned here: it is passed in and asked for the keys
+and values to attend to.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .args import ModelArgs
+from .masks import AttnMeta, flash_attn_varlen_func
+from .rope import apply_rope
+
+
+class RMSNorm(nn.Module):
+    """y = w * x / sqrt(mean(x^2) + eps), normalised in fp32 then cast back (as HF does)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = args.num_attention_heads
+        self.num_kv_heads = args.num_key_value_heads
+        self.head_dim = hd = args.head_dim
+        H = args.hidden_size
+        self.q_proj = nn.Linear(H, self.num_heads * hd, bias=args.attention_bias)
+        self.k_proj = nn.Linear(H, self.num_kv_heads * hd, bias=args.attention_bias)
+        self.v_proj = nn.Linear(H, self.num_kv_heads * hd, bias=args.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * hd, H, bias=args.o_proj_bias)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(hd, args.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, args.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x, cos, sin, positions, meta: AttnMeta, kv_cache=None):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, -1, self.head_dim)
+        k = self.k_proj(x).view(B, T, -1, self.head_dim)
+        v = self.v_proj(x).view(B, T, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, hd]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        gqa = self.num_heads != self.num_kv_heads
+        if kv_cache is not None:
+            k, v, mask = kv_cache.update(self.layer_idx, k, v, positions)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        elif meta.cu_seqlens is not None:
+            out = flash_attn_varlen_func(
+                q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
+                meta.cu_seqlens, meta.cu_seqlens, meta.max_seqlen, meta.max_seqlen, causal=True,
+            ).transpose(0, 1)[None]  # [1, heads, T, hd]
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.mask,
+                                                 is_causal=meta.is_causal, enable_gqa=gqa)
+        out = out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        H, I = args.hidden_size, args.intermediate_size
+        self.gate_proj = nn.Linear(H, I, bias=args.mlp_bias)
+        self.up_proj = nn.Linear(H, I, bias=args.mlp_bias)
+        self.down_proj = nn.Linear(I, H, bias=args.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, args: ModelArgs, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.self_attn = Attention(args, layer_idx)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.mlp = MLP(args)
+
+    def forward(self, x, cos, sin, positions, meta: AttnMeta, kv_cache=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, meta, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))

@@ -1,0 +1,159 @@
+"""The Llama-family decoder and its three heads (LM, value, score).
+
+One forward serves training and generation:
+``forward(tokens, positions, kv_cache=None, cu_seqlens=None, attention_mask=None)``.
+The model never touches torch.distributed; tensor parallelism and FSDP are applied after
+construction by ``minihf.parallel``. Build order (STYLE rule 2): construct on the meta
+device (``build_model(args, device="meta")``), parallelize, then ``materialize`` and load
+(``hf_io.load_hf``) or ``init_weights``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from .args import ModelArgs
+from .layers import Block, RMSNorm
+from .masks import build_attn_meta
+from .rope import inv_freq, rope_cos_sin
+
+HEADS = ("lm", "value", "score")
+
+
+class DecoderModel(nn.Module):
+    """Embedding -> blocks -> final norm (HF's ``model.`` prefix)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(Block(args, i) for i in range(args.num_hidden_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, tokens, positions=None, kv_cache=None, cu_seqlens=None,
+                attention_mask=None) -> torch.Tensor:
+        if positions is None:
+            if kv_cache is not None:
+                raise ValueError("positions are required with a kv_cache (they say where "
+                                 "each new token goes in the cache)")
+            positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+        if kv_cache is not None and (cu_seqlens is not None or attention_mask is not None):
+            raise ValueError("with a kv_cache the cache decides the mask: pass positions only "
+                             "(not cu_seqlens or attention_mask)")
+        h = self.embed_tokens(tokens)
+        meta = None if kv_cache is not None else build_attn_meta(tokens, attention_mask,
+                                                                   cu_seqlens, h.dtype)
+        cos, sin = rope_cos_sin(inv_freq(self.args, tokens.device), positions, h.dtype)
+        for layer in self.layers:
+            h = layer(h, cos, sin, positions, meta, kv_cache)
+        return self.norm(h)
+
+
+class _Base(nn.Module):
+    head = "lm"
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model = DecoderModel(args)
+
+    def forward_hidden(self, tokens, positions=None, kv_cache=None, cu_seqlens=None,
+                       attention_mask=None) -> torch.Tensor:
+        """Final normed hidden states [B, T, H]."""
+        return self.model(tokens, positions, kv_cache, cu_seqlens, attention_mask)
+
+    def tie_weights(self) -> None:
+        """Re-establish weight sharing (``to_empty`` breaks it); no-op when untied."""
+
+
+class CausalLM(_Base):
+    head = "lm"
+
+    def __init__(self, args: ModelArgs):
+        super().__init__(args)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.args.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, tokens, positions=None, kv_cache=None, cu_seqlens=None,
+                attention_mask=None) -> torch.Tensor:
+        """Logits [B, T, V] in the parameter dtype."""
+        return self.lm_head(self.forward_hidden(tokens, positions, kv_cache, cu_seqlens,
+                                                attention_mask))
+
+
+class ValueModel(_Base):
+    """Critic: one value per token (head ``value_head``)."""
+    head = "value"
+
+    def __init__(self, args: ModelArgs):
+        super().__init__(args)
+        self.value_head = nn.Linear(args.hidden_size, 1)
+
+    def forward(self, tokens, positions=None, kv_cache=None, cu_seqlens=None,
+                attention_mask=None) -> torch.Tensor:
+        """Values [B, T]."""
+        h = self.forward_hidden(tokens, positions, kv_cache, cu_seqlens, attention_mask)
+        return self.value_head(h).squeeze(-1)
+
+
+class ScoreModel(_Base):
+    """Reward model: a score per token (HF's ``score``, no bias); the reward worker reads
+    the score at the last response token."""
+    head = "score"
+
+    def __init__(self, args: ModelArgs):
+        super().__init__(args)
+        self.score = nn.Linear(args.hidden_size, 1, bias=False)
+
+    def forward(self, tokens, positions=None, kv_cache=None, cu_seqlens=None,
+                attention_mask=None) -> torch.Tensor:
+        """Scores [B, T]."""
+        h = self.forward_hidden(tokens, positions, kv_cache, cu_seqlens, attention_mask)
+        return self.score(h).squeeze(-1)
+
+
+_CLASSES = {"lm": CausalLM, "value": ValueModel, "score": ScoreModel}
+
+
+def build_model(args: ModelArgs, head: str = "lm", device: torch.device | str | None = None,
+                dtype: torch.dtype | None = None) -> nn.Module:
+    """Construct the model for ``head`` (lm|value|score). ``device="meta"`` allocates
+    nothing; call ``materialize`` and then load or ``init_weights``."""
+    if head not in _CLASSES:
+        raise ValueError(f"unknown head {head!r}; choose one of {HEADS}")
+    with torch.device(device or "cpu"):
+        model = _CLASSES[head](args)
+    if dtype is not None:
+        model.to(dtype)
+    return model
+
+
+def materialize(model: nn.Module, device: torch.device | str) -> nn.Module:
+    """Allocate (uninitialised) storage for a meta-device model on ``device`` and restore
+    tied weights. Follow with a state-dict load or ``init_weights``."""
+    model.to_empty(device=device)
+    model.tie_weights()
+    return model
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, seed: int = 0) -> nn.Module:
+    """Random init as transformers does: Linear/Embedding weights ~ N(0, initializer_range),
+    biases 0, norm weights 1. Drawn on CPU from ``seed`` so every device gets the same
+    numbers."""
+    std = model.args.initializer_range
+    gen = torch.Generator().manual_seed(seed)
+    norms = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
+    for name, p in model.named_parameters():  # named_parameters dedups tied weights
+        if id(p) in norms:
+            p.fill_(1.0)
+        elif name.endswith(".bias"):
+            p.zero_()
+        else:
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * std)
+    return model

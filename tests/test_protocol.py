@@ -136,6 +136,10 @@ def test_union_conflicts():
         b.union(Batch({"y": torch.ones(4)}, meta={"step": 4}))
     with pytest.raises(ValueError, match="lengths 4 and 2"):
         b.union(Batch({"y": torch.ones(2)}))
+    with pytest.raises(TypeError, match="got dict"):
+        b.union({"y": torch.ones(4)})
+    nan = Batch({"v": torch.tensor([float("nan"), 1.0])})
+    nan |= nan.select("v")  # the same tensor object counts as equal even with NaNs
     # Non-tensor rows holding arrays are compared row by row.
     arr = Batch(non_tensors={"a": [np.arange(2), np.arange(3)]})
     assert arr.union(Batch(non_tensors={"a": [np.arange(2), np.arange(3)]})).keys() == ["a"]

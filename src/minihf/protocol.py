@@ -42,12 +42,12 @@ def _as_object_array(key: str, value: Any) -> np.ndarray:
 
 
 def _equal(a: Any, b: Any) -> bool:
-    """Value equality for tensors, arrays and plain Python values."""
+    """Value equality for tensors, arrays and plain Python values (same object: equal)."""
+    if a is b:
+        return True
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
-            return False
-        return (a.shape == b.shape and a.dtype == b.dtype
-                and torch.equal(a.cpu(), b.cpu()))
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+                and a.dtype == b.dtype and torch.equal(a, b.to(a.device)))
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         a, b = np.asarray(a), np.asarray(b)
         if a.shape != b.shape:
@@ -206,6 +206,8 @@ class Batch:
 
     def union(self, other: Batch) -> Batch:
         """Keys of both; a key present in both must hold equal values, or this raises."""
+        if not isinstance(other, Batch):
+            raise TypeError(f"can only union a Batch with a Batch, got {type(other).__name__}")
         if self.keys() and other.keys() and len(self) != len(other):
             raise ValueError(f"cannot union Batches of lengths {len(self)} and {len(other)}")
         tensors, non_tensors = dict(self.tensors), dict(self.non_tensors)
@@ -221,8 +223,7 @@ class Batch:
                 dst[k] = v
         return Batch(tensors, non_tensors, _merge_meta([self.meta, other.meta]))
 
-    def __or__(self, other: Batch) -> Batch:
-        return self.union(other)
+    __or__ = union
 
     def __ior__(self, other: Batch) -> Batch:
         merged = self.union(other)
@@ -276,10 +277,7 @@ class Batch:
         return Batch(tensors, non_tensors, self.meta)
 
     def pad_to_multiple(self, k: int) -> tuple[Batch, int]:
-        """Append rows copied from the start (wrapping) until ``len % k == 0``.
-
-        Returns the padded Batch and the number of rows added, for ``unpad``.
-        """
+        """Append rows copied from the start (wrapping) to a multiple of k; -> (Batch, added)."""
         if not isinstance(k, int) or k < 1:
             raise ValueError(f"pad multiple must be a positive int, got {k!r}")
         n = len(self)

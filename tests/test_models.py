@@ -70,6 +70,8 @@ def test_bad_configs_are_clear_errors():
         ModelArgs.from_hf({"model_type": "llama", **TINY, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
     with pytest.raises(ValueError, match="unsupported architecture 'phi3'.*MistralForCausalLM"):
         ModelArgs.from_hf({"model_type": "phi3", **TINY})
+    with pytest.raises(ValueError, match="hidden_act='gelu'"):
+        ModelArgs.from_hf({"model_type": "llama", **TINY, "hidden_act": "gelu"})
 
 
 def test_masks_by_hand():
@@ -150,3 +152,36 @@ def test_dtype_checkpoint_errors_and_sliding_window_warning(tmp_path):
     save_hf(m, tmp_path / "mistral")
     with pytest.warns(UserWarning, match="sliding-window"):
         load_hf(tmp_path / "mistral")
+
+
+def test_flash_varlen_path_plumbing_with_a_reference_kernel(monkeypatch):
+    """The CUDA flash-attn branch cannot run here; drive it with a reference kernel that
+    has flash_attn_varlen_func's signature and check it against the SDPA mask path."""
+    import torch.nn.functional as F
+
+    from minihf.models import layers, masks
+
+    calls = []
+
+    def fake_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal):
+        assert q.dim() == 3 and cu_q.dtype == torch.int32 and causal and torch.equal(cu_q, cu_k)
+        calls.append((cu_q.tolist(), max_q))
+        rep = q.shape[1] // k.shape[1]
+        out = torch.empty_like(q)
+        for s, e in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
+            qs, ks, vs = (t[s:e].transpose(0, 1) for t in (q, k, v))
+            ks, vs = ks.repeat_interleave(rep, 0), vs.repeat_interleave(rep, 0)
+            out[s:e] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True).transpose(0, 1)
+        return out
+
+    model = init_weights(build_model(_tiny_args()), seed=0)
+    tokens = torch.randint(0, 50, (1, 9))
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])
+    cu = torch.tensor([0, 3, 5, 7], dtype=torch.int32)  # last 2 tokens: trailing padding
+    with torch.no_grad():
+        ref = model(tokens, positions, cu_seqlens=cu)
+        monkeypatch.setattr(masks, "flash_varlen_usable", lambda device, dtype: True)
+        monkeypatch.setattr(layers, "flash_attn_varlen_func", fake_varlen)
+        out = model(tokens, positions, cu_seqlens=cu)
+    assert calls[0] == ([0, 3, 5, 7, 9], 3) and len(calls) == 2  # one call per layer
+    assert (out - ref).abs().max() < 1e-5

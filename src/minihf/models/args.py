@@ -154,6 +154,9 @@ def _parse(cfg: dict) -> dict:
         arch, head = cfg.get("model_type", "<missing model_type>"), "lm"
         if arch not in ARCH_PREFIX:
             raise _unsupported(arch)
+    if cfg.get("hidden_act", "silu") not in ("silu", "swish"):
+        raise ValueError(f"hidden_act={cfg['hidden_act']!r} is not supported: minihf's MLP is "
+                         "SwiGLU (silu); Llama-family checkpoints use 'silu'")
     heads = cfg["num_attention_heads"]
     hidden = cfg["hidden_size"]
     rope_theta, rope_scaling = _parse_rope(cfg)

@@ -1,0 +1,158 @@
+"""The generation engine: executes the scheduler's decisions with a slot KV cache.
+
+Each engine step runs (1) slot moves chosen by the scheduler (compaction), (2) one batched
+prefill of the newly admitted prompts (right-padded; only the last position of each prompt
+goes through the LM head), sampling each one's first token, and (3) one decode step over
+the dense slot prefix ``[0, num_rows)``, new sequences included. The host sees the sampled
+tokens once per step (one device->host copy: stop checks are Python), nothing else.
+
+The KV cache is allocated lazily, sized to the work at hand (``min(max_num_seqs, #sequences)``
+slots of ``min(max_model_len, longest prompt + max_tokens)`` positions) and capped by
+``kv_cache_memory`` bytes (or ``gpu_memory_utilization`` of free CUDA memory); it is reused
+while big enough. :meth:`Engine.free` drops the weights and the cache so a colocated trainer
+gets the memory back.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .kv_cache import SlotKVCache
+from .sampling import RowParams, SamplingParams, sample, sequence_key
+from .scheduler import Scheduler, Sequence
+
+
+class Engine:
+    def __init__(self, model: torch.nn.Module, *, max_num_seqs: int = 256, max_model_len: int | None = None,
+                 max_num_batched_tokens: int | None = None, kv_cache_memory: int | None = None,
+                 gpu_memory_utilization: float | None = None, eos_token_ids: tuple[int, ...] = (), seed: int = 0):
+        self.model = model.eval()
+        args = model.args
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len or args.max_position_embeddings
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.kv_cache_memory = kv_cache_memory
+        self.gpu_memory_utilization = gpu_memory_utilization
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.seed = seed
+        self._calls = 0
+        self.cache: SlotKVCache | None = None
+        attn = model.model.layers[0].self_attn
+        self._cache_geometry = (len(model.model.layers), attn.num_kv_heads, attn.head_dim)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    # -- memory -----------------------------------------------------------------------
+    def _slot_budget(self, max_len: int, dtype: torch.dtype) -> int | None:
+        layers, kv, hd = self._cache_geometry
+        per_slot = SlotKVCache.bytes_per_slot(layers, kv, max_len, hd, dtype)
+        budget = self.kv_cache_memory
+        if budget is None and self.gpu_memory_utilization is not None and self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * self.gpu_memory_utilization)
+        if budget is None:
+            return None
+        slots = budget // per_slot
+        if slots < 1:
+            raise ValueError(
+                f"KV cache budget {budget} bytes holds no sequence of {max_len} positions "
+                f"({per_slot} bytes each); raise kv_cache_memory / gpu_memory_utilization or lower max_model_len"
+            )
+        return slots
+
+    def _ensure_cache(self, num_seqs: int, max_len: int) -> int:
+        p = next(self.model.parameters())
+        slots = min(self.max_num_seqs, num_seqs)
+        cap = self._slot_budget(max_len, p.dtype)
+        if cap is not None:
+            slots = min(slots, cap)
+        if self.cache is None or not self.cache.fits(slots, max_len, p.dtype, p.device):
+            self.cache = None  # release the old buffers before allocating new ones
+            layers, kv, hd = self._cache_geometry
+            self.cache = SlotKVCache(layers, slots, kv, max_len, hd, p.dtype, p.device)
+        return self.cache.num_slots
+
+    def free(self) -> None:
+        """Drop the KV cache and the weights (the engine is unusable afterwards)."""
+        self.cache = None
+        self.model = None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    # -- generation ----------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[Sequence]]:
+        """Sequences for each prompt (``n`` each), finished, with tokens, log-probs and reasons."""
+        if self.model is None:
+            raise RuntimeError("this engine was freed; build a new one (LLM(...)) to generate again")
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts; pass one or one per prompt")
+        self._calls += 1
+        call_key = sequence_key(self.seed, self._calls)
+        groups: list[list[Sequence]] = []
+        longest = 0
+        for r, (prompt, sp) in enumerate(zip(prompts, plist)):
+            group = []
+            for j in range(sp.n):
+                key = sequence_key(sp.seed, j) if sp.seed is not None else sequence_key(call_key, r * 1_000_003 + j)
+                group.append(Sequence(
+                    seq_id=r * 1_000_003 + j, prompt=list(prompt), max_tokens=sp.max_tokens,
+                    stop_ids=frozenset(sp.stop_token_ids), eos_ids=self.eos_token_ids,
+                    ignore_eos=sp.ignore_eos, params=(sp, key),
+                ))
+            groups.append(group)
+            longest = max(longest, len(prompt) + sp.max_tokens)
+        seqs = [s for g in groups for s in g]
+        if not seqs:
+            return groups
+        max_len = min(self.max_model_len, longest)
+        slots = self._ensure_cache(len(seqs), max_len)
+        sched = Scheduler(slots, max_len, self.max_num_batched_tokens)
+        for s in seqs:
+            if len(s.prompt) >= self.max_model_len:
+                raise ValueError(f"prompt {s.seq_id} has {len(s.prompt)} tokens, max_model_len is {self.max_model_len}")
+            sched.add(s)
+        with torch.inference_mode():
+            while sched.has_work():
+                step = sched.schedule()
+                for src, dst in step.moves:
+                    seq = sched.running[dst]
+                    self.cache.move(src, dst, seq.num_tokens)
+                if step.prefill:
+                    self._prefill(sched, step.prefill)
+                if sched.num_rows:
+                    self._decode(sched)
+        return groups
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence | None]) -> tuple[list[int], list[float]]:
+        rows = RowParams.build([s.params[0] if s else None for s in seqs],
+                               [s.params[1] if s else 0 for s in seqs], logits.device)
+        steps = torch.tensor([len(s.tokens) if s else 0 for s in seqs], dtype=torch.int64, device=logits.device)
+        tok, logp = sample(logits, rows, steps)
+        both = torch.stack([tok.double(), logp.double()]).cpu()  # the one host sync per step
+        return [int(t) for t in both[0].tolist()], both[1].tolist()
+
+    def _prefill(self, sched: Scheduler, seqs: list[Sequence]) -> None:
+        dev = self.device
+        lens = [len(s.prompt) for s in seqs]
+        T = max(lens)
+        tokens = torch.tensor([s.prompt + [0] * (T - len(s.prompt)) for s in seqs], dtype=torch.long, device=dev)
+        positions = torch.arange(T, device=dev).expand(len(seqs), T)
+        self.cache.begin_prefill(torch.tensor([s.slot for s in seqs], device=dev), T)
+        hidden = self.model.forward_hidden(tokens, positions, kv_cache=self.cache)  # [k, T, H]
+        last = hidden[torch.arange(len(seqs), device=dev), torch.tensor(lens, device=dev) - 1]
+        logits = self.model.lm_head(last)  # [k, V]
+        toks, logps = self._sample(logits, seqs)
+        sched.record_prefill(seqs, toks, logps)
+
+    def _decode(self, sched: Scheduler) -> None:
+        dev = self.device
+        tok_list, pos_list, seqs = sched.decode_rows()
+        tokens = torch.tensor(tok_list, dtype=torch.long, device=dev)[:, None]  # [B, 1]
+        positions = torch.tensor(pos_list, dtype=torch.long, device=dev)[:, None]
+        self.cache.begin_decode(positions[:, 0], max(pos_list) + 1)
+        logits = self.model(tokens, positions, kv_cache=self.cache)[:, -1]  # [B, V]
+        toks, logps = self._sample(logits, seqs)
+        sched.record_decode(toks, logps)

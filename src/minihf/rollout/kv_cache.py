@@ -1,0 +1,75 @@
+"""Slot KV cache for continuous batching (implements the models' ``update`` protocol).
+
+One preallocated buffer ``[layers, slots, kv_heads, max_len, head_dim]`` for keys and one
+for values; a slot is one sequence's row. Unlike ``minihf.models.KVCache`` (rows 0..B-1,
+attends over all ``max_len`` positions) the engine tells this cache, once per forward, which
+mode it is in, and the mask is built once per forward rather than once per layer:
+
+* prefill: new sequences go to arbitrary ``slots``, their prompts right-padded to T and
+  written at positions 0..T-1. Attention needs only the new keys themselves (prompts start
+  at position 0), so ``update`` returns them with a causal mask and never reads the buffer.
+* decode: rows ``[0, rows)`` each append one token at their own position; attention reads
+  only the used prefix ``[:rows, :, :kv_len]`` of the buffer (``kv_len`` = longest row),
+  with ``mask[b, s] = s <= position[b]`` hiding other rows' longer tails and stale entries
+  left by a slot's previous occupant.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class SlotKVCache:
+    def __init__(self, num_layers: int, num_slots: int, n_kv_heads: int, max_len: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str):
+        shape = (num_layers, num_slots, n_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_slots, self.max_len = num_slots, max_len
+        self._prefill_slots: torch.Tensor | None = None
+        self._rows = 0
+        self._kv_len = 0
+        self._mask: torch.Tensor | None = None
+
+    @staticmethod
+    def bytes_per_slot(num_layers: int, n_kv_heads: int, max_len: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * n_kv_heads * max_len * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def fits(self, num_slots: int, max_len: int, dtype: torch.dtype, device: torch.device) -> bool:
+        return (self.num_slots >= num_slots and self.max_len >= max_len and self.k.dtype == dtype
+                and self.k.device == torch.device(device))
+
+    # -- the engine sets the mode before each forward -------------------------------------
+    def begin_prefill(self, slots: torch.Tensor, T: int) -> None:
+        """Next forward writes prompts (right-padded to ``T``) into ``slots`` [k]."""
+        self._prefill_slots = slots
+        idx = torch.arange(T, device=slots.device)
+        self._mask = (idx[None, :] <= idx[:, None])[None, None]  # [1, 1, T, T]
+
+    def begin_decode(self, positions: torch.Tensor, kv_len: int) -> None:
+        """Next forward appends one token to each row ``[0, len(positions))`` at ``positions`` [B];
+        ``kv_len`` = 1 + the largest position (passed in: the host knows it, no device sync)."""
+        self._prefill_slots = None
+        self._rows = positions.shape[0]
+        self._kv_len = kv_len
+        keys = torch.arange(self._kv_len, device=positions.device)
+        self._mask = (keys[None, :] <= positions[:, None])[:, None, None, :]  # [B, 1, 1, S]
+        self._row_idx = torch.arange(self._rows, device=positions.device)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
+        """Write ``k, v`` [B, n_kv, T, hd] at ``positions`` [B, T]; return keys, values, mask."""
+        if self._prefill_slots is not None:
+            rows = self._prefill_slots[:, None].expand_as(positions)
+            self.k[layer][rows, :, positions] = k.transpose(1, 2)
+            self.v[layer][rows, :, positions] = v.transpose(1, 2)
+            return k, v, self._mask
+        pos = positions[:, 0]
+        self.k[layer][self._row_idx, :, pos] = k[:, :, 0]
+        self.v[layer][self._row_idx, :, pos] = v[:, :, 0]
+        S, B = self._kv_len, self._rows
+        return self.k[layer, :B, :, :S], self.v[layer, :B, :, :S], self._mask
+
+    def move(self, src: int, dst: int, length: int) -> None:
+        """Copy the first ``length`` positions of slot ``src`` into slot ``dst`` (compaction)."""
+        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
+        self.v[:, dst, :, :length] = self.v[:, src, :, :length]

@@ -1,0 +1,116 @@
+"""``LLM``: the offline generation API, shaped like vLLM's so users already know it.
+
+``LLM(model_dir_or_model).generate(prompts, SamplingParams(...))`` takes token-id prompts
+and returns one :class:`RequestOutput` per prompt, in order, whose ``.outputs`` holds the
+``n`` :class:`CompletionOutput` samples (``token_ids``, ``logprobs`` = log-prob of each
+sampled token, ``finish_reason`` "stop" | "length"), as vLLM does. Only token ids go in and
+out; tokenization is the caller's (see the ``minihf generate`` command).
+
+With ``tp_group`` the model is sharded over that process group (``minihf.parallel.tp``);
+every rank of the group must call ``generate`` with the same prompts and parameters, and
+all get the same outputs (sampling is counter-based, so ranks draw identical tokens).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .engine import Engine
+from .sampling import SamplingParams
+
+
+@dataclass
+class CompletionOutput:
+    """One sampled completion (vLLM's name). ``logprobs[i]`` is the log-prob of ``token_ids[i]``
+    under the temperature-scaled full distribution (see ``minihf.rollout.sampling``)."""
+
+    index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    cumulative_logprob: float = 0.0
+
+
+@dataclass
+class RequestOutput:
+    """All completions of one prompt (vLLM's name)."""
+
+    request_id: int
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+
+
+def eos_ids_from_dir(path: Path, hf_config: dict) -> tuple[int, ...]:
+    """EOS ids from generation_config.json (preferred, as transformers does) or config.json."""
+    ids = hf_config.get("eos_token_id")
+    gen = path / "generation_config.json"
+    if gen.exists():
+        ids = json.loads(gen.read_text()).get("eos_token_id", ids)
+    if ids is None:
+        return ()
+    return tuple(ids) if isinstance(ids, list) else (int(ids),)
+
+
+class LLM:
+    """Generate from a checkpoint dir (HF layout) or an in-memory minihf ``CausalLM``.
+
+    ``dtype``/``device`` default to bf16 on CUDA and fp32 on CPU; ``max_num_seqs`` caps the
+    concurrently running sequences (KV-cache slots); ``max_model_len`` caps prompt +
+    completion (default: the model's ``max_position_embeddings``); ``kv_cache_memory``
+    (bytes) or ``gpu_memory_utilization`` (fraction of free CUDA memory) bound the cache.
+    An in-memory model is used as is (not copied): ``apply_tp`` shards it in place.
+    """
+
+    def __init__(self, model, tp_group=None, dtype: torch.dtype | None = None, device: str | None = None,
+                 max_num_seqs: int = 256, max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
+                 kv_cache_memory: int | None = None, gpu_memory_utilization: float | None = None,
+                 eos_token_ids: tuple[int, ...] | None = None, seed: int = 0):
+        if device is None:
+            if tp_group is not None and torch.cuda.is_available():
+                device = f"cuda:{torch.cuda.current_device()}"
+            else:
+                device = "cuda" if torch.cuda.is_available() else "cpu"
+        if dtype is None:
+            dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+        if isinstance(model, (str, Path)):
+            from minihf.models import load_hf
+
+            path = Path(model)
+            if not (path / "config.json").exists():
+                raise FileNotFoundError(f"{path} has no config.json; pass a Hugging Face checkpoint dir or a minihf model")
+            model = load_hf(path, dtype=dtype, device=device)
+            default_eos = eos_ids_from_dir(path, model.args.hf_config)
+        else:
+            default_eos = eos_ids_from_dir(Path("/nonexistent"), getattr(model.args, "hf_config", None) or {})
+        if tp_group is not None:
+            from minihf.parallel.tp import apply_tp
+
+            apply_tp(model, tp_group)
+        self.engine = Engine(
+            model, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+            max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory=kv_cache_memory,
+            gpu_memory_utilization=gpu_memory_utilization,
+            eos_token_ids=default_eos if eos_token_ids is None else tuple(eos_token_ids), seed=seed,
+        )
+
+    def generate(self, prompts: list[list[int]], sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        """One RequestOutput per prompt (token-id lists), each with ``n`` completions."""
+        if prompts and isinstance(prompts[0], int):
+            raise TypeError("prompts must be a list of token-id lists; wrap a single prompt as [ids]")
+        groups = self.engine.generate(prompts, sampling_params or SamplingParams())
+        return [
+            RequestOutput(
+                request_id=i, prompt_token_ids=list(prompt),
+                outputs=[CompletionOutput(j, s.tokens, s.logprobs, s.finish_reason, float(sum(s.logprobs)))
+                         for j, s in enumerate(group)],
+            )
+            for i, (prompt, group) in enumerate(zip(prompts, groups))
+        ]
+
+    def free(self) -> None:
+        """Release weights and KV cache (e.g. before the colocated trainer runs)."""
+        self.engine.free()

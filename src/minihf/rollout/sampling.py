@@ -1,0 +1,159 @@
+"""Sampling parameters (vLLM's field names) and the batched, per-request-seeded sampler.
+
+Randomness is counter-based: each sequence has a 64-bit key (from its request's ``seed``
+and its sample index, or from the engine seed when ``seed`` is None) and the uniform for
+its t-th token is ``splitmix64(key, t)``. So the same seed gives the same tokens whatever
+else is in the batch, on every TP rank, with no generator objects to carry around. A token
+is drawn by inverse-CDF on the (possibly truncated) probabilities, one uniform per row.
+
+Log-prob convention (what RL trainers recompute): the returned log-prob of a sampled token
+is ``log_softmax(logits / temperature)[token]`` over the *full* vocabulary, i.e. the
+temperature-scaled distribution *before* top-k / top-p truncation (verl's convention; the
+trainer's ``compute_log_prob`` applies the same temperature and no truncation). Top-k /
+top-p only restrict which tokens can be drawn. Greedy (``temperature == 0``) returns
+``log_softmax(logits)[argmax]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def _signed(x: int) -> int:
+    x &= _MASK64
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def _splitmix64_py(x: int) -> int:
+    z = (x + _GOLDEN) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def sequence_key(seed: int, sample_index: int) -> int:
+    """The RNG key (signed int64) of sample ``sample_index`` of a request seeded ``seed``."""
+    return _signed(_splitmix64_py(_splitmix64_py(seed & _MASK64) ^ sample_index))
+
+
+def _srl(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def uniforms(keys: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """float64 uniforms in [0, 1), one per row: splitmix64(key + step * golden)."""
+    z = keys + steps * _signed(_GOLDEN) + _signed(_GOLDEN)  # int64 arithmetic wraps
+    z = (z ^ _srl(z, 30)) * _signed(0xBF58476D1CE4E5B9)
+    z = (z ^ _srl(z, 27)) * _signed(0x94D049BB133111EB)
+    z = z ^ _srl(z, 31)
+    return _srl(z, 11).to(torch.float64) * (1.0 / (1 << 53))
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request (vLLM's names and defaults, a subset).
+
+    ``n`` completions per prompt; ``temperature`` 0 means greedy; ``top_k`` <= 0 (or -1)
+    disables top-k; ``top_p`` 1.0 disables nucleus sampling; ``max_tokens`` new tokens at
+    most; generation stops after any of ``stop_token_ids`` (the stop token is included in
+    the output) or the model's EOS unless ``ignore_eos``; ``seed`` makes the request
+    reproducible independently of batch composition.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 16
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"SamplingParams.n must be an int >= 1, got {self.n!r}")
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1] (1 = off), got {self.top_p}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"SamplingParams.top_k must be an int; -1 or 0 disables it, got {self.top_k!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"SamplingParams.max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        bad = [t for t in self.stop_token_ids if not isinstance(t, int) or t < 0]
+        if bad:
+            raise ValueError(f"SamplingParams.stop_token_ids must be non-negative ints, got {bad}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"SamplingParams.seed must be an int or None, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class RowParams:
+    """Per-row sampling parameters as tensors on the logits' device (built once per batch shape)."""
+
+    temperature: torch.Tensor  # [B] float32, 0 = greedy
+    top_k: torch.Tensor  # [B] int64, <= 0 = off
+    top_p: torch.Tensor  # [B] float32
+    keys: torch.Tensor  # [B] int64
+    all_greedy: bool
+    truncate: bool  # any row uses top-k or top-p
+
+    @staticmethod
+    def build(params: list[SamplingParams | None], keys: list[int], device) -> "RowParams":
+        """Rows whose params are None (cache holes) sample greedily; their tokens are ignored."""
+        temps = [p.temperature if p is not None else 0.0 for p in params]
+        top_k = [p.top_k if p is not None else -1 for p in params]
+        top_p = [p.top_p if p is not None else 1.0 for p in params]
+        return RowParams(
+            temperature=torch.tensor(temps, dtype=torch.float32, device=device),
+            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
+            top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
+            keys=torch.tensor(keys, dtype=torch.int64, device=device),
+            all_greedy=all(t == 0.0 for t in temps),
+            truncate=any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p),
+        )
+
+
+def sample(logits: torch.Tensor, rows: RowParams, steps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row of ``logits`` [B, V]; return (tokens [B] int64, logprobs [B] fp32).
+
+    ``steps`` [B] int64: index of the token being drawn within its sequence (the RNG counter).
+    Top-k is applied first, then top-p on the renormalised top-k distribution (vLLM's
+    order); the smallest set whose probability reaches ``top_p`` is kept.
+    """
+    logits = logits.float()
+    greedy_tok = logits.argmax(dim=-1)
+    temp = torch.where(rows.temperature > 0, rows.temperature, torch.ones_like(rows.temperature))
+    logp = torch.log_softmax(logits / temp[:, None], dim=-1)  # [B, V]
+    if rows.all_greedy:
+        return greedy_tok, logp.gather(1, greedy_tok[:, None]).squeeze(1)
+    u = uniforms(rows.keys, steps)  # [B] float64
+    if rows.truncate:
+        sorted_logp, order = logp.sort(dim=-1, descending=True, stable=True)  # [B, V]
+        probs = sorted_logp.exp()
+        vocab = logits.shape[-1]
+        k = torch.where(rows.top_k > 0, rows.top_k.clamp(max=vocab), torch.full_like(rows.top_k, vocab))
+        ranks = torch.arange(vocab, device=logits.device)
+        probs = probs * (ranks[None, :] < k[:, None])
+        before = probs.cumsum(-1) - probs  # mass strictly before each sorted token
+        keep = before < rows.top_p[:, None] * probs.sum(-1, keepdim=True)
+        probs = probs * keep
+    else:
+        probs, order = logp.exp(), None
+    cdf = probs.double().cumsum(-1)  # [B, V]
+    target = (u * cdf[:, -1])[:, None]
+    idx = torch.searchsorted(cdf, target, right=True).clamp(max=logits.shape[-1] - 1).squeeze(1)
+    tok = order.gather(1, idx[:, None]).squeeze(1) if order is not None else idx
+    tok = torch.where(rows.temperature > 0, tok, greedy_tok)
+    return tok, logp.gather(1, tok[:, None]).squeeze(1)

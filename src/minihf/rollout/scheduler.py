@@ -1,0 +1,174 @@
+"""Continuous-batching decisions for the rollout engine, in plain Python (no torch).
+
+The engine owns a fixed number of KV-cache *slots* (rows of a preallocated cache). This
+module decides which sequence occupies which slot, when waiting sequences are admitted,
+when a sequence is finished ("stop": an EOS / stop token was produced; "length":
+``max_tokens`` or the model length was reached) and how the running slots are kept
+compact. The engine only executes what a :class:`Step` says, so every scheduling rule is
+testable without tensors (nano-vllm's scheduler / model-runner split).
+
+Rules:
+* A finished slot is refilled with the next waiting sequence (FIFO), lowest slot first.
+* Admissions per step are bounded by ``max_num_batched_tokens`` prompt tokens (at least one
+  sequence is always admitted so a long prompt cannot starve).
+* When nothing waits and the running slots have holes, the highest running slot is moved
+  into the lowest free one, so decode steps run over a dense prefix ``[0, num_rows)`` of
+  the cache instead of paying for idle rows during a long tail.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass, field
+
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+
+
+@dataclass
+class Sequence:
+    """One completion being generated. ``seq_id`` is the caller's index for the result."""
+
+    seq_id: int
+    prompt: list[int]
+    max_tokens: int
+    stop_ids: frozenset[int] = frozenset()  # always stop (vLLM's stop_token_ids)
+    eos_ids: frozenset[int] = frozenset()  # stop unless ignore_eos
+    ignore_eos: bool = False
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    params: object = None  # the engine's sampling parameters for this sequence (opaque here)
+    slot: int | None = None
+    finish_reason: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens: the position the next token is written at."""
+        return len(self.prompt) + len(self.tokens)
+
+
+@dataclass
+class Step:
+    """What the engine runs next.
+
+    ``moves``: ``(src, dst)`` slot copies to run first (compaction); ``prefill``: newly
+    admitted sequences, already assigned to slots. After the prefill (whose sampled
+    tokens are recorded with :meth:`Scheduler.record_prefill`) the engine decodes rows
+    ``[0, Scheduler.num_rows)``: new sequences join the decode in the same step.
+    """
+
+    moves: list[tuple[int, int]]
+    prefill: list[Sequence]
+
+
+class Scheduler:
+    """Slot bookkeeping for ``max_num_seqs`` cache rows of ``max_model_len`` positions."""
+
+    def __init__(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int | None = None):
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.max_num_batched_tokens = max_num_batched_tokens or max(max_model_len, 8192)
+        self.waiting: deque[Sequence] = deque()
+        self.running: dict[int, Sequence] = {}  # slot -> sequence
+        self._free: list[int] = list(range(max_num_seqs))  # heap of free slots
+        self.finished: list[Sequence] = []
+
+    # -- intake ------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        if not seq.prompt:
+            raise ValueError(f"sequence {seq.seq_id}: empty prompt; pass at least one token (e.g. BOS)")
+        if len(seq.prompt) >= self.max_model_len:
+            raise ValueError(
+                f"sequence {seq.seq_id}: prompt has {len(seq.prompt)} tokens but max_model_len is "
+                f"{self.max_model_len}; shorten the prompt or raise max_model_len"
+            )
+        if seq.max_tokens < 1:
+            raise ValueError(f"sequence {seq.seq_id}: max_tokens must be >= 1, got {seq.max_tokens}")
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_rows(self) -> int:
+        """Decode rows: one past the highest occupied slot."""
+        return max(self.running) + 1 if self.running else 0
+
+    # -- deciding ----------------------------------------------------------------------
+    def schedule(self) -> Step:
+        """Admit waiting sequences into free slots, or compact when nothing waits."""
+        prefill: list[Sequence] = []
+        budget = self.max_num_batched_tokens
+        while self.waiting and self._free:
+            nxt = self.waiting[0]
+            if prefill and len(nxt.prompt) > budget:
+                break
+            self.waiting.popleft()
+            nxt.slot = heapq.heappop(self._free)
+            self.running[nxt.slot] = nxt
+            prefill.append(nxt)
+            budget -= len(nxt.prompt)
+        moves = self._compact() if not self.waiting else []
+        return Step(moves=moves, prefill=prefill)
+
+    def _compact(self) -> list[tuple[int, int]]:
+        moves = []
+        while self._free and self.running and self._free[0] < max(self.running):
+            dst = heapq.heappop(self._free)
+            src = max(self.running)
+            seq = self.running.pop(src)
+            seq.slot = dst
+            self.running[dst] = seq
+            heapq.heappush(self._free, src)
+            moves.append((src, dst))
+        return moves
+
+    # -- recording results ---------------------------------------------------------------
+    def append(self, seq: Sequence, token: int, logprob: float = 0.0) -> bool:
+        """Record ``token`` for ``seq``; finish and free its slot when done. True if finished."""
+        seq.tokens.append(token)
+        seq.logprobs.append(logprob)
+        if token in seq.stop_ids or (not seq.ignore_eos and token in seq.eos_ids):
+            seq.finish_reason = FINISH_STOP
+        elif len(seq.tokens) >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.finish_reason = FINISH_LENGTH
+        else:
+            return False
+        del self.running[seq.slot]
+        heapq.heappush(self._free, seq.slot)
+        seq.slot = None
+        self.finished.append(seq)
+        return True
+
+    def record_prefill(self, seqs: list[Sequence], tokens: list[int], logprobs: list[float] | None = None) -> None:
+        """First sampled token of each newly admitted sequence (same order as ``seqs``)."""
+        logprobs = logprobs if logprobs is not None else [0.0] * len(seqs)
+        for seq, tok, lp in zip(seqs, tokens, logprobs, strict=True):
+            self.append(seq, tok, lp)
+
+    def decode_rows(self) -> tuple[list[int], list[int], list[Sequence | None]]:
+        """Inputs of the next decode over rows ``[0, num_rows)``: last token, its position, sequence.
+
+        Holes (free slots below ``num_rows``) get token 0 at position 0; their outputs are
+        ignored and their cache rows are rewritten by the next prefill into that slot.
+        """
+        n = self.num_rows
+        tokens, positions, seqs = [0] * n, [0] * n, [None] * n
+        for slot, seq in self.running.items():
+            tokens[slot] = seq.tokens[-1]
+            positions[slot] = seq.num_tokens - 1
+            seqs[slot] = seq
+        return tokens, positions, seqs
+
+    def record_decode(self, tokens: list[int], logprobs: list[float] | None = None) -> None:
+        """Sampled tokens (and log-probs) of decode rows ``[0, len(tokens))``; holes are ignored."""
+        logprobs = logprobs if logprobs is not None else [0.0] * len(tokens)
+        for slot in range(len(tokens)):
+            seq = self.running.get(slot)
+            if seq is not None:
+                self.append(seq, tokens[slot], logprobs[slot])

@@ -1,0 +1,99 @@
+"""Sampler: parameter validation, seeds, the log-prob convention and the sampled
+distributions (temperature, top-k, top-p) checked statistically on a small vocabulary."""
+
+import math
+
+import pytest
+import torch
+
+from minihf.rollout.sampling import RowParams, SamplingParams, sample, sequence_key, uniforms
+
+LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.3, -0.5, -1.0])  # V = 6
+N = 20000
+
+
+def draw(sp: SamplingParams, n=N, logits=LOGITS):
+    rows = RowParams.build([sp] * n, [sequence_key(i, 0) for i in range(n)], "cpu")
+    tok, logp = sample(logits.expand(n, -1), rows, torch.zeros(n, dtype=torch.int64))
+    return tok, logp
+
+
+def expected(sp: SamplingParams, logits=LOGITS):
+    p = torch.softmax(logits.double() / sp.temperature, -1)
+    order = p.argsort(descending=True)
+    keep = torch.zeros_like(p, dtype=torch.bool)
+    k = sp.top_k if sp.top_k > 0 else len(p)
+    kept = order[:k]
+    mass = p[kept] / p[kept].sum()
+    acc = 0.0
+    for idx, m in zip(kept.tolist(), mass.tolist()):
+        if acc >= sp.top_p:
+            break
+        keep[idx] = True
+        acc += m
+    q = torch.where(keep, p, torch.zeros_like(p))
+    return q / q.sum()
+
+
+@pytest.mark.parametrize("sp", [
+    SamplingParams(temperature=1.0), SamplingParams(temperature=0.5), SamplingParams(temperature=2.0),
+    SamplingParams(temperature=1.0, top_k=3), SamplingParams(temperature=1.0, top_p=0.7),
+    SamplingParams(temperature=1.5, top_k=4, top_p=0.8),
+], ids=["t1", "t0.5", "t2", "topk3", "topp0.7", "t1.5-k4-p0.8"])
+def test_distribution_chi_square(sp):
+    tok, _ = draw(sp)
+    counts = torch.bincount(tok, minlength=6).double()
+    exp = expected(sp) * N
+    assert (counts[exp == 0] == 0).all(), f"drew a truncated token: {counts.tolist()} vs {exp.tolist()}"
+    chi2 = (((counts - exp) ** 2)[exp > 0] / exp[exp > 0]).sum().item()
+    # dof <= 5; P(chi2 > 35) < 2e-6, while a wrong temperature/top-k/top-p gives chi2 in the hundreds
+    assert chi2 < 35, f"chi2={chi2:.1f}: counts {counts.tolist()} expected {exp.tolist()}"
+
+
+def test_wrong_distribution_is_detected():
+    tok, _ = draw(SamplingParams(temperature=1.0))
+    counts = torch.bincount(tok, minlength=6).double()
+    exp = expected(SamplingParams(temperature=1.2)) * N
+    assert (((counts - exp) ** 2) / exp).sum().item() > 35  # the test above can fail
+
+
+def test_logprob_is_full_temperature_scaled_distribution():
+    sp = SamplingParams(temperature=0.7, top_k=2)
+    tok, logp = draw(sp, n=50)
+    ref = torch.log_softmax(LOGITS / 0.7, -1)[tok]
+    torch.testing.assert_close(logp, ref)
+    g_tok, g_logp = draw(SamplingParams(temperature=0), n=3)
+    assert g_tok.tolist() == [0, 0, 0]
+    torch.testing.assert_close(g_logp, torch.log_softmax(LOGITS, -1)[[0, 0, 0]])
+
+
+def test_same_seed_same_tokens_regardless_of_batch():
+    torch.manual_seed(0)
+    logits = torch.randn(8, 50)
+    sps = [SamplingParams(temperature=1.0, seed=s, top_p=0.9) for s in range(8)]
+    keys = [sequence_key(s, 0) for s in range(8)]
+    steps = torch.arange(8)
+    full, _ = sample(logits, RowParams.build(sps, keys, "cpu"), steps)
+    perm = [5, 2, 7]
+    sub, _ = sample(logits[perm], RowParams.build([sps[i] for i in perm], [keys[i] for i in perm], "cpu"), steps[perm])
+    assert sub.tolist() == full[perm].tolist()
+    other, _ = sample(logits, RowParams.build(sps, [sequence_key(s + 100, 0) for s in range(8)], "cpu"), steps)
+    assert other.tolist() != full.tolist()
+
+
+def test_uniforms_look_uniform():
+    u = uniforms(torch.full((1,), sequence_key(7, 0)), torch.arange(50000))
+    assert 0 <= u.min() and u.max() < 1
+    assert abs(u.mean().item() - 0.5) < 0.01 and abs(u.var().item() - 1 / 12) < 0.003
+    hist = torch.histc(u.float(), bins=10, min=0, max=1)
+    assert ((hist - 5000).abs() < 5 * math.sqrt(5000)).all()
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(n=0), "n must"), (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"),
+    (dict(top_p=1.5), "top_p"), (dict(top_k=-2), "top_k"), (dict(max_tokens=0), "max_tokens"),
+    (dict(stop_token_ids=[-1]), "stop_token_ids"), (dict(seed=1.5), "seed"),
+])
+def test_validation_errors(kw, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kw)

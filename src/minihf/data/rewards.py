@@ -1,0 +1,155 @@
+"""Rule-based rewards: the GSM8K scorer, a data_source registry, user ``reward.py`` loading.
+
+A reward function is a plain callable
+``fn(data_source, solution_str, ground_truth, extra_info) -> float | dict``; a dict must
+hold ``"score"`` and its other numeric keys become extra metrics. ``default_reward_fn``
+dispatches on ``data_source`` to the built-in scorers in ``REWARD_FNS``. ``compute_score``
+runs any such function over a batch and turns an exception into a ``RewardError`` naming
+the sample index and data source -- a crashing reward is a bug to see, not a silent 0.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import re
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from minihf.data.tasks import arith, countdown, digits
+
+RewardFn = Callable[[str, str, Any, dict], "float | dict"]
+
+_GSM8K_STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")
+_NUMBER = re.compile(r"(\-?[0-9\.\,]+)")
+_GSM8K_TAIL_CHARS = 300  # like verl: only the end of a long response is searched
+
+
+class RewardError(RuntimeError):
+    """A reward function failed or returned something unusable for one sample."""
+
+
+def gsm8k_extract(solution_str: str, method: str = "strict") -> str | None:
+    """The final answer: ``strict`` needs ``#### <number>``; ``flexible`` takes the last number."""
+    text = solution_str[-_GSM8K_TAIL_CHARS:]
+    if method == "strict":
+        found = _GSM8K_STRICT.findall(text)
+        return found[-1].replace(",", "") if found else None
+    if method == "flexible":
+        for candidate in reversed(_NUMBER.findall(text)):
+            if candidate not in ("", ".", ",", "-"):
+                return candidate.replace(",", "").rstrip(".")
+        return None
+    raise ValueError(f"gsm8k_extract: method={method!r}; use 'strict' or 'flexible'")
+
+
+def gsm8k_score(solution_str: str, ground_truth: str, method: str = "strict", format_score: float = 0.0,
+                score: float = 1.0) -> float:
+    """``score`` if the extracted answer equals the ground truth, ``format_score`` if one was found, else 0."""
+    answer = gsm8k_extract(solution_str, method)
+    if answer is None:
+        return 0.0
+    truth = str(ground_truth).replace(",", "").strip()
+    try:
+        equal = float(answer) == float(truth)
+    except ValueError:
+        equal = answer == truth
+    return score if equal else format_score
+
+
+def _task_fn(module) -> RewardFn:
+    def fn(data_source, solution_str, ground_truth, extra_info=None):
+        return module.compute_score(solution_str, ground_truth, extra_info)
+    return fn
+
+
+def _gsm8k_fn(data_source, solution_str, ground_truth, extra_info=None):
+    return gsm8k_score(solution_str, ground_truth)
+
+
+REWARD_FNS: dict[str, RewardFn] = {
+    digits.DATA_SOURCE: _task_fn(digits),
+    arith.DATA_SOURCE: _task_fn(arith),
+    countdown.DATA_SOURCE: _task_fn(countdown),
+    "openai/gsm8k": _gsm8k_fn,
+    "gsm8k": _gsm8k_fn,
+}
+
+
+def default_reward_fn(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None):
+    """Score with the built-in function registered for ``data_source``."""
+    if data_source not in REWARD_FNS:
+        raise KeyError(
+            f"no built-in reward function for data_source {data_source!r}; known: {sorted(REWARD_FNS)}. "
+            "Write your own fn(data_source, solution_str, ground_truth, extra_info) in a reward.py and name it in the recipe"
+        )
+    return REWARD_FNS[data_source](data_source, solution_str, ground_truth, extra_info)
+
+
+def load_reward_fn(path: str | Path, name: str = "compute_score") -> RewardFn:
+    """Import ``name`` from the Python file at ``path`` (a recipe's ``reward.py``)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"reward file {path} does not exist; check reward.path (relative paths are from {Path.cwd()})")
+    spec = importlib.util.spec_from_file_location(f"minihf_user_reward_{path.stem}", path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import reward file {path}; it must be a .py file")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # errors in the user's file propagate with their own traceback
+    if not hasattr(module, name):
+        found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
+        raise AttributeError(f"reward file {path} has no function {name!r}; callables found: {found}")
+    fn = getattr(module, name)
+    if not callable(fn):
+        raise TypeError(f"{name!r} in reward file {path} is a {type(fn).__name__}, not a function")
+    return fn
+
+
+def compute_score(fn: RewardFn, data_sources: Sequence[str], solutions: Sequence[str], ground_truths: Sequence[Any],
+                  extra_infos: Sequence[dict | None] | None = None) -> tuple[list[float], dict[str, list[float]]]:
+    """Run ``fn`` on every sample: ``(scores, extra metrics by name)``.
+
+    Extra metrics come from dict results (all keys but ``"score"``); samples that did not
+    report a key get NaN for it so every list has one entry per sample.
+    """
+    n = len(solutions)
+    if not (len(data_sources) == len(ground_truths) == n) or (extra_infos is not None and len(extra_infos) != n):
+        raise ValueError(
+            f"compute_score: lengths differ: data_sources={len(data_sources)}, solutions={n}, "
+            f"ground_truths={len(ground_truths)}, extra_infos={None if extra_infos is None else len(extra_infos)}"
+        )
+    scores: list[float] = []
+    extras: dict[str, list[float]] = {}
+    for i in range(n):
+        source, info = data_sources[i], (extra_infos[i] if extra_infos is not None else None)
+        try:
+            result = fn(source, solutions[i], ground_truths[i], info)
+        except Exception as exc:
+            raise RewardError(
+                f"reward function {getattr(fn, '__name__', fn)!r} raised on sample {i} (data_source={source!r}): "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        if isinstance(result, dict):
+            if "score" not in result:
+                raise RewardError(
+                    f"reward function returned a dict without 'score' for sample {i} (data_source={source!r}): "
+                    f"keys {sorted(result)}; return a float or a dict with a 'score' key"
+                )
+            for key, value in result.items():
+                if key != "score":
+                    extras.setdefault(key, [math.nan] * n)[i] = _as_float(value, i, source, key)
+            result = result["score"]
+        scores.append(_as_float(result, i, source, "score"))
+    return scores, extras
+
+
+def _as_float(value: Any, index: int, source: str, key: str) -> float:
+    try:
+        if isinstance(value, (str, bytes)):
+            raise TypeError
+        return float(value)
+    except (TypeError, ValueError):
+        raise RewardError(
+            f"reward function returned {key}={value!r} ({type(value).__name__}) for sample {index} "
+            f"(data_source={source!r}); it must be a number"
+        ) from None

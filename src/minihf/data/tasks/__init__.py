@@ -1,0 +1,25 @@
+"""Synthetic tasks with generators and reward functions: ``digits``, ``arith``, ``countdown``.
+
+``TASKS`` maps a task name to its module; ``make_task_data(name, out_dir, ...)`` writes
+train/test files in verl's format.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from minihf.data.tasks import arith, countdown, digits
+from minihf.data.tasks.common import write_task_data
+
+TASKS = {"digits": digits, "arith": arith, "countdown": countdown}
+
+
+def get_task(name: str):
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; choose one of {sorted(TASKS)}")
+    return TASKS[name]
+
+
+def make_task_data(name: str, out_dir: str | Path, num_train: int = 1000, num_test: int = 100, seed: int = 0) -> dict[str, Path]:
+    """Write ``train``/``test`` .parquet and .jsonl files for task ``name``; returns the parquet paths."""
+    return write_task_data(get_task(name), out_dir, num_train, num_test, seed)

@@ -1,0 +1,197 @@
+"""RL prompt datasets in verl's row format, batched into left-padded ``Batch`` objects.
+
+Rows (parquet or jsonl) carry ``prompt`` (a list of chat messages ``{"role", "content"}``
+or plain text), ``data_source`` (which reward function scores it), optionally
+``reward_model: {"ground_truth": ...}`` and ``extra_info`` (any dict). Prompts are rendered
+with the tokenizer's chat template and tokenised once, up front, so that length problems
+surface when the dataset is built, not mid-run. Batches are left padded (generation appends
+on the right) with attention masks and position ids counting real tokens only.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from minihf.data.files import DataFileError, describe, read_many, require_columns
+from minihf.data.sampler import ResumableSampler
+from minihf.protocol import Batch
+
+logger = logging.getLogger(__name__)
+
+TRUNCATION_MODES = ("error", "left", "right", "filter")
+
+
+def check_truncation(mode: str) -> None:
+    if mode not in TRUNCATION_MODES:
+        raise ValueError(f"truncation={mode!r} is not one of {TRUNCATION_MODES}")
+
+
+def to_messages(prompt, where: str) -> list[dict]:
+    """A prompt cell as chat messages: plain text becomes one user message."""
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    if isinstance(prompt, np.ndarray):
+        prompt = prompt.tolist()
+    if isinstance(prompt, list) and prompt and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt
+    ):
+        return [{"role": m["role"], "content": m["content"]} for m in prompt]
+    raise DataFileError(
+        f"{where}, column 'prompt': expected a string or a non-empty list of {{'role': str, 'content': str}} "
+        f"messages, got {describe(prompt)}"
+    )
+
+
+def render_prompts(tokenizer, messages: Sequence[list[dict]], apply_chat_template: bool) -> list[list[int]]:
+    """Token ids of each prompt (chat template with generation prompt, or plain text)."""
+    if apply_chat_template:
+        if tokenizer.chat_template is None:
+            raise ValueError("the tokenizer has no chat_template; set apply_chat_template=False for plain-text prompts")
+        texts = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in messages]
+        return tokenizer(texts, add_special_tokens=False)["input_ids"]
+    texts = ["\n".join(msg["content"] for msg in m) for m in messages]
+    return tokenizer(texts)["input_ids"]
+
+
+def fit_length(ids: list[int], max_length: int, truncation: str, where: str, limit_name: str) -> list[int] | None:
+    """Apply the truncation mode to one sequence; ``None`` means filter it out."""
+    if len(ids) <= max_length:
+        return ids
+    if truncation == "left":
+        return ids[-max_length:]
+    if truncation == "right":
+        return ids[:max_length]
+    if truncation == "filter":
+        return None
+    raise ValueError(
+        f"{where}: {len(ids)} tokens, longer than {limit_name}={max_length}; raise the "
+        "limit, or set truncation to 'left' (keep the end), 'right' (keep the start) or 'filter' (drop such rows)"
+    )
+
+
+def left_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> dict[str, torch.Tensor]:
+    """``input_ids``, ``attention_mask`` and ``position_ids`` [B, T] for left-padded sequences."""
+    width = max(len(s) for s in seqs)
+    input_ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if len(s):
+            input_ids[i, width - len(s):] = torch.as_tensor(s, dtype=torch.long)
+            attention_mask[i, width - len(s):] = 1
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, T], 0 at the first real token
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+
+
+class RLDataset:
+    """Prompts of one or more verl-format files, tokenised and length-checked at build time.
+
+    ``truncation``: ``error`` (raise naming the row), ``left``/``right`` (keep the last/first
+    ``max_prompt_length`` tokens) or ``filter`` (drop long rows; ``num_filtered`` says how
+    many, and it is logged).
+    """
+
+    def __init__(self, files: str | Path | Sequence[str | Path], tokenizer, max_prompt_length: int = 512,
+                 truncation: str = "error", apply_chat_template: bool = True, prompt_key: str = "prompt"):
+        check_truncation(truncation)
+        self.tokenizer, self.max_prompt_length, self.truncation = tokenizer, max_prompt_length, truncation
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        entries = read_many(files)
+        by_file: dict[Path, list[dict]] = {}
+        for path, _, row in entries:
+            by_file.setdefault(path, []).append(row)
+        for path, rows in by_file.items():
+            require_columns(path, rows, [prompt_key, "data_source"])
+        messages, records = [], []
+        for path, i, row in entries:
+            where = f"data file {path}, row {i}"
+            messages.append(to_messages(row[prompt_key], where))
+            records.append(self._record(row, where))
+        all_ids = render_prompts(tokenizer, messages, apply_chat_template)
+        self.input_ids: list[list[int]] = []
+        self.records: list[dict] = []
+        for (path, i, _), msgs, rec, ids in zip(entries, messages, records, all_ids):
+            ids = fit_length(list(ids), max_prompt_length, truncation, f"data file {path}, row {i}", "max_prompt_length")
+            if ids is None:
+                continue
+            rec["raw_prompt"] = msgs
+            self.input_ids.append(ids)
+            self.records.append(rec)
+        self.num_filtered = len(entries) - len(self.records)
+        if self.num_filtered:
+            logger.warning("RLDataset: filtered out %d of %d prompts longer than max_prompt_length=%d",
+                           self.num_filtered, len(entries), max_prompt_length)
+        if not self.records:
+            raise ValueError(
+                f"RLDataset: all {len(entries)} prompts are longer than max_prompt_length={max_prompt_length}; "
+                "raise max_prompt_length or use truncation='left'/'right'"
+            )
+
+    @staticmethod
+    def _record(row: dict, where: str) -> dict:
+        source = row["data_source"]
+        if not isinstance(source, str) or not source:
+            raise DataFileError(f"{where}, column 'data_source': expected a non-empty string, got {describe(source)}")
+        reward_model = row.get("reward_model")
+        if reward_model is None:
+            ground_truth = None
+        elif isinstance(reward_model, dict) and "ground_truth" in reward_model:
+            ground_truth = reward_model["ground_truth"]
+        else:
+            raise DataFileError(
+                f"{where}, column 'reward_model': expected a dict with a 'ground_truth' key "
+                f"(verl format), got {describe(reward_model)}"
+            )
+        extra_info = row.get("extra_info") or {}
+        if not isinstance(extra_info, dict):
+            raise DataFileError(f"{where}, column 'extra_info': expected a dict, got {describe(extra_info)}")
+        return {"data_source": source, "ground_truth": ground_truth, "extra_info": extra_info}
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, index: int) -> dict:
+        return {"input_ids": self.input_ids[index], "index": index, **self.records[index]}
+
+    def collate(self, indices: Sequence[int]) -> Batch:
+        """A left-padded Batch of the given rows (padded to the longest prompt among them)."""
+        if len(indices) == 0:
+            raise ValueError("RLDataset.collate: no indices given")
+        tensors = left_pad([self.input_ids[i] for i in indices], self.pad_id)
+        non_tensors = {key: [self.records[i][key] for i in indices]
+                       for key in ("data_source", "ground_truth", "extra_info", "raw_prompt")}
+        non_tensors["index"] = list(indices)
+        return Batch.from_dict(tensors=tensors, non_tensors=non_tensors)
+
+
+class PromptLoader:
+    """Batches of an ``RLDataset`` in a deterministic, resumable order (see ``ResumableSampler``)."""
+
+    def __init__(self, dataset: RLDataset, batch_size: int, *, shuffle: bool = True, seed: int = 0,
+                 drop_last: bool = True):
+        self.dataset = dataset
+        self.sampler = ResumableSampler(len(dataset), batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last)
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def __iter__(self) -> Iterator[Batch]:
+        for indices in self.sampler:
+            yield self.dataset.collate(indices)
+
+    def next_batch(self) -> Batch:
+        return self.dataset.collate(self.sampler.next_batch())
+
+    @property
+    def epoch(self) -> int:
+        return self.sampler.epoch
+
+    def state_dict(self) -> dict:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sampler.load_state_dict(state)

@@ -99,7 +99,14 @@ def write_rows(rows: list[dict], path: str | Path) -> Path:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        pq.write_table(pa.Table.from_pylist(rows), path)
+        try:
+            table = pa.Table.from_pylist(rows)
+        except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+            raise DataFileError(
+                f"write_rows: cannot write {path} as parquet, a column mixes types ({exc}); "
+                "give each column one type or write .jsonl"
+            ) from exc
+        pq.write_table(table, path)
     elif path.suffix == ".jsonl":
         with open(path, "w") as f:
             for row in rows:

@@ -31,9 +31,9 @@ def check_truncation(mode: str) -> None:
         raise ValueError(f"truncation={mode!r} is not one of {TRUNCATION_MODES}")
 
 
-def to_messages(prompt, where: str) -> list[dict]:
-    """A prompt cell as chat messages: plain text becomes one user message."""
-    if isinstance(prompt, str):
+def to_messages(prompt, where: str, column: str = "prompt", allow_text: bool = True) -> list[dict]:
+    """A prompt cell as chat messages: plain text becomes one user message (if allowed)."""
+    if isinstance(prompt, str) and allow_text:
         return [{"role": "user", "content": prompt}]
     if isinstance(prompt, np.ndarray):
         prompt = prompt.tolist()
@@ -42,7 +42,8 @@ def to_messages(prompt, where: str) -> list[dict]:
     ):
         return [{"role": m["role"], "content": m["content"]} for m in prompt]
     raise DataFileError(
-        f"{where}, column 'prompt': expected a string or a non-empty list of {{'role': str, 'content': str}} "
+        f"{where}, column {column!r}: expected {'a string or ' if allow_text else ''}a non-empty list of "
+        "{'role': str, 'content': str} "
         f"messages, got {describe(prompt)}"
     )
 

@@ -1,0 +1,119 @@
+"""SFT datasets: prompt/response pairs or chat transcripts, with loss on responses only.
+
+Rows are either ``prompt`` (text or chat messages) + ``response`` (text), or ``messages``
+(a chat transcript; every assistant turn is a response). Each sequence is the chat-template
+rendering of the whole conversation; ``loss_mask`` is 1 exactly on the tokens of assistant
+turns (content and their end-of-turn token), found by rendering growing prefixes of the
+conversation and checking that each is a token prefix of the next. Batches are right padded
+(training only; generation uses the left-padded ``RLDataset``).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from minihf.data.files import DataFileError, describe, read_many
+from minihf.data.rl_dataset import check_truncation, fit_length, to_messages
+from minihf.protocol import Batch
+
+logger = logging.getLogger(__name__)
+
+
+def _render(tokenizer, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def tokenize_conversation(tokenizer, messages: list[dict], where: str) -> tuple[list[int], list[int]]:
+    """``(input_ids, loss_mask)`` for a chat with loss on every assistant turn."""
+    ids: list[int] = []
+    mask: list[int] = []
+    for k, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = _render(tokenizer, messages[:k], add_generation_prompt=True)
+        after = _render(tokenizer, messages[:k + 1], add_generation_prompt=False)
+        if after[:len(before)] != before or before[:len(ids)] != ids:
+            raise ValueError(
+                f"{where}: the chat template does not render conversations prefix by prefix, so the assistant "
+                "turns cannot be located in the tokens; use a template whose turns append, or prompt/response rows"
+            )
+        mask += [0] * (len(before) - len(ids)) + [1] * (len(after) - len(before))
+        ids = after
+    if not any(mask):
+        raise DataFileError(f"{where}: no assistant message to learn from; add a message with role 'assistant'")
+    full = _render(tokenizer, messages, add_generation_prompt=False)
+    if full[:len(ids)] != ids:
+        raise ValueError(f"{where}: the chat template changes earlier turns when later ones are added")
+    mask += [0] * (len(full) - len(ids))  # anything after the last assistant turn
+    return full, mask
+
+
+class SFTDataset:
+    """Tokenised SFT rows with a response-only loss mask.
+
+    ``truncation``: ``error``, ``right`` (drop the end), ``left`` (drop the start) or
+    ``filter`` (drop the row; counted in ``num_filtered``). Rows whose truncated form has no
+    response token left are an error in every mode.
+    """
+
+    def __init__(self, files: str | Path | Sequence[str | Path], tokenizer, max_length: int = 1024,
+                 truncation: str = "error"):
+        check_truncation(truncation)
+        if tokenizer.chat_template is None:
+            raise ValueError("SFTDataset needs a tokenizer with a chat_template (see minihf.data.tokenizer)")
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.input_ids: list[list[int]] = []
+        self.loss_mask: list[list[int]] = []
+        entries = read_many(files)
+        for path, i, row in entries:
+            where = f"data file {path}, row {i}"
+            ids, mask = tokenize_conversation(tokenizer, self._messages(row, where), where)
+            kept = fit_length(list(zip(ids, mask)), max_length, truncation, where, "max_length")
+            if kept is None:
+                continue
+            if not any(m for _, m in kept):
+                raise ValueError(f"{where}: truncation to max_length={max_length} removed every response token; "
+                                 "raise max_length or use truncation='left'")
+            self.input_ids.append([t for t, _ in kept])
+            self.loss_mask.append([m for _, m in kept])
+        self.num_filtered = len(entries) - len(self.input_ids)
+        if self.num_filtered:
+            logger.warning("SFTDataset: filtered out %d of %d rows longer than max_length=%d",
+                           self.num_filtered, len(entries), max_length)
+        if not self.input_ids:
+            raise ValueError(f"SFTDataset: every row is longer than max_length={max_length}; raise it or truncate")
+
+    @staticmethod
+    def _messages(row: dict, where: str) -> list[dict]:
+        if "messages" in row:
+            return to_messages(row["messages"], where, column="messages", allow_text=False)
+        if "prompt" not in row or "response" not in row:
+            raise DataFileError(f"{where}: SFT rows need 'prompt' and 'response' columns, or 'messages'; found {sorted(row)}")
+        if not isinstance(row["response"], str):
+            raise DataFileError(f"{where}, column 'response': expected a string, got {describe(row['response'])}")
+        return to_messages(row["prompt"], where) + [{"role": "assistant", "content": row["response"]}]
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    def __getitem__(self, index: int) -> dict:
+        return {"input_ids": self.input_ids[index], "loss_mask": self.loss_mask[index]}
+
+    def collate(self, indices: Sequence[int]) -> Batch:
+        """Right-padded ``input_ids``, ``attention_mask``, ``position_ids``, ``loss_mask`` [B, T]."""
+        width = max(len(self.input_ids[i]) for i in indices)
+        out = {k: torch.zeros((len(indices), width), dtype=torch.long)
+               for k in ("input_ids", "attention_mask", "position_ids", "loss_mask")}
+        out["input_ids"].fill_(self.pad_id)
+        for row, i in enumerate(indices):
+            n = len(self.input_ids[i])
+            out["input_ids"][row, :n] = torch.as_tensor(self.input_ids[i])
+            out["attention_mask"][row, :n] = 1
+            out["position_ids"][row, :n] = torch.arange(n)
+            out["loss_mask"][row, :n] = torch.as_tensor(self.loss_mask[i])
+        return Batch.from_dict(tensors=out, non_tensors={"index": list(indices)})

@@ -1,0 +1,71 @@
+"""SFTDataset: loss mask exactly on response tokens, multi-turn chats, truncation, right padding."""
+
+import pytest
+
+from minihf.data.files import DataFileError, write_rows
+from minihf.data.sft_dataset import SFTDataset
+from minihf.data.tokenizer import build_char_tokenizer, encode_chat
+
+TOK = build_char_tokenizer("0123456789+-=,:")
+
+
+def _ids(text):
+    return TOK(text, add_special_tokens=False)["input_ids"]
+
+
+def test_prompt_response_mask_is_response_plus_eos(tmp_path):
+    path = write_rows([{"prompt": "12+3=", "response": "15"},
+                       {"prompt": [{"role": "user", "content": "1-1="}], "response": "0"}], tmp_path / "s.jsonl")
+    ds = SFTDataset(path, TOK)
+    prompt_ids = encode_chat(TOK, [{"role": "user", "content": "12+3="}])
+    expected = prompt_ids + _ids("15") + [TOK.eos_token_id]
+    assert ds[0]["input_ids"] == expected
+    assert ds[0]["loss_mask"] == [0] * len(prompt_ids) + [1, 1, 1]
+    batch = ds.collate([1, 0])
+    n1, n0 = len(ds[1]["input_ids"]), len(expected)
+    assert batch["input_ids"].shape == (2, n0)
+    assert batch["input_ids"][0, n1:].eq(TOK.pad_token_id).all()  # right padded
+    assert batch["attention_mask"][0].tolist() == [1] * n1 + [0] * (n0 - n1)
+    assert batch["loss_mask"][1].tolist() == ds[0]["loss_mask"]
+    assert batch["position_ids"][1].tolist() == list(range(n0))
+
+
+def test_multi_turn_messages_mask_every_assistant_turn(tmp_path):
+    messages = [{"role": "system", "content": "0"}, {"role": "user", "content": "1+1="},
+                {"role": "assistant", "content": "2"}, {"role": "user", "content": "2+2="},
+                {"role": "assistant", "content": "4"}]
+    ds = SFTDataset(write_rows([{"messages": messages}], tmp_path / "m.jsonl"), TOK)
+    ids, mask = ds[0]["input_ids"], ds[0]["loss_mask"]
+    assert ids == encode_chat(TOK, messages, add_generation_prompt=False)
+    learned = [t for t, m in zip(ids, mask) if m]
+    assert learned == _ids("2") + [TOK.eos_token_id] + _ids("4") + [TOK.eos_token_id]
+
+
+def test_truncation_modes(tmp_path):
+    path = write_rows([{"prompt": "1+1=", "response": "2"}, {"prompt": "1234567+1=", "response": "1234568"}],
+                      tmp_path / "t.jsonl")
+    long_ids = SFTDataset(path, TOK)[1]["input_ids"]
+    limit = len(long_ids) - 3
+    with pytest.raises(ValueError, match=rf"row 1: {len(long_ids)} tokens, longer than max_length={limit}"):
+        SFTDataset(path, TOK, max_length=limit)
+    right = SFTDataset(path, TOK, max_length=limit, truncation="right")
+    assert right[1]["input_ids"] == long_ids[:limit] and sum(right[1]["loss_mask"]) == 8 - 3
+    left = SFTDataset(path, TOK, max_length=limit, truncation="left")
+    assert left[1]["input_ids"] == long_ids[-limit:] and sum(left[1]["loss_mask"]) == 8
+    filtered = SFTDataset(path, TOK, max_length=limit, truncation="filter")
+    assert len(filtered) == 1 and filtered.num_filtered == 1
+    with pytest.raises(ValueError, match="removed every response token"):
+        SFTDataset(path, TOK, max_length=4, truncation="right")
+
+
+@pytest.mark.parametrize("row, match", [
+    ({"prompt": "1"}, "need 'prompt' and 'response'"),
+    ({"prompt": "1", "response": 2}, "column 'response'"),
+    ({"messages": [{"role": "user", "content": "1"}]}, "no assistant message"),
+    ({"messages": "1+1"}, "column 'messages'"),
+])
+def test_bad_rows(tmp_path, row, match):
+    path = tmp_path / "bad.jsonl"
+    write_rows([row], path)
+    with pytest.raises(DataFileError, match=match):
+        SFTDataset(path, TOK)

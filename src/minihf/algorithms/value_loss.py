@@ -1,0 +1,27 @@
+"""The clipped value loss of PPO critics (as in OpenAI baselines / verl)."""
+
+from __future__ import annotations
+
+import torch
+
+from minihf.algorithms.loss_agg import agg_loss, masked_mean
+
+
+def compute_value_loss(vpreds: torch.Tensor, returns: torch.Tensor, values: torch.Tensor,
+                       response_mask: torch.Tensor, cliprange_value: float,
+                       loss_agg_mode: str = "token-mean",
+                       normalizer: torch.Tensor | float | None = None):
+    """Clipped squared error; every tensor is ``[B, T]``.
+
+    ``v_clip = values + clip(vpreds - values, -c, c)``;
+    ``l = 0.5 * max((vpreds - R)^2, (v_clip - R)^2)``, aggregated with :func:`agg_loss`.
+
+    Returns ``(vf_loss, vf_clipfrac)``; the clip fraction is the token mean of
+    ``(v_clip - R)^2 > (vpreds - R)^2``.
+    """
+    vclipped = values + torch.clamp(vpreds - values, -cliprange_value, cliprange_value)
+    err = (vpreds - returns) ** 2                                       # [B, T]
+    err_clipped = (vclipped - returns) ** 2
+    loss_mat = 0.5 * torch.maximum(err, err_clipped)
+    vf_clipfrac = masked_mean(torch.gt(err_clipped, err).float(), response_mask)
+    return agg_loss(loss_mat, response_mask, loss_agg_mode, normalizer), vf_clipfrac

@@ -1,0 +1,111 @@
+"""FSDP2 for minihf models: ``fully_shard`` each decoder block, then the root.
+
+Shard placement follows the weight's tensor-parallel role so that the resharding engine
+(training FSDP layout -> generation TP layout) can gather a TP shard from a small group:
+column-parallel weights (q/k/v, gate/up, lm_head, the embedding) are sharded on dim 0 and
+row-parallel weights (o_proj, down_proj) on dim 1. FSDP2 supports uneven shards only on
+dim 0, so a row-parallel weight whose dim 1 does not divide by the mesh size falls back to
+dim 0 (:func:`shard_dim`; such a model cannot use TP of that size anyway).
+
+Mixed precision: bf16 parameters for compute with fp32 gradient reduction on CUDA; plain
+fp32 on CPU (bf16 matmul is orders of magnitude slower on most CPUs). The sharded master
+weights and optimizer state stay fp32 in both cases.
+
+Activation checkpointing wraps each block's ``forward`` (instance attribute, so parameter
+names and state-dict keys stay HF's) with non-reentrant ``torch.utils.checkpoint``; FSDP's
+pre-backward hook unshards the block before the recomputation runs.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import Shard
+from torch.utils.checkpoint import checkpoint
+
+ROW_PARALLEL = ("o_proj.weight", "down_proj.weight")
+
+
+def shard_dim(name: str, shape: tuple[int, ...], world_size: int) -> int:
+    """The dim FSDP shards parameter ``name`` on: 1 for row-parallel 2-D weights whose
+    dim 1 divides by ``world_size``, else 0."""
+    if name.endswith(ROW_PARALLEL) and len(shape) == 2 and shape[1] % world_size == 0:
+        return 1
+    return 0
+
+
+def default_mixed_precision(device_type: str) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """``(param_dtype, reduce_dtype)``: (bf16, fp32) on CUDA, (None, None) = fp32 elsewhere."""
+    if device_type == "cuda":
+        return torch.bfloat16, torch.float32
+    return None, None
+
+
+def decoder_blocks(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks (``model.model.layers``) that get their own FSDP unit."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise TypeError(f"{type(model).__name__} has no `model.layers` ModuleList; apply_fsdp "
+                        "expects minihf's HF-style layout (model.model.layers[i])")
+    return list(layers)
+
+
+def _checkpointed(forward, *args, **kwargs):
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def enable_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute each block's activations in backward instead of storing them."""
+    for block in decoder_blocks(model):
+        if not isinstance(block.forward, functools.partial):
+            block.forward = functools.partial(_checkpointed, block.forward)
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype | None = None,
+               reduce_dtype: torch.dtype | None = None, activation_checkpointing: bool = False,
+               cpu_offload: bool = False, reshard_after_forward: bool = True,
+               mixed_precision: str = "auto") -> nn.Module:
+    """Shard ``model`` in place over the 1-D ``mesh`` and return it.
+
+    ``mixed_precision="auto"`` picks :func:`default_mixed_precision` for the mesh's device
+    (explicit ``param_dtype``/``reduce_dtype`` win); ``"none"`` keeps fp32 everywhere.
+    ``cpu_offload`` keeps sharded parameters, gradients and optimizer state on the host
+    (pinned only when CUDA is present). Parameters and buffers move to the mesh's device.
+    """
+    if mesh.ndim != 1:
+        raise ValueError(f"apply_fsdp expects a 1-D data-parallel mesh, got {mesh.ndim}-D {mesh}")
+    if mixed_precision not in ("auto", "none"):
+        raise ValueError(f"mixed_precision={mixed_precision!r}; use 'auto' or 'none'")
+    if mixed_precision == "auto":
+        auto_param, auto_reduce = default_mixed_precision(mesh.device_type)
+        param_dtype = param_dtype or auto_param
+        reduce_dtype = reduce_dtype or auto_reduce
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    offload = (CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload
+               else OffloadPolicy())
+    world = mesh.size()
+    names = {id(p): n for n, p in model.named_parameters()}
+
+    def placement(param: nn.Parameter) -> Shard:
+        return Shard(shard_dim(names.get(id(param), ""), tuple(param.shape), world))
+
+    if activation_checkpointing:
+        enable_activation_checkpointing(model)
+    kw = dict(mesh=mesh, mp_policy=mp, offload_policy=offload, shard_placement_fn=placement)
+    blocks = decoder_blocks(model)
+    for i, block in enumerate(blocks):
+        # The last block is resharded right after forward only to be gathered again at
+        # the start of backward; keeping it saves one all-gather (torchtitan does this).
+        fully_shard(block, reshard_after_forward=reshard_after_forward and i < len(blocks) - 1, **kw)
+    fully_shard(model, reshard_after_forward=reshard_after_forward, **kw)
+    return model
+
+
+def fsdp_mesh(group, device_type: str) -> DeviceMesh:
+    """A 1-D mesh over an existing process group (a role's group from the controller)."""
+    return DeviceMesh.from_group(group, device_type)

@@ -1,0 +1,81 @@
+"""One micro-batch through a model, with outputs aligned to the response tokens.
+
+Batch layout (verl's): ``input_ids`` ``[B, T]`` = left-padded prompt + right-padded
+response of length ``R``; ``attention_mask``/``position_ids`` ``[B, T]``; ``responses``
+``[B, R]``. The output at response index ``j`` comes from sequence position
+``T - R - 1 + j`` (the token *before* response token ``j``), i.e. columns ``[-R-1:-1]``.
+
+Two equivalent paths: padded (``attention_mask`` passed to the model) and padding-free
+(:mod:`minihf.workers.packing`: one packed row with ``cu_seqlens``), selected by
+``use_remove_padding``. The model is called through ``__call__`` (never a sub-module
+directly) so FSDP's hooks gather its parameters.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from minihf.algorithms import entropy_from_logits, logprobs_from_logits
+from minihf.workers.packing import next_token_labels, pack, unpack
+
+
+def _run(model: nn.Module, mb: dict, use_remove_padding: bool):
+    """Model outputs in the padded ``[B, T, ...]`` layout plus, if packed, the packing."""
+    if use_remove_padding:
+        packed = pack(mb["input_ids"], mb["attention_mask"], mb["position_ids"])
+        out = model(packed.tokens, packed.positions, cu_seqlens=packed.cu_seqlens)  # [1, N, ...]
+        return out[0], packed
+    out = model(mb["input_ids"], mb["position_ids"], attention_mask=mb["attention_mask"])
+    return out, None
+
+
+def forward_log_probs(model: nn.Module, mb: dict, *, use_remove_padding: bool = True,
+                      temperature: float = 1.0, calc_entropy: bool = False) -> dict:
+    """Log-probs (and entropy) of the response tokens under ``model`` (an LM).
+
+    Returns ``{"log_probs": [B, R]}`` (+ ``"entropy": [B, R]``), fp32, computed from
+    ``logits / temperature`` (the distribution the rollout sampled from).
+    """
+    r = mb["responses"].shape[1]
+    out, packed = _run(model, mb, use_remove_padding)
+    if packed is not None:
+        logits = out.float() / temperature                                 # [N, V]
+        log_probs = unpack(logprobs_from_logits(logits, next_token_labels(packed)[0]), packed)
+        result = {"log_probs": log_probs[:, -r - 1:-1]}                      # [B, R]
+        if calc_entropy:
+            result["entropy"] = unpack(entropy_from_logits(logits), packed)[:, -r - 1:-1]
+        return result
+    logits = out[:, -r - 1:-1].float() / temperature                       # [B, R, V]
+    result = {"log_probs": logprobs_from_logits(logits, mb["responses"])}
+    if calc_entropy:
+        result["entropy"] = entropy_from_logits(logits)
+    return result
+
+
+def forward_values(model: nn.Module, mb: dict, *, use_remove_padding: bool = True) -> torch.Tensor:
+    """Critic values for the response tokens ``[B, R]`` (fp32): the value at the token
+    before each response token, as in verl."""
+    r = mb["responses"].shape[1]
+    out, packed = _run(model, mb, use_remove_padding)
+    if packed is not None:
+        out = unpack(out, packed)                                            # [B, T]
+    return out[:, -r - 1:-1].float()
+
+
+def forward_scores(model: nn.Module, mb: dict, *, use_remove_padding: bool = True) -> torch.Tensor:
+    """Reward-model token-level scores ``[B, R]``: the score head's output at the last
+    real token, placed at the last response token (zeros elsewhere and for rows with an
+    empty response)."""
+    out, packed = _run(model, mb, use_remove_padding)
+    if packed is not None:
+        out = unpack(out, packed)                                            # [B, T]
+    mask = mb["attention_mask"].bool()
+    t = mask.shape[1]
+    last = torch.where(mask, torch.arange(t, device=mask.device), -1).max(-1).values  # [B]
+    score = out.float().gather(1, last.clamp(min=0)[:, None]).squeeze(1)      # [B]
+    resp_len = mb["response_mask"].sum(-1).long()                             # [B]
+    scores = torch.zeros(mb["responses"].shape, dtype=torch.float32, device=out.device)
+    rows = (resp_len > 0).nonzero().squeeze(-1)
+    scores[rows, resp_len[rows] - 1] = score[rows]
+    return scores

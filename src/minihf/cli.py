@@ -35,5 +35,42 @@ def doctor() -> None:
         typer.echo(f"{key:<22} {value}")
 
 
+@app.command("init-model")
+def init_model(
+    out: str = typer.Argument(..., help="Directory to create (an HF model dir: config, weights, tokenizer)."),
+    arch: str = typer.Option("qwen2", help="qwen2 | llama | qwen3 | mistral"),
+    size: str = typer.Option("tiny", help="tiny (~0.1M params) | small (~5M) | medium (~30M)"),
+    task: str = typer.Option("digits", help="Task whose alphabet the tokenizer covers: digits | arith | countdown"),
+    seed: int = typer.Option(0, help="Seed of the random weight init."),
+) -> None:
+    """Create a random-init model and task tokenizer offline (no hub needed)."""
+    from minihf.data.factory import init_model as build
+
+    try:
+        path = build(out, arch=arch, size=size, task=task, seed=seed)
+    except (ValueError, FileExistsError) as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    typer.echo(f"wrote {arch} {size} model for task {task} to {path}")
+
+
+@app.command("make-data")
+def make_data(
+    task: str = typer.Argument(..., help="digits | arith | countdown"),
+    out_dir: str = typer.Argument(..., help="Directory for train/test .parquet and .jsonl files."),
+    train: int = typer.Option(1000, help="Number of training prompts."),
+    test: int = typer.Option(100, help="Number of test prompts."),
+    seed: int = typer.Option(0, help="Generator seed."),
+) -> None:
+    """Generate a synthetic task's train/test files in verl's format."""
+    from minihf.data.tasks import make_task_data
+
+    try:
+        paths = make_task_data(task, out_dir, num_train=train, num_test=test, seed=seed)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    for split, path in paths.items():
+        typer.echo(f"{split}: {path} (+ .jsonl)")
+
+
 if __name__ == "__main__":
     app()

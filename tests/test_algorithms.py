@@ -1,0 +1,75 @@
+"""The loss functions against hand-computed values."""
+
+import math
+
+import pytest
+import torch
+
+from minihf.algorithms import (agg_loss, compute_policy_loss, compute_value_loss,
+                               entropy_from_logits, kl_penalty, logprobs_from_logits,
+                               loss_normalizer)
+
+LOSS = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])
+MASK = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0]])
+
+
+def test_agg_loss_modes_by_hand():
+    assert agg_loss(LOSS, MASK, "token-mean").item() == pytest.approx((1 + 2 + 4) / 3)
+    assert agg_loss(LOSS, MASK, "seq-mean-token-sum").item() == pytest.approx((3 + 4) / 2)
+    assert agg_loss(LOSS, MASK, "seq-mean-token-mean").item() == pytest.approx((1.5 + 4) / 2)
+    assert loss_normalizer(MASK, "token-mean").item() == 3
+    assert loss_normalizer(MASK, "seq-mean-token-mean").item() == 2  # empty row not counted
+    # an explicit (global) normaliser replaces the local count
+    assert agg_loss(LOSS, MASK, "token-mean", normalizer=7.0).item() == pytest.approx(1.0)
+    assert agg_loss(LOSS, torch.zeros_like(MASK), "token-mean").item() == 0.0
+    with pytest.raises(ValueError, match="loss_agg_mode='bad'.*token-mean"):
+        agg_loss(LOSS, MASK, "bad")
+
+
+def test_policy_loss_clip_by_hand():
+    old = torch.zeros(1, 3)
+    new = torch.log(torch.tensor([[1.5, 0.5, 1.1]]))
+    adv = torch.tensor([[1.0, -1.0, 2.0]])
+    mask = torch.ones(1, 3)
+    loss, clipfrac, ppo_kl, lower = compute_policy_loss(old, new, adv, mask, cliprange=0.2)
+    # token 0: max(-1.5, -1.2) = -1.2 (clipped); token 1: max(0.5, 0.8) = 0.8 (clipped)
+    # token 2: max(-2.2, -2.2) = -2.2 (not clipped)
+    assert loss.item() == pytest.approx((-1.2 + 0.8 - 2.2) / 3, abs=1e-6)
+    assert clipfrac.item() == pytest.approx(2 / 3)
+    assert ppo_kl.item() == pytest.approx(-(math.log(1.5) + math.log(0.5) + math.log(1.1)) / 3, abs=1e-6)
+    assert lower.item() == 0.0
+    # dual clip bounds the loss of a negative-advantage token with a huge ratio
+    big = torch.log(torch.tensor([[10.0, 1.0, 1.0]]))
+    adv2 = torch.tensor([[-1.0, 0.0, 0.0]])
+    loss2, _, _, lower2 = compute_policy_loss(old, big, adv2, mask, cliprange=0.2, clip_ratio_c=3.0)
+    assert loss2.item() == pytest.approx(3.0 / 3)
+    assert lower2.item() == pytest.approx(1 / 3)
+    # asymmetric clip (clip-higher)
+    l3, *_ = compute_policy_loss(old, torch.log(torch.tensor([[1.5, 1.0, 1.0]])), torch.tensor([[1.0, 0.0, 0.0]]),
+                                 mask, cliprange_low=0.2, cliprange_high=0.28)
+    assert l3.item() == pytest.approx(-1.28 / 3, abs=1e-6)
+
+
+def test_value_loss_by_hand():
+    vpred = torch.tensor([[1.0, 0.0]])
+    values = torch.tensor([[0.0, 0.0]])
+    ret = torch.tensor([[2.0, 1.0]])
+    loss, clipfrac = compute_value_loss(vpred, ret, values, torch.ones(1, 2), cliprange_value=0.5)
+    # token 0: vclip = 0.5 -> max((1-2)^2, (0.5-2)^2) = 2.25; token 1: both 1
+    assert loss.item() == pytest.approx(0.5 * (2.25 + 1.0) / 2)
+    assert clipfrac.item() == pytest.approx(0.5)
+
+
+def test_log_probs_entropy_kl_against_torch():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5, 11, generator=g)
+    labels = torch.randint(0, 11, (2, 5), generator=g)
+    dist = torch.distributions.Categorical(logits=logits)
+    assert torch.allclose(logprobs_from_logits(logits, labels), dist.log_prob(labels), atol=1e-6)
+    assert torch.allclose(entropy_from_logits(logits), dist.entropy(), atol=1e-6)
+    lp, ref = torch.tensor([[0.0, -1.0]]), torch.tensor([[-0.5, -1.0]])
+    assert kl_penalty(lp, ref, "kl").tolist() == [[0.5, 0.0]]
+    assert kl_penalty(lp, ref, "mse").tolist() == [[0.125, 0.0]]
+    assert kl_penalty(lp, ref, "low_var_kl")[0, 0].item() == pytest.approx(math.exp(-0.5) - 1 + 0.5)
+    with pytest.raises(ValueError, match="kl_penalty='x'"):
+        kl_penalty(lp, ref, "x")

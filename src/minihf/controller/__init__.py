@@ -1,1 +1,30 @@
-"""minihf.controller."""
+"""minihf.controller: the single controller over torch.distributed.
+
+Rank 0 runs the driver (a plain sequential program) and calls role worker groups as if
+they were local objects; every other rank serves commands until STOP. See ``launch`` (entry
+and groups), ``worker`` (``Worker``, ``@register``), ``dispatch`` (the dispatch/collect
+table), ``group`` (``WorkerGroup``), ``driver`` (futures and ordering), ``transport`` (wire
+format) and ``serve`` (the worker-side loop).
+"""
+
+from minihf.controller.dispatch import (
+    DISPATCH_MODES,
+    Dispatch,
+    DispatchMode,
+    Plan,
+    RoleLayout,
+    get_dispatch_mode,
+    register_dispatch_mode,
+)
+from minihf.controller.driver import CallFuture
+from minihf.controller.errors import ControllerAborted, ControllerError, RankLostError, RemoteError
+from minihf.controller.group import WorkerGroup
+from minihf.controller.launch import Role, launch, resolve_backend, run
+from minihf.controller.worker import MethodSpec, Worker, WorkerContext, create_worker, register
+
+__all__ = [
+    "CallFuture", "ControllerAborted", "ControllerError", "DISPATCH_MODES", "Dispatch",
+    "DispatchMode", "MethodSpec", "Plan", "RankLostError", "RemoteError", "Role", "RoleLayout",
+    "Worker", "WorkerContext", "WorkerGroup", "create_worker", "get_dispatch_mode", "launch",
+    "register", "register_dispatch_mode", "resolve_backend", "run",
+]

@@ -1,0 +1,187 @@
+"""How one driver call is split over a role's ranks, and how the answers are joined.
+
+Pure functions on Python objects: no processes, no torch.distributed, so the arithmetic is
+unit-tested alone. A dispatch mode is a pair of plain functions kept in one explicit table
+(``DISPATCH_MODES``); ``register_dispatch_mode`` adds a pair:
+
+* ``dispatch_fn(layout, args, kwargs) -> Plan``: the ``(args, kwargs)`` for every role rank
+  (``None`` = that rank is not called), which role ranks send their return value back
+  (``collect_from``; the others only acknowledge), and a ``ctx`` handed to collect.
+* ``collect_fn(layout, outputs, ctx) -> result``: ``outputs`` are the return values of the
+  ``collect_from`` ranks, in that order.
+
+Layout convention: TP is the innermost dimension, so role rank ``i`` has
+``dp_rank = i // tp_size`` and ``tp_rank = i % tp_size`` (the ``tp_size`` consecutive role
+ranks of one DP group hold one model replica and receive the same data).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from minihf.controller.errors import ControllerError
+from minihf.protocol import Batch
+
+
+@dataclass(frozen=True)
+class RoleLayout:
+    """A role's global ranks (role rank ``i`` is ``ranks[i]``) and its tensor-parallel size."""
+    role: str
+    ranks: tuple[int, ...]
+    tp_size: int = 1
+
+    def __post_init__(self):
+        if not self.ranks or len(set(self.ranks)) != len(self.ranks):
+            raise ControllerError(f"role {self.role!r}: ranks {self.ranks} must be non-empty "
+                                  "and distinct")
+        if self.tp_size < 1 or len(self.ranks) % self.tp_size:
+            raise ControllerError(f"role {self.role!r}: tp_size={self.tp_size} must divide its "
+                                  f"{len(self.ranks)} ranks {list(self.ranks)}")
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def dp_size(self) -> int:
+        return len(self.ranks) // self.tp_size
+
+    def dp_rank(self, role_rank: int) -> int:
+        return role_rank // self.tp_size
+
+    def tp_rank(self, role_rank: int) -> int:
+        return role_rank % self.tp_size
+
+
+Call = tuple[tuple, dict]
+
+
+@dataclass
+class Plan:
+    """Per-role-rank calls (``None``: not called), which ranks reply with data, collect ctx."""
+    calls: list[Call | None]
+    collect_from: list[int]
+    ctx: Any = None
+
+
+DispatchFn = Callable[[RoleLayout, tuple, dict], Plan]
+CollectFn = Callable[[RoleLayout, list, Any], Any]
+
+
+@dataclass(frozen=True)
+class DispatchMode:
+    name: str
+    dispatch_fn: DispatchFn
+    collect_fn: CollectFn
+
+
+class Dispatch:
+    """Names of the built-in modes (plain strings: user modes are strings too)."""
+    ONE_TO_ALL = "one_to_all"    # same arguments on every rank; list of all results
+    DP_COMPUTE = "dp_compute"    # Batch args chunked over DP ranks; results concatenated
+    RANK_ZERO = "rank_zero"      # only role rank 0 runs; its result
+    ALL_TO_ALL = "all_to_all"    # each argument is a list with one entry per rank; list of results
+
+
+# --- built-in pairs ---------------------------------------------------------------------
+
+def dispatch_one_to_all(layout: RoleLayout, args: tuple, kwargs: dict) -> Plan:
+    call = (args, kwargs)  # one object for every rank: the transport packs it once
+    return Plan([call] * layout.size, list(range(layout.size)))
+
+
+def collect_all(layout: RoleLayout, outputs: list, ctx: Any) -> list:
+    return list(outputs)
+
+
+def dispatch_rank_zero(layout: RoleLayout, args: tuple, kwargs: dict) -> Plan:
+    return Plan([(args, kwargs)] + [None] * (layout.size - 1), [0])
+
+
+def collect_first(layout: RoleLayout, outputs: list, ctx: Any) -> Any:
+    return outputs[0]
+
+
+def dispatch_all_to_all(layout: RoleLayout, args: tuple, kwargs: dict) -> Plan:
+    for name, value in [(f"argument {i}", a) for i, a in enumerate(args)] + list(kwargs.items()):
+        if not isinstance(value, (list, tuple)) or len(value) != layout.size:
+            raise ControllerError(
+                f"ALL_TO_ALL on role {layout.role!r}: {name} must be a list with one entry per "
+                f"rank ({layout.size}), got {type(value).__name__}"
+                + (f" of length {len(value)}" if isinstance(value, (list, tuple)) else ""))
+    calls = [(tuple(a[i] for a in args), {k: v[i] for k, v in kwargs.items()})
+             for i in range(layout.size)]
+    return Plan(calls, list(range(layout.size)))
+
+
+def dispatch_dp_compute(layout: RoleLayout, args: tuple, kwargs: dict) -> Plan:
+    """Chunk every Batch argument over the DP ranks (others go to all ranks unchanged).
+
+    Batches whose length is not a multiple of ``dp_size`` are padded with
+    ``Batch.pad_to_multiple``; the pad count travels to ``collect_dp_compute`` as ``ctx``.
+    """
+    batches = [v for v in (*args, *kwargs.values()) if isinstance(v, Batch)]
+    if not batches:
+        raise ControllerError(f"DP_COMPUTE on role {layout.role!r} needs at least one Batch "
+                              "argument; use ONE_TO_ALL for calls without data")
+    lengths = sorted({len(b) for b in batches})
+    if len(lengths) > 1:
+        raise ControllerError(f"DP_COMPUTE on role {layout.role!r}: Batch arguments have "
+                              f"different lengths {lengths}; they must be equal")
+    dp = layout.dp_size
+    pad = -lengths[0] % dp
+
+    def chunks(value: Any) -> list:
+        if not isinstance(value, Batch):
+            return [value] * dp
+        padded, _ = value.pad_to_multiple(dp)
+        return padded.chunk(dp)
+
+    arg_chunks = [chunks(a) for a in args]
+    kwarg_chunks = {k: chunks(v) for k, v in kwargs.items()}
+    # One call object per DP rank, shared by its TP peers (the transport packs it once).
+    per_dp = [(tuple(c[d] for c in arg_chunks), {k: c[d] for k, c in kwarg_chunks.items()})
+              for d in range(dp)]
+    calls = [per_dp[layout.dp_rank(i)] for i in range(layout.size)]
+    collect_from = [i for i in range(layout.size) if layout.tp_rank(i) == 0]
+    return Plan(calls, collect_from, ctx=pad)
+
+
+def collect_dp_compute(layout: RoleLayout, outputs: list, ctx: Any) -> Any:
+    """Concatenate Batch results in DP order and strip the padding; else list per DP rank."""
+    if outputs and all(isinstance(o, Batch) for o in outputs):
+        out = outputs[0] if len(outputs) == 1 else Batch.concat(outputs)
+        return out.unpad(ctx or 0)
+    return list(outputs)
+
+
+# --- the table ----------------------------------------------------------------------------
+
+DISPATCH_MODES: dict[str, DispatchMode] = {
+    m.name: m for m in (
+        DispatchMode(Dispatch.ONE_TO_ALL, dispatch_one_to_all, collect_all),
+        DispatchMode(Dispatch.DP_COMPUTE, dispatch_dp_compute, collect_dp_compute),
+        DispatchMode(Dispatch.RANK_ZERO, dispatch_rank_zero, collect_first),
+        DispatchMode(Dispatch.ALL_TO_ALL, dispatch_all_to_all, collect_all),
+    )
+}
+
+
+def register_dispatch_mode(name: str, dispatch_fn: DispatchFn, collect_fn: CollectFn,
+                           *, replace: bool = False) -> DispatchMode:
+    """Add a dispatch/collect pair under ``name`` (before classes using it are defined)."""
+    if name in DISPATCH_MODES and not replace:
+        raise ControllerError(f"dispatch mode {name!r} already exists; pass replace=True to "
+                              "override it")
+    mode = DispatchMode(name, dispatch_fn, collect_fn)
+    DISPATCH_MODES[name] = mode
+    return mode
+
+
+def get_dispatch_mode(name: str) -> DispatchMode:
+    try:
+        return DISPATCH_MODES[name]
+    except KeyError:
+        raise ControllerError(f"unknown dispatch mode {name!r}; known: {sorted(DISPATCH_MODES)}; "
+                              "add one with register_dispatch_mode") from None

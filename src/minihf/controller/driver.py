@@ -1,0 +1,234 @@
+"""The driver side of the controller (rank 0): sends commands, matches replies to futures.
+
+Concurrency model. Every call is dispatched under one lock, so all ranks see commands in
+one global order (two roles sharing ranks can never receive two calls in opposite orders,
+which could deadlock their collectives). Sends are non-blocking (``isend``): dispatching
+never waits for a busy worker. Each worker rank has a ``_Peer`` with a FIFO of the calls
+it has not answered yet and a receiver thread that, while that FIFO is non-empty, receives
+the next ``Reply`` on the rank's "up" channel and resolves the oldest future; worker ranks
+execute in order, so replies arrive in FIFO order and need no ids. Calls to different
+ranks are therefore in flight at the same time. Rank 0's own workers run on one local
+executor thread, in order, like a worker rank's serve loop.
+
+Failure: a receive that fails (peer closed its connection) or exceeds ``timeout_s`` marks
+the peer lost; its pending and later calls raise ``RankLostError``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+
+from minihf.controller.dispatch import RoleLayout, get_dispatch_mode
+from minihf.controller.errors import ControllerError, RankLostError, RemoteError
+from minihf.controller.messages import Abort, Command, Stop
+from minihf.controller.serve import execute
+from minihf.controller.transport import Channel, Packed, pack
+from minihf.controller.worker import MethodSpec, Worker
+
+
+class _Peer:
+    """Rank 0's link to one worker rank: ordered pending calls and their receiver thread."""
+
+    def __init__(self, rank: int, down: Channel, up: Channel, timeout_s: float):
+        self.rank, self.down, self.up, self.timeout_s = rank, down, up, timeout_s
+        self._pending: deque = deque()  # (future, send works, packed, role, method)
+        self._cond = threading.Condition()
+        self._lost: BaseException | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._receive_loop, daemon=True,
+                                        name=f"minihf-recv-rank{rank}")
+        self._thread.start()
+
+    @property
+    def lost(self) -> bool:
+        return self._lost is not None
+
+    def _lost_error(self, role: str, method: str) -> RankLostError:
+        return RankLostError(self.rank, role, method,
+                             f"rank {self.rank} did not answer: it died, or a call exceeded "
+                             f"the controller timeout ({self.timeout_s:g}s; raise "
+                             f"timeout_s if calls legitimately take longer).\n"
+                             f"Cause: {self._lost!r}")
+
+    def send(self, packed: Packed, role: str, method: str) -> Future:
+        fut: Future = Future()
+        with self._cond:
+            if self._lost is None:
+                try:
+                    works = self.down.isend(packed)
+                except Exception as e:  # noqa: BLE001 - a dead peer surfaces here too
+                    self._lost = e
+                else:
+                    self._pending.append((fut, works, packed, role, method))
+                    self._cond.notify()
+                    return fut
+        fut.set_exception(self._lost_error(role, method))
+        return fut
+
+    def _receive_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._pending and not self._closed:
+                    self._cond.wait()
+                if not self._pending:
+                    return
+                fut, works, _, role, method = self._pending[0]
+            try:
+                reply = self.up.recv()
+                self.down.wait(works)  # done by now: the worker answered
+            except Exception as e:  # noqa: BLE001 - any transport failure loses the peer
+                with self._cond:
+                    self._lost = e
+                    pending = list(self._pending)
+                    self._pending.clear()
+                for fut, _, _, role, method in pending:
+                    fut.set_exception(self._lost_error(role, method))
+                return
+            with self._cond:
+                self._pending.popleft()
+            if reply.error is not None:
+                fut.set_exception(reply.error)
+            else:
+                fut.set_result(reply.value)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(timeout=self.timeout_s)
+
+
+class CallFuture:
+    """The result of one driver call: wait for every rank's part, then collect once."""
+
+    def __init__(self, layout: RoleLayout, spec: MethodSpec, collect_from: list[int],
+                 ctx: Any, parts: dict[int, Future]):
+        self.layout, self.spec, self._collect_from, self._ctx = layout, spec, collect_from, ctx
+        self._parts = parts
+        self._finished = False
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+    def done(self) -> bool:
+        return all(f.done() for f in self._parts.values())
+
+    def result(self, timeout: float | None = None) -> Any:
+        if not self._finished:
+            values, errors = {}, []
+            for i, fut in sorted(self._parts.items()):
+                try:
+                    values[i] = fut.result(timeout)
+                except RemoteError as e:
+                    errors.append(e)
+            if errors:  # report a real failure before ranks lost as a consequence
+                errors.sort(key=lambda e: isinstance(e, RankLostError))
+                self._error = errors[0]
+            else:
+                collect = self.spec.collect_fn()
+                self._value = collect(self.layout, [values[i] for i in self._collect_from],
+                                      self._ctx)
+            self._finished = True
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+class Driver:
+    """Rank 0's runtime: peers for the other ranks, a local executor for its own workers."""
+
+    def __init__(self, rank: int, links: dict[int, tuple[Channel, Channel]],
+                 local_workers: dict[str, Worker], device: torch.device, timeout_s: float):
+        self.rank, self.device, self.timeout_s = rank, device, timeout_s
+        self._peers = {r: _Peer(r, down, up, timeout_s) for r, (down, up) in links.items()}
+        self._local_workers = local_workers
+        self._local = ThreadPoolExecutor(1, thread_name_prefix="minihf-local-worker",
+                                         initializer=self._init_local_thread)
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def _init_local_thread(self) -> None:
+        if self.device.type == "cuda":  # the current device is per thread
+            torch.cuda.set_device(self.device)
+
+    def _run_local(self, cmd: Command) -> Any:
+        reply = execute(self._local_workers, cmd, self.rank)
+        if reply.error is not None:
+            raise reply.error
+        return reply.value
+
+    def call(self, layout: RoleLayout, spec: MethodSpec, args: tuple, kwargs: dict) -> CallFuture:
+        """Dispatch ``spec`` on ``layout``'s ranks; returns at once with a ``CallFuture``."""
+        if self._closed:
+            raise ControllerError(f"{layout.role}.{spec.name}: the controller is stopped")
+        plan = get_dispatch_mode(spec.dispatch).dispatch_fn(layout, args, kwargs)
+        if len(plan.calls) != layout.size:
+            raise ControllerError(f"dispatch mode {spec.dispatch!r} planned {len(plan.calls)} "
+                                  f"calls for role {layout.role!r} of {layout.size} ranks")
+        missing = [i for i in plan.collect_from if plan.calls[i] is None]
+        if missing:
+            raise ControllerError(f"dispatch mode {spec.dispatch!r} collects from role ranks "
+                                  f"{missing} that it does not call")
+        replying = set(plan.collect_from)
+        parts: dict[int, Future] = {}
+        memo: dict[tuple[int, bool], Packed] = {}  # one pack per distinct call object
+        with self._lock:
+            for i, call in enumerate(plan.calls):
+                if call is None:
+                    continue
+                cmd = Command(layout.role, spec.name, call[0], call[1], i in replying)
+                rank = layout.ranks[i]
+                if rank == self.rank:
+                    parts[i] = self._local.submit(self._run_local, cmd)
+                    continue
+                key = (id(call), cmd.reply)
+                if key not in memo:
+                    memo[key] = pack(cmd, self.device)
+                parts[i] = self._peers[rank].send(memo[key], layout.role, spec.name)
+        return CallFuture(layout, spec, plan.collect_from, plan.ctx, parts)
+
+    def stop(self) -> None:
+        """Send STOP to every worker rank, wait for their acknowledgements, end threads."""
+        with self._lock:
+            self._closed = True
+            stop = pack(Stop(), self.device)
+            acks = [(r, p.send(stop, "<controller>", "stop")) for r, p in self._peers.items()]
+        self._local.shutdown(wait=True)
+        for _, fut in acks:
+            fut.result(timeout=self.timeout_s)
+        for peer in self._peers.values():
+            peer.close()
+
+    def abort(self, reason: str, wait_s: float = 5.0) -> None:
+        """Best effort: tell every reachable worker rank to exit with an error."""
+        self._closed = True
+        self._local.shutdown(wait=False, cancel_futures=True)
+        msg = pack(Abort(reason), self.device)
+        sends = []
+        for peer in self._peers.values():
+            if not peer.lost:
+                try:
+                    sends.append((peer, peer.down.isend(msg)))
+                except Exception:  # noqa: BLE001 - that peer is gone already
+                    pass
+        for peer, works in sends:
+            try:  # a busy worker reads it when its current method returns
+                peer.down.wait(works, timedelta(seconds=wait_s))
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def run_driver(driver: Driver, body: Callable[[], Any]) -> Any:
+    """Run ``body``; then STOP everyone, or on any exception abort everyone and re-raise."""
+    try:
+        result = body()
+    except BaseException as e:
+        driver.abort(f"{type(e).__name__}: {e}".splitlines()[0])
+        raise
+    driver.stop()
+    return result

@@ -1,0 +1,173 @@
+"""Starting a controller job: process groups, workers on every rank, driver or serve loop.
+
+``launch`` is the entry helper for scripts run with ``python`` or ``torchrun``; it is the
+only place in minihf that reads torchrun's environment (``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``; ``MASTER_ADDR``/``MASTER_PORT`` via ``env://``). Without them it starts a
+one-process job. It exits the process non-zero on any error, on every rank, so a failure
+never leaves a job hanging. ``run`` is the same job on an already initialised default
+process group (used by ``launch`` and by multi-process tests); it raises instead of exiting.
+
+Groups (created by every rank in the same order): one per role over its ranks (colocated
+roles get separate groups), and two per worker rank r (driver->r, r->driver; see
+``transport``). With CUDA the backend is "cpu:gloo,cuda:nccl": pickled control records go
+over gloo, tensors over NCCL.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.distributed as dist
+
+from minihf.config import ControllerConfig, resolve_placement
+from minihf.controller.dispatch import RoleLayout
+from minihf.controller.driver import Driver, run_driver
+from minihf.controller.errors import ControllerAborted, ControllerError
+from minihf.controller.group import WorkerGroup
+from minihf.controller.serve import serve
+from minihf.controller.transport import Channel
+from minihf.controller.worker import Worker, WorkerContext, create_worker
+
+
+@dataclass(frozen=True)
+class Role:
+    """How to build a role's worker on each of its ranks: ``worker_cls(*args, **kwargs)``."""
+    worker_cls: type[Worker]
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+
+
+DriverFn = Callable[[dict[str, WorkerGroup]], Any]
+
+
+def resolve_backend(backend: str, cuda_available: bool) -> str:
+    """The process-group backend string for ``ControllerConfig.backend``."""
+    if backend == "auto":
+        backend = "nccl" if cuda_available else "gloo"
+    if backend == "nccl":
+        if not cuda_available:
+            raise ControllerError("controller backend 'nccl' needs CUDA, and torch sees no GPU; "
+                                  "use backend 'gloo' or 'auto'")
+        return "cpu:gloo,cuda:nccl"
+    if backend != "gloo":
+        raise ControllerError(f"unknown controller backend {backend!r}; use auto, gloo or nccl")
+    return "gloo"
+
+
+def _build_workers(rank: int, roles: dict[str, Role], layouts: dict[str, RoleLayout],
+                   groups: dict[str, Any], device: torch.device) -> dict[str, Worker]:
+    """Build this rank's workers; if any rank fails, every rank raises the same error."""
+    workers, error = {}, None
+    for name in sorted(layouts):
+        if rank in layouts[name].ranks:
+            try:
+                ctx = WorkerContext(rank, layouts[name], groups[name], device)
+                spec = roles[name]
+                workers[name] = create_worker(spec.worker_cls, ctx, spec.args, spec.kwargs)
+            except Exception:  # noqa: BLE001 - reported to every rank below
+                error = f"building role {name!r} failed on rank {rank}:\n{traceback.format_exc()}"
+                break
+    errors: list = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    failed = [e for e in errors if e]
+    if failed:
+        raise ControllerError(failed[0])
+    return workers
+
+
+def run(driver_fn: DriverFn, roles: Mapping[str, Role | type[Worker]],
+        config: ControllerConfig | None = None, *, device: torch.device | None = None) -> Any:
+    """Run a controller job on the initialised default group; the driver's result on rank 0.
+
+    ``driver_fn(groups)`` runs on rank 0 with a ``WorkerGroup`` per role; other ranks serve
+    until it returns (then STOP) or raises (then every rank raises: the driver's error on
+    rank 0, ``ControllerAborted`` elsewhere). Returns ``None`` on ranks other than 0.
+    """
+    if not dist.is_initialized():
+        raise ControllerError("minihf.controller.run needs an initialised default process "
+                              "group; scripts should call minihf.controller.launch instead")
+    config = config or ControllerConfig()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    roles = {name: r if isinstance(r, Role) else Role(r) for name, r in roles.items()}
+    placement = resolve_placement(config.placement, world, roles=list(roles))
+    layouts = {n: RoleLayout(n, tuple(p.ranks), p.tp_size) for n, p in placement.items()}
+    on_cuda = "nccl" in str(dist.get_backend())
+    transport_device = torch.device("cuda", torch.cuda.current_device()) if on_cuda \
+        else torch.device("cpu")
+    device = device or transport_device
+    timeout = timedelta(seconds=config.timeout_s)
+
+    created = []
+    role_groups = {}
+    for name in sorted(layouts):
+        role_groups[name] = dist.new_group(list(layouts[name].ranks), timeout=timeout)
+        created.append(role_groups[name])
+    links: dict[int, tuple[Channel, Channel]] = {}
+    for peer in range(1, world):
+        down = dist.new_group([0, peer], timeout=timeout)
+        up = dist.new_group([0, peer], timeout=timeout)
+        created += [down, up]
+        if rank in (0, peer):
+            other = peer if rank == 0 else 0
+            links[other] = (Channel(down, other, transport_device, config.timeout_s),
+                            Channel(up, other, transport_device, config.timeout_s))
+
+    workers = _build_workers(rank, roles, layouts, role_groups, device)
+    if rank == 0:
+        driver = Driver(rank, links, workers, transport_device, config.timeout_s)
+        groups = {n: WorkerGroup(layouts[n], roles[n].worker_cls, driver) for n in sorted(layouts)}
+        result = run_driver(driver, lambda: driver_fn(groups))
+    else:
+        serve(*links[0], workers, rank)
+        result = None
+    for g in created:  # only after a clean STOP: on errors peers may be gone
+        if g is not None and g != dist.GroupMember.NON_GROUP_MEMBER:
+            dist.destroy_process_group(g)
+    return result
+
+
+def launch(driver_fn: DriverFn, roles: Mapping[str, Role | type[Worker]],
+           config: ControllerConfig | None = None) -> Any:
+    """Entry helper for scripts: init the process group from torchrun's env, ``run``, exit.
+
+    Works with ``python script.py`` (one process) and ``torchrun --nproc_per_node=N``.
+    Returns the driver's result on rank 0 and ``None`` elsewhere; on any error it prints
+    the error and exits the process with status 1, on every rank.
+    """
+    config = config or ControllerConfig()
+    cuda = torch.cuda.is_available()
+    backend = resolve_backend(config.backend, cuda)
+    timeout = timedelta(seconds=config.timeout_s)
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+        local_rank = int(env.get("LOCAL_RANK", "0"))
+        if cuda:
+            torch.cuda.set_device(local_rank)
+        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
+                                timeout=timeout)
+    else:
+        rank, local_rank = 0, 0
+        if cuda:
+            torch.cuda.set_device(0)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timeout)
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    try:
+        result = run(driver_fn, roles, config, device=device)
+    except BaseException as e:  # noqa: BLE001 - every failure ends this rank non-zero
+        if isinstance(e, ControllerAborted):
+            print(f"[minihf rank {rank}] {e}", file=sys.stderr)
+        else:
+            print(f"[minihf rank {rank}] job failed:\n{traceback.format_exc()}", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)  # not sys.exit: threads blocked in a receive must not delay the exit
+    dist.destroy_process_group()
+    return result

@@ -1,0 +1,163 @@
+"""Messages between the driver (rank 0) and one worker rank, over torch.distributed p2p.
+
+A message is any picklable object; its tensors travel as tensors, never pickled. Packing
+pickles the object with pickle's ``persistent_id`` hook replacing every tensor by an index,
+so any structure (``Batch``, dicts, dataclasses) works without this module knowing it.
+The tensors then go in as few buffers as is cheap: tensors of at least ``BIG_TENSOR_BYTES``
+travel as their own buffer (no copy), the smaller ones are packed into one flat buffer per
+dtype (one copy, far fewer messages). On the wire, one message is
+
+    int64[1] header (length of the control record)
+    uint8[n] control record: pickle of (payload bytes, tensor table, buffer specs)
+    one tensor per buffer spec, in order
+
+Ordering and concurrency: each (driver, worker rank) pair has two ``Channel``s, one per
+direction, each on its own two-rank process group. Messages on one channel are matched in
+send order (torch.distributed p2p is FIFO per group and peer), so no tags are needed, and
+the driver can send on the "down" channel from the calling thread while a per-peer thread
+receives on the "up" channel: the two never share a communicator (NCCL forbids concurrent
+use of one communicator from two threads). With NCCL the groups are "cpu:gloo,cuda:nccl":
+header and control record are CPU tensors (gloo), buffers are CUDA tensors (NCCL).
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+BIG_TENSOR_BYTES = 1 << 20
+
+
+@dataclass
+class Packed:
+    """A packed message: the control record and the tensors to send after it."""
+    control: torch.Tensor  # uint8, CPU
+    buffers: list[torch.Tensor] = field(default_factory=list)
+
+
+class _TensorPickler(pickle.Pickler):
+    def __init__(self, file, tensors: list):
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.tensors = tensors
+
+    def persistent_id(self, obj: Any):
+        if isinstance(obj, torch.Tensor):
+            if obj.layout != torch.strided:
+                raise TypeError(f"cannot send a {obj.layout} tensor; convert it to dense "
+                                "(tensor.to_dense()) first")
+            self.tensors.append(obj)
+            return len(self.tensors) - 1
+        return None
+
+
+class _TensorUnpickler(pickle.Unpickler):
+    def __init__(self, file, tensors: list):
+        super().__init__(file)
+        self.tensors = tensors
+
+    def persistent_load(self, pid: Any):
+        return self.tensors[pid]
+
+
+def pack(obj: Any, device: torch.device) -> Packed:
+    """Pickle ``obj`` without its tensors; put the tensors, on ``device``, into buffers."""
+    tensors: list[torch.Tensor] = []
+    payload = io.BytesIO()
+    _TensorPickler(payload, tensors).dump(obj)
+    table: list[tuple[int, int, tuple, torch.dtype]] = []  # buffer index, offset, shape, dtype
+    buffers: list[torch.Tensor] = []
+    small: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        table.append((-1, 0, tuple(t.shape), t.dtype))
+        if t.numel() == 0:
+            continue
+        if t.numel() * t.element_size() >= BIG_TENSOR_BYTES:
+            table[i] = (len(buffers), 0, tuple(t.shape), t.dtype)
+            buffers.append(t.detach().to(device).contiguous().view(-1))
+        else:
+            small.setdefault(t.dtype, []).append(i)
+    for dtype, idx in small.items():
+        offset = 0
+        for i in idx:
+            table[i] = (len(buffers), offset, tuple(tensors[i].shape), dtype)
+            offset += tensors[i].numel()
+        flat = [tensors[i].detach().reshape(-1).to(device) for i in idx]
+        buffers.append(torch.cat(flat) if len(flat) > 1 else flat[0].contiguous())
+    specs = [(b.dtype, b.numel()) for b in buffers]
+    control = pickle.dumps((payload.getvalue(), table, specs), protocol=pickle.HIGHEST_PROTOCOL)
+    return Packed(torch.frombuffer(bytearray(control), dtype=torch.uint8), buffers)
+
+
+def unpack_control(control: torch.Tensor) -> tuple[bytes, list, list]:
+    """(payload, tensor table, buffer specs) from a received control record."""
+    return pickle.loads(control.numpy().tobytes())
+
+
+def unpack(payload: bytes, table: list, buffers: list[torch.Tensor],
+           device: torch.device) -> Any:
+    """Rebuild the object from its payload and received buffers (tensors are views)."""
+    tensors = []
+    for buf_idx, offset, shape, dtype in table:
+        if buf_idx < 0:
+            tensors.append(torch.empty(shape, dtype=dtype, device=device))
+            continue
+        numel = 1
+        for s in shape:
+            numel *= s
+        tensors.append(buffers[buf_idx][offset:offset + numel].view(shape))
+    return _TensorUnpickler(io.BytesIO(payload), tensors).load()
+
+
+def roundtrip(obj: Any, device: torch.device | str = "cpu") -> Any:
+    """pack + unpack in one process (what a peer would rebuild); used by tests."""
+    device = torch.device(device)
+    packed = pack(obj, device)
+    payload, table, _ = unpack_control(packed.control)
+    return unpack(payload, table, [b.clone() for b in packed.buffers], device)
+
+
+class Channel:
+    """One direction of the link between this rank and ``peer`` on a two-rank ``group``."""
+
+    def __init__(self, group: Any, peer: int, device: torch.device, timeout_s: float):
+        self.group, self.peer, self.device = group, peer, device
+        self.timeout = timedelta(seconds=timeout_s)
+
+    def isend(self, packed: Packed) -> list:
+        """Start sending; returns the works (keep ``packed`` alive until they complete)."""
+        header = torch.tensor([packed.control.numel()], dtype=torch.int64)
+        works = [dist.isend(header, self.peer, group=self.group),
+                 dist.isend(packed.control, self.peer, group=self.group)]
+        works += [dist.isend(b, self.peer, group=self.group) for b in packed.buffers]
+        works.append(header)  # keeps the header tensor alive with the works
+        return works
+
+    def wait(self, works: list, timeout: timedelta | None = None) -> None:
+        for w in works:
+            if not isinstance(w, torch.Tensor):
+                w.wait(timeout or self.timeout)
+
+    def send(self, obj: Any) -> None:
+        packed = pack(obj, self.device)
+        self.wait(self.isend(packed))
+
+    def _recv_into(self, tensor: torch.Tensor) -> None:
+        dist.irecv(tensor, self.peer, group=self.group).wait(self.timeout)
+
+    def recv(self) -> Any:
+        header = torch.empty(1, dtype=torch.int64)
+        self._recv_into(header)
+        control = torch.empty(int(header.item()), dtype=torch.uint8)
+        self._recv_into(control)
+        payload, table, specs = unpack_control(control)
+        buffers = [torch.empty(numel, dtype=dtype, device=self.device) for dtype, numel in specs]
+        works = [dist.irecv(b, self.peer, group=self.group) for b in buffers]
+        for w in works:
+            w.wait(self.timeout)
+        return unpack(payload, table, buffers, self.device)

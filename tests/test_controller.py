@@ -1,0 +1,208 @@
+"""The controller across processes (gloo on CPU): placements, dispatch modes, concurrency,
+errors, STOP, a DP x TP layout and a killed rank. Checks are grouped into few spawned runs."""
+
+import functools
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from minihf.config import ControllerConfig, RoleSpec
+from minihf.controller import (
+    ControllerAborted, Dispatch, RankLostError, RemoteError, Role, Worker, register, run,
+)
+from minihf.protocol import Batch
+from minihf.utils.spawn import SpawnError, spawn_ranks
+
+
+class EchoWorker(Worker):
+    """Records what it received so the test can check who got which chunk."""
+
+    def __init__(self, scale=1.0):
+        super().__init__()
+        self.scale = scale
+        self.seen = None
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def whoami(self):
+        return dict(rank=self.rank, role=self.role, role_rank=self.role_rank,
+                    role_size=self.role_size, dp=(self.dp_rank, self.dp_size),
+                    tp=(self.tp_rank, self.tp_size), device=str(self.device),
+                    group_size=dist.get_world_size(self.group))
+
+    @register(dispatch=Dispatch.DP_COMPUTE)
+    def scale_batch(self, batch, offset=0.0):
+        self.seen = batch.tensors["ids"].tolist()
+        t = dict(batch.tensors)
+        t["y"] = batch.tensors["x"] * self.scale + offset
+        t["who"] = torch.full((len(batch),), self.rank)
+        return Batch(t, batch.non_tensors, batch.meta)
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def last_seen(self):
+        return self.seen
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def group_sum(self, value):
+        t = torch.tensor([float(value * (self.role_rank + 1))])
+        dist.all_reduce(t, group=self.group)
+        return t.item()
+
+    @register(dispatch=Dispatch.RANK_ZERO)
+    def only_first(self):
+        return self.rank
+
+    @register(dispatch=Dispatch.ALL_TO_ALL)
+    def each(self, value):
+        return (self.rank, value)
+
+    @register(dispatch=Dispatch.ONE_TO_ALL, blocking=False)
+    def nap(self, seconds):
+        time.sleep(seconds)
+        return self.rank
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def fail_on(self, rank):
+        if self.rank == rank:
+            raise ValueError(f"deliberate failure on rank {rank}")
+        return "ok"
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def die_on(self, rank):
+        if self.rank == rank:
+            os._exit(1)
+        return "ok"
+
+
+def _data(n):
+    return Batch({"x": torch.randn(n, 3), "ids": torch.arange(n),
+                  "big": torch.randn(n, 70_000)},  # > 1 MB: travels as its own buffer
+                 {"uid": [f"u{i}" for i in range(n)]}, {"temperature": 0.7})
+
+
+def _two_ranks_driver(groups):
+    a, b = groups["a"], groups["b"]  # colocated: both roles on ranks 0 and 1
+    out = {"who": a.whoami() + b.whoami()}
+    data = _data(5)
+    res = a.scale_batch(data, offset=1.0)
+    torch.testing.assert_close(res.tensors["y"], data.tensors["x"] * 2.0 + 1.0)
+    assert torch.equal(res.tensors["big"], data.tensors["big"])
+    assert list(res.non_tensors["uid"]) == list(data.non_tensors["uid"])
+    out["res_who"] = res.tensors["who"].tolist()
+    out["meta"] = res.meta
+    out["seen"] = a.last_seen()
+    out["sum_a"], out["sum_b"] = a.group_sum(1.0), b.group_sum(10.0)
+    out["first"], out["each"] = b.only_first(), b.each(["x", "y"])
+    try:
+        a.fail_on(1)
+    except RemoteError as e:
+        out["error"] = (type(e).__name__, e.rank, e.role, e.method, e.traceback)
+    out["after_error"] = a.whoami()[1]["rank"]  # the job goes on after a caught error
+    return out
+
+
+def _failing_driver(groups):
+    groups["b"].fail_on(1)  # not caught: every rank must end with an error
+    return "unreachable"
+
+
+def _two_ranks(rank, world_size):
+    cfg = ControllerConfig(timeout_s=30)
+    roles = {"a": Role(EchoWorker, (2.0,)), "b": EchoWorker}
+    first = run(_two_ranks_driver, roles, cfg)
+    t0 = time.monotonic()
+    try:
+        run(_failing_driver, roles, cfg)
+        second = "returned"
+    except (RemoteError, ControllerAborted) as e:
+        second = (type(e).__name__, str(e))
+    return first, second, time.monotonic() - t0
+
+
+def test_two_ranks_colocated_modes_errors_and_stop():
+    (first, second, dt0), (none, second1, dt1) = spawn_ranks(_two_ranks, 2, timeout_s=120)
+    assert none is None  # run() returns the driver's result on rank 0 only
+    who = first["who"]
+    assert [w["rank"] for w in who] == [0, 1, 0, 1]
+    assert [w["role"] for w in who] == ["a", "a", "b", "b"]
+    assert who[1] == dict(rank=1, role="a", role_rank=1, role_size=2, dp=(1, 2), tp=(0, 1),
+                          device="cpu", group_size=2)
+    assert first["res_who"] == [0, 0, 0, 1, 1]  # 5 rows padded to 6, 3 per rank, pad stripped
+    assert first["meta"] == {"temperature": 0.7}
+    assert first["seen"] == [[0, 1, 2], [3, 4, 0]]  # rank 1's chunk ends with the pad row
+    assert first["sum_a"] == [3.0, 3.0] and first["sum_b"] == [30.0, 30.0]
+    assert first["first"] == 0 and first["each"] == [(0, "x"), (1, "y")]
+    name, rank, role, method, tb = first["error"]
+    assert (name, rank, role, method) == ("RemoteError", 1, "a", "fail_on")
+    assert "ValueError: deliberate failure on rank 1" in tb and "in fail_on" in tb
+    assert first["after_error"] == 1
+    # uncaught error: RemoteError on the driver, ControllerAborted on the worker, quickly
+    assert second[0] == "RemoteError" and "b.fail_on failed on rank 1" in second[1]
+    assert second1[0] == "ControllerAborted"
+    assert dt0 < 10 and dt1 < 10
+
+
+def _four_ranks_driver(groups):
+    a, b, tp = groups["a"], groups["b"], groups["tp"]
+    a.nap(0.01).result(), b.nap(0.01).result()  # warm-up
+    t0 = time.monotonic()
+    fa, fb = a.nap(1.0), b.nap(1.0)  # blocking=False: futures
+    naps = fa.result(), fb.result()
+    elapsed = time.monotonic() - t0
+    data = _data(6)
+    res = tp.scale_batch(data)
+    torch.testing.assert_close(res.tensors["y"], data.tensors["x"] * 3.0)
+    return dict(elapsed=elapsed, naps=naps, who=tp.whoami(), res_who=res.tensors["who"].tolist(),
+                seen=tp.last_seen(), b_who=b.whoami(), sum_tp=tp.group_sum(1.0))
+
+
+def _four_ranks(rank, world_size):
+    placement = {"a": RoleSpec([0, 1]), "b": RoleSpec([2, 3]), "tp": RoleSpec("all", tp_size=2)}
+    roles = {"a": EchoWorker, "b": EchoWorker, "tp": Role(EchoWorker, kwargs={"scale": 3.0})}
+    return run(_four_ranks_driver, roles, ControllerConfig(timeout_s=30, placement=placement))
+
+
+def test_four_ranks_split_concurrency_and_dp_tp():
+    out = spawn_ranks(_four_ranks, 4, timeout_s=120)[0]
+    assert out["naps"] == ([0, 1], [2, 3])
+    assert out["elapsed"] < 1.7, f"two 1 s calls on disjoint ranks took {out['elapsed']:.2f}s"
+    assert [(w["rank"], w["role_rank"]) for w in out["b_who"]] == [(2, 0), (3, 1)]
+    assert [(w["dp"], w["tp"]) for w in out["who"]] == [((0, 2), (0, 2)), ((0, 2), (1, 2)),
+                                                        ((1, 2), (0, 2)), ((1, 2), (1, 2))]
+    # TP peers received identical chunks; results came from tp_rank 0 only (ranks 0 and 2)
+    assert out["seen"] == [[0, 1, 2], [0, 1, 2], [3, 4, 5], [3, 4, 5]]
+    assert out["res_who"] == [0, 0, 0, 2, 2, 2]
+    assert out["sum_tp"] == [10.0] * 4
+
+
+def _killed_driver(groups, path):
+    t0 = time.monotonic()
+    try:
+        groups["a"].die_on(1)
+        msg = "no error"
+    except RemoteError as e:
+        msg = f"{type(e).__name__} rank={e.rank} method={e.method}"
+    with open(path, "w") as f:
+        f.write(f"{time.monotonic() - t0:.3f} {msg}")
+
+
+def _killed(rank, world_size, path):
+    try:  # rank 0 reports normally, so the harness reports rank 1's death
+        run(functools.partial(_killed_driver, path=path), {"a": EchoWorker},
+            ControllerConfig(timeout_s=10))
+    except RankLostError:  # STOP cannot reach the dead rank
+        pass
+
+
+def test_killed_rank_raises_on_driver_within_timeout(tmp_path):
+    path = tmp_path / "driver.txt"
+    with pytest.raises(SpawnError, match="died"):
+        spawn_ranks(_killed, 2, str(path), timeout_s=60)
+    deadline = time.monotonic() + 5
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    elapsed, msg = path.read_text().split(" ", 1)
+    assert msg == f"{RankLostError.__name__} rank=1 method=die_on"
+    assert float(elapsed) < 10

@@ -1,0 +1,139 @@
+"""Dispatch/collect arithmetic, the @register table and the transport's packing: no processes."""
+
+import numpy as np
+import pytest
+import torch
+
+from minihf.controller import (
+    DISPATCH_MODES, ControllerError, Dispatch, Plan, RoleLayout, Worker, get_dispatch_mode,
+    register, register_dispatch_mode,
+)
+from minihf.controller.dispatch import collect_dp_compute, dispatch_dp_compute
+from minihf.controller.transport import BIG_TENSOR_BYTES, pack, roundtrip
+from minihf.protocol import Batch
+
+
+def _batch(n):
+    return Batch({"x": torch.arange(n * 3, dtype=torch.float32).view(n, 3),
+                  "ids": torch.arange(n)},
+                 {"uid": [f"u{i}" for i in range(n)]}, {"step": 7})
+
+
+def _ids(b):
+    return b.tensors["ids"].tolist()
+
+
+@pytest.mark.parametrize("n,ranks,tp", [(8, 4, 1), (5, 2, 1), (7, 4, 2), (1, 4, 1), (3, 6, 2)])
+def test_dp_compute_chunks_pads_and_strips(n, ranks, tp):
+    layout = RoleLayout("r", tuple(range(10, 10 + ranks)), tp)
+    batch = _batch(n)
+    plan = dispatch_dp_compute(layout, (batch, 3), {"scale": 2.0})
+    dp = ranks // tp
+    assert plan.ctx == -n % dp  # pad count
+    assert plan.collect_from == list(range(0, ranks, tp))  # tp_rank 0 of each DP group
+    chunk_ids = []
+    for i, (args, kwargs) in enumerate(plan.calls):
+        chunk, three = args
+        assert three == 3 and kwargs == {"scale": 2.0}
+        assert len(chunk) == (n + plan.ctx) // dp
+        if i % tp == 0:
+            chunk_ids.append(_ids(chunk))
+        else:  # TP peers get the very same chunk object
+            assert plan.calls[i] is plan.calls[i - 1]
+    flat = sum(chunk_ids, [])
+    assert flat[:n] == list(range(n)) and len(flat) == n + plan.ctx
+    # collect: concatenation in DP order with the padding removed equals the input
+    outputs = [plan.calls[i][0][0] for i in plan.collect_from]
+    out = collect_dp_compute(layout, outputs, plan.ctx)
+    assert _ids(out) == list(range(n))
+    assert torch.equal(out.tensors["x"], batch.tensors["x"])
+    assert list(out.non_tensors["uid"]) == list(batch.non_tensors["uid"])
+    assert out.meta == {"step": 7}
+
+
+def test_dp_compute_non_batch_results_and_errors():
+    layout = RoleLayout("r", (0, 1), 1)
+    assert collect_dp_compute(layout, [{"loss": 1.0}, {"loss": 2.0}], 0) == [{"loss": 1.0},
+                                                                            {"loss": 2.0}]
+    with pytest.raises(ControllerError, match="needs at least one Batch"):
+        dispatch_dp_compute(layout, (1,), {})
+    with pytest.raises(ControllerError, match=r"different lengths \[2, 3\]"):
+        dispatch_dp_compute(layout, (_batch(2), _batch(3)), {})
+
+
+def test_other_builtin_modes():
+    layout = RoleLayout("r", (3, 5, 7), 1)
+    one = get_dispatch_mode(Dispatch.ONE_TO_ALL).dispatch_fn(layout, (1,), {"k": 2})
+    assert one.calls == [((1,), {"k": 2})] * 3 and one.collect_from == [0, 1, 2]
+    zero = get_dispatch_mode(Dispatch.RANK_ZERO).dispatch_fn(layout, (1,), {})
+    assert zero.calls == [((1,), {}), None, None] and zero.collect_from == [0]
+    assert get_dispatch_mode(Dispatch.RANK_ZERO).collect_fn(layout, ["a"], None) == "a"
+    a2a = get_dispatch_mode(Dispatch.ALL_TO_ALL).dispatch_fn(layout, ([1, 2, 3],), {"k": ["a", "b", "c"]})
+    assert a2a.calls == [((1,), {"k": "a"}), ((2,), {"k": "b"}), ((3,), {"k": "c"})]
+    with pytest.raises(ControllerError, match="one entry per rank"):
+        get_dispatch_mode(Dispatch.ALL_TO_ALL).dispatch_fn(layout, ([1, 2],), {})
+
+
+def test_layout_validation_and_ranks():
+    layout = RoleLayout("r", (4, 5, 6, 7), 2)
+    assert (layout.dp_size, layout.dp_rank(3), layout.tp_rank(3)) == (2, 1, 1)
+    with pytest.raises(ControllerError, match="tp_size=3 must divide"):
+        RoleLayout("r", (0, 1), 3)
+
+
+def test_register_builds_explicit_table_and_user_modes():
+    def dispatch_last(layout, args, kwargs):
+        return Plan([None] * (layout.size - 1) + [(args, kwargs)], [layout.size - 1])
+
+    register_dispatch_mode("test_last_only", dispatch_last, lambda lay, outs, ctx: outs[0],
+                           replace=True)
+    try:
+        class Base(Worker):
+            @register(dispatch=Dispatch.DP_COMPUTE)
+            def compute(self, batch):
+                return batch
+
+            def helper(self):  # not registered: not callable from the driver
+                return 1
+
+        class Child(Base):
+            @register(dispatch="test_last_only", blocking=False)
+            def last(self):
+                return "last"
+
+        assert sorted(Base.remote_methods) == ["compute"]
+        assert sorted(Child.remote_methods) == ["compute", "last"]
+        spec = Child.remote_methods["last"]
+        assert spec.dispatch == "test_last_only" and spec.blocking is False
+        assert Child.remote_methods["compute"].collect_fn() is collect_dp_compute
+        assert Child.last(Child.__new__(Child)) == "last"  # still a plain method locally
+        with pytest.raises(ControllerError, match="constructed directly"):
+            _ = Child().rank
+        with pytest.raises(ControllerError, match="unknown dispatch mode 'nope'"):
+            register(dispatch="nope")
+        with pytest.raises(ControllerError, match="already exists"):
+            register_dispatch_mode("test_last_only", dispatch_last, lambda *a: None)
+    finally:
+        DISPATCH_MODES.pop("test_last_only")
+
+
+def test_pack_groups_small_tensors_by_dtype_and_keeps_big_ones_whole():
+    big = torch.randn(BIG_TENSOR_BYTES // 4 + 5)
+    obj = {"batch": _batch(4), "big": big, "f": [torch.ones(2), torch.zeros(3, 1)],
+           "b": torch.tensor([True, False]), "empty": torch.empty(0, 4), "s": torch.tensor(2.5),
+           "view": torch.arange(12).view(3, 4).t(), "arr": np.arange(3), "txt": "hi"}
+    packed = pack(obj, torch.device("cpu"))
+    # float32 small: x, ones, zeros, s -> 1 buffer; int64: ids, view -> 1; bool -> 1; big -> 1
+    assert sorted(str(b.dtype) for b in packed.buffers) == sorted(
+        ["torch.float32", "torch.float32", "torch.int64", "torch.bool"])
+    assert any(b.data_ptr() == big.data_ptr() for b in packed.buffers)  # no copy of big
+    back = roundtrip(obj)
+    assert torch.equal(back["big"], big) and torch.equal(back["view"], obj["view"])
+    assert torch.equal(back["batch"].tensors["x"], obj["batch"].tensors["x"])
+    assert list(back["batch"].non_tensors["uid"]) == ["u0", "u1", "u2", "u3"]
+    assert back["batch"].meta == {"step": 7}
+    assert back["empty"].shape == (0, 4) and back["s"].item() == 2.5 and back["s"].dim() == 0
+    assert back["b"].tolist() == [True, False] and back["f"][1].shape == (3, 1)
+    assert back["arr"].tolist() == [0, 1, 2] and back["txt"] == "hi"
+    with pytest.raises(TypeError, match="to_dense"):
+        pack(torch.eye(3).to_sparse(), torch.device("cpu"))

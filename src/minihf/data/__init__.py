@@ -1,1 +1,23 @@
-"""minihf.data."""
+"""minihf.data: tokenizers, prompt/SFT datasets, synthetic tasks, rewards, tiny-model factory.
+
+* ``load_tokenizer(model_dir)`` -- every tokenizer is loaded through it (see tokenizer.py).
+* ``RLDataset`` + ``PromptLoader`` -- verl-format prompt files -> left-padded ``Batch``es
+  in a resumable order; ``SFTDataset`` -- prompt/response pairs with a response-only mask.
+* ``make_task_data`` / ``TASKS`` -- the ``digits``, ``arith`` and ``countdown`` tasks.
+* ``default_reward_fn``, ``load_reward_fn``, ``compute_score`` -- rule rewards.
+* ``init_model`` -- a random-init model dir with a task tokenizer, for offline use.
+"""
+
+from minihf.data.factory import init_model
+from minihf.data.rewards import RewardError, compute_score, default_reward_fn, load_reward_fn
+from minihf.data.rl_dataset import PromptLoader, RLDataset
+from minihf.data.sampler import ResumableSampler
+from minihf.data.sft_dataset import SFTDataset
+from minihf.data.tasks import TASKS, make_task_data
+from minihf.data.tokenizer import build_char_tokenizer, load_tokenizer, save_tokenizer
+
+__all__ = [
+    "init_model", "RewardError", "compute_score", "default_reward_fn", "load_reward_fn", "PromptLoader",
+    "RLDataset", "ResumableSampler", "SFTDataset", "TASKS", "make_task_data", "build_char_tokenizer",
+    "load_tokenizer", "save_tokenizer",
+]

@@ -1,9 +1,11 @@
 """SFTDataset: loss mask exactly on response tokens, multi-turn chats, truncation, right padding."""
 
+import pyarrow.parquet as pq
 import pytest
 
 from minihf.data.files import DataFileError, write_rows
 from minihf.data.sft_dataset import SFTDataset
+from minihf.data.tasks import make_task_data
 from minihf.data.tokenizer import build_char_tokenizer, encode_chat
 
 TOK = build_char_tokenizer("0123456789+-=,:")
@@ -60,6 +62,7 @@ def test_truncation_modes(tmp_path):
 
 @pytest.mark.parametrize("row, match", [
     ({"prompt": "1"}, "need 'prompt' and 'response'"),
+    ({"prompt": "1", "response": None}, "need 'prompt' and 'response'"),
     ({"prompt": "1", "response": 2}, "column 'response'"),
     ({"messages": [{"role": "user", "content": "1"}]}, "no assistant message"),
     ({"messages": "1+1"}, "column 'messages'"),
@@ -69,3 +72,12 @@ def test_bad_rows(tmp_path, row, match):
     write_rows([row], path)
     with pytest.raises(DataFileError, match=match):
         SFTDataset(path, TOK)
+
+
+def test_task_files_train_on_reference_answers(tmp_path):
+    paths = make_task_data("arith", tmp_path, num_train=6, num_test=0, seed=0)
+    ds = SFTDataset(paths["train"], TOK, response_key="extra_info.answer")
+    rows = pq.read_table(paths["train"]).to_pylist()
+    for i, r in enumerate(rows):
+        learned = [t for t, m in zip(ds[i]["input_ids"], ds[i]["loss_mask"]) if m]
+        assert learned == _ids(r["extra_info"]["answer"]) + [TOK.eos_token_id]

@@ -58,12 +58,15 @@ class SFTDataset:
 
     ``truncation``: ``error``, ``right`` (drop the end), ``left`` (drop the start) or
     ``filter`` (drop the row; counted in ``num_filtered``). Rows whose truncated form has no
-    response token left are an error in every mode.
+    response token left are an error in every mode. ``response_key`` may be a dotted path
+    into a dict column: ``"extra_info.answer"`` trains on the reference answers that
+    ``minihf make-data`` writes, straight from the RL files.
     """
 
     def __init__(self, files: str | Path | Sequence[str | Path], tokenizer, max_length: int = 1024,
-                 truncation: str = "error"):
+                 truncation: str = "error", response_key: str = "response"):
         check_truncation(truncation)
+        self.response_key = response_key
         if tokenizer.chat_template is None:
             raise ValueError("SFTDataset needs a tokenizer with a chat_template (see minihf.data.tokenizer)")
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -88,15 +91,18 @@ class SFTDataset:
         if not self.input_ids:
             raise ValueError(f"SFTDataset: every row is longer than max_length={max_length}; raise it or truncate")
 
-    @staticmethod
-    def _messages(row: dict, where: str) -> list[dict]:
+    def _messages(self, row: dict, where: str) -> list[dict]:
         if "messages" in row:
             return to_messages(row["messages"], where, column="messages", allow_text=False)
-        if "prompt" not in row or "response" not in row:
-            raise DataFileError(f"{where}: SFT rows need 'prompt' and 'response' columns, or 'messages'; found {sorted(row)}")
-        if not isinstance(row["response"], str):
-            raise DataFileError(f"{where}, column 'response': expected a string, got {describe(row['response'])}")
-        return to_messages(row["prompt"], where) + [{"role": "assistant", "content": row["response"]}]
+        response = row
+        for part in self.response_key.split("."):
+            response = response.get(part) if isinstance(response, dict) else None
+        if "prompt" not in row or response is None:
+            raise DataFileError(f"{where}: SFT rows need 'prompt' and {self.response_key!r} columns, or 'messages'; "
+                                f"found {sorted(row)}")
+        if not isinstance(response, str):
+            raise DataFileError(f"{where}, column {self.response_key!r}: expected a string, got {describe(response)}")
+        return to_messages(row["prompt"], where) + [{"role": "assistant", "content": response}]
 
     def __len__(self) -> int:
         return len(self.input_ids)

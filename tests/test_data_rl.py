@@ -90,6 +90,12 @@ def test_bad_files_name_file_row_column(tmp_path, content, match):
     assert str(path) in str(info.value)
 
 
+def test_chat_template_failure_names_row(tmp_path):
+    path = write_rows([row("1"), {**row("2"), "prompt": [{"role": "tool", "content": "2"}]}], tmp_path / "r.jsonl")
+    with pytest.raises(ValueError, match="row 1: the chat template failed.*unknown role tool"):
+        RLDataset(path, TOK)
+
+
 def test_missing_and_unsupported_files(tmp_path):
     with pytest.raises(DataFileError, match="does not exist"):
         RLDataset(tmp_path / "none.parquet", TOK)

@@ -48,12 +48,19 @@ def to_messages(prompt, where: str, column: str = "prompt", allow_text: bool = T
     )
 
 
-def render_prompts(tokenizer, messages: Sequence[list[dict]], apply_chat_template: bool) -> list[list[int]]:
+def render_prompts(tokenizer, messages: Sequence[list[dict]], apply_chat_template: bool,
+                   wheres: Sequence[str] | None = None) -> list[list[int]]:
     """Token ids of each prompt (chat template with generation prompt, or plain text)."""
     if apply_chat_template:
         if tokenizer.chat_template is None:
             raise ValueError("the tokenizer has no chat_template; set apply_chat_template=False for plain-text prompts")
-        texts = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in messages]
+        texts = []
+        for i, m in enumerate(messages):
+            try:
+                texts.append(tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True))
+            except Exception as exc:  # jinja raises its own types; say which row
+                where = wheres[i] if wheres else f"prompt {i}"
+                raise ValueError(f"{where}: the chat template failed on this prompt: {exc}") from exc
         return tokenizer(texts, add_special_tokens=False)["input_ids"]
     texts = ["\n".join(msg["content"] for msg in m) for m in messages]
     return tokenizer(texts)["input_ids"]
@@ -112,11 +119,12 @@ class RLDataset:
             where = f"data file {path}, row {i}"
             messages.append(to_messages(row[prompt_key], where))
             records.append(self._record(row, where))
-        all_ids = render_prompts(tokenizer, messages, apply_chat_template)
+        wheres = [f"data file {path}, row {i}" for path, i, _ in entries]
+        all_ids = render_prompts(tokenizer, messages, apply_chat_template, wheres)
         self.input_ids: list[list[int]] = []
         self.records: list[dict] = []
-        for (path, i, _), msgs, rec, ids in zip(entries, messages, records, all_ids):
-            ids = fit_length(list(ids), max_prompt_length, truncation, f"data file {path}, row {i}", "max_prompt_length")
+        for where, msgs, rec, ids in zip(wheres, messages, records, all_ids):
+            ids = fit_length(list(ids), max_prompt_length, truncation, where, "max_prompt_length")
             if ids is None:
                 continue
             rec["raw_prompt"] = msgs

@@ -35,32 +35,34 @@ def forward_log_probs(model: nn.Module, mb: dict, *, use_remove_padding: bool = 
     """Log-probs (and entropy) of the response tokens under ``model`` (an LM).
 
     Returns ``{"log_probs": [B, R]}`` (+ ``"entropy": [B, R]``), fp32, computed from
-    ``logits / temperature`` (the distribution the rollout sampled from).
+    ``logits / temperature`` (the distribution the rollout sampled from); zero at
+    response padding (``attention_mask == 0``).
     """
     r = mb["responses"].shape[1]
+    valid = mb["attention_mask"][:, -r:].float()                             # [B, R]
     out, packed = _run(model, mb, use_remove_padding)
     if packed is not None:
         logits = out.float() / temperature                                 # [N, V]
         log_probs = unpack(logprobs_from_logits(logits, next_token_labels(packed)[0]), packed)
-        result = {"log_probs": log_probs[:, -r - 1:-1]}                      # [B, R]
+        result = {"log_probs": log_probs[:, -r - 1:-1] * valid}              # [B, R]
         if calc_entropy:
-            result["entropy"] = unpack(entropy_from_logits(logits), packed)[:, -r - 1:-1]
+            result["entropy"] = unpack(entropy_from_logits(logits), packed)[:, -r - 1:-1] * valid
         return result
     logits = out[:, -r - 1:-1].float() / temperature                       # [B, R, V]
-    result = {"log_probs": logprobs_from_logits(logits, mb["responses"])}
+    result = {"log_probs": logprobs_from_logits(logits, mb["responses"]) * valid}
     if calc_entropy:
-        result["entropy"] = entropy_from_logits(logits)
+        result["entropy"] = entropy_from_logits(logits) * valid
     return result
 
 
 def forward_values(model: nn.Module, mb: dict, *, use_remove_padding: bool = True) -> torch.Tensor:
     """Critic values for the response tokens ``[B, R]`` (fp32): the value at the token
-    before each response token, as in verl."""
+    before each response token, as in verl; zero at response padding."""
     r = mb["responses"].shape[1]
     out, packed = _run(model, mb, use_remove_padding)
     if packed is not None:
         out = unpack(out, packed)                                            # [B, T]
-    return out[:, -r - 1:-1].float()
+    return out[:, -r - 1:-1].float() * mb["attention_mask"][:, -r:]
 
 
 def forward_scores(model: nn.Module, mb: dict, *, use_remove_padding: bool = True) -> torch.Tensor:

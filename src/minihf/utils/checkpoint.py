@@ -1,0 +1,154 @@
+"""Sharded training checkpoints with torch.distributed.checkpoint (DCP), and HF export.
+
+Layout of a checkpoint dir::
+
+    model/            DCP: the model's sharded state dict (each rank writes its shards)
+    optim/            DCP: the optimizer state (AdamW moments, step), sharded alike
+    extra/rank_R.pt   per rank: LR-scheduler state, RNG states, caller's extra state
+                      (data-sampler position, global step, ...)
+    hf/               config.json (+ tokenizer files copied from the source model dir)
+    meta.json         world size and head kind, for loading and export
+
+Resuming restores everything an optimizer step depends on, so the next step is
+bit-identical to an uninterrupted run on CPU. Export (:func:`export_hf`) reads ``model/``
+in a single process (no process group) and writes an HF dir with ``save_hf``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "chat_template.jinja", "generation_config.json",
+                   "added_tokens.json", "tokenizer.model")
+
+
+def capture_rng_state() -> dict:
+    """This process's RNG states: torch CPU (+ CUDA), Python ``random``, NumPy."""
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
+             "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _rank(group) -> tuple[int, int]:
+    if group is None or not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def save_checkpoint(path: str | Path, model: torch.nn.Module, optimizer=None, lr_scheduler=None,
+                    *, group=None, extra: dict | None = None, hf_source: str | Path | None = None) -> Path:
+    """Save a (sharded) training state to ``path``; every rank of ``group`` must call it.
+
+    ``extra`` is this rank's own picklable state (sampler position, step, ...), returned by
+    :func:`load_checkpoint`. ``hf_source``: a model dir whose tokenizer files are copied
+    into ``hf/`` so :func:`export_hf` writes a complete model dir.
+    """
+    path = Path(path)
+    rank, world = _rank(group)
+    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(path / "model"),
+             process_group=group)
+    if optimizer is not None:
+        dcp.save({"optim": get_optimizer_state_dict(model, optimizer)},
+                 checkpoint_id=str(path / "optim"), process_group=group)
+    (path / "extra").mkdir(parents=True, exist_ok=True)
+    torch.save({"lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
+                "rng": capture_rng_state(), "extra": extra or {}},
+               path / "extra" / f"rank_{rank}.pt")
+    if rank == 0:
+        hf = path / "hf"
+        hf.mkdir(parents=True, exist_ok=True)
+        args = model.args
+        (hf / "config.json").write_text(json.dumps(args.to_hf_config(model.head), indent=2,
+                                                   sort_keys=True) + "\n")
+        if hf_source is not None:
+            for name in TOKENIZER_FILES:
+                if (Path(hf_source) / name).exists():
+                    shutil.copy2(Path(hf_source) / name, hf / name)
+        (path / "meta.json").write_text(json.dumps({"world_size": world, "head": model.head}) + "\n")
+    if group is not None and dist.is_initialized():
+        dist.barrier(group=group)
+    return path
+
+
+def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer=None, lr_scheduler=None,
+                    *, group=None, restore_rng: bool = True) -> dict:
+    """Load what :func:`save_checkpoint` wrote into the (already sharded) ``model`` etc.
+
+    Returns this rank's ``extra`` dict. Model and optimizer load under any world size (DCP
+    reshards); RNG and scheduler states are per rank and are restored only when this rank
+    has a file (a warning says otherwise).
+    """
+    path = Path(path)
+    if not (path / "model").is_dir():
+        raise FileNotFoundError(f"no checkpoint at {path} (expected {path / 'model'}/ written "
+                                "by save_checkpoint)")
+    rank, _ = _rank(group)
+    state = {"model": get_model_state_dict(model)}
+    dcp.load(state, checkpoint_id=str(path / "model"), process_group=group)
+    set_model_state_dict(model, state["model"])
+    if optimizer is not None:
+        if not (path / "optim").is_dir():
+            raise FileNotFoundError(f"{path} has no optimizer state (optim/); it was saved "
+                                    "without an optimizer")
+        ostate = {"optim": get_optimizer_state_dict(model, optimizer)}
+        dcp.load(ostate, checkpoint_id=str(path / "optim"), process_group=group)
+        set_optimizer_state_dict(model, optimizer, ostate["optim"])
+    own = path / "extra" / f"rank_{rank}.pt"
+    if not own.exists():
+        warnings.warn(f"{own} missing (saved with fewer ranks?): RNG and LR-scheduler states "
+                      "start fresh on this rank")
+        return {}
+    saved = torch.load(own, weights_only=False)
+    if lr_scheduler is not None and saved["lr_scheduler"] is not None:
+        lr_scheduler.load_state_dict(saved["lr_scheduler"])
+    if restore_rng:
+        restore_rng_state(saved["rng"])
+    return saved["extra"]
+
+
+def export_hf(ckpt: str | Path, out: str | Path, dtype: torch.dtype | None = None) -> Path:
+    """Write the model of checkpoint ``ckpt`` as an HF dir at ``out`` (single process).
+
+    ``dtype`` casts the weights (e.g. ``torch.bfloat16``); default keeps the stored fp32.
+    """
+    from minihf.models import build_model, load_args, save_hf
+
+    ckpt, out = Path(ckpt), Path(out)
+    if not (ckpt / "meta.json").exists():
+        raise FileNotFoundError(f"{ckpt} is not a minihf checkpoint (no meta.json); pass a dir "
+                                "written by save_checkpoint (e.g. .../global_step_N/actor)")
+    head = json.loads((ckpt / "meta.json").read_text())["head"]
+    model = build_model(load_args(ckpt / "hf"), head)
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=str(ckpt / "model"), no_dist=True)
+    model.load_state_dict(state["model"])
+    model.tie_weights()
+    if dtype is not None:
+        model.to(dtype)
+    save_hf(model, out)
+    for name in TOKENIZER_FILES:
+        if (ckpt / "hf" / name).exists() and name != "config.json":
+            shutil.copy2(ckpt / "hf" / name, out / name)
+    return out

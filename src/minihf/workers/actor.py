@@ -1,0 +1,172 @@
+"""``ActorRolloutRefWorker``: the policy (trained) and the frozen reference, in one process.
+
+Methods the driver calls (dispatch ``DP_COMPUTE`` unless noted):
+
+* ``init_model`` (ONE_TO_ALL): load and shard the actor (+ optimizer) and the reference.
+* ``compute_log_prob(batch) -> Batch{old_log_probs[, entropys]}``
+* ``compute_ref_log_prob(batch) -> Batch{ref_log_prob}``
+* ``update_actor(batch) -> metrics`` (``actor/pg_loss``, ``actor/pg_clipfrac``,
+  ``actor/ppo_kl``, ``actor/entropy``, ``actor/kl_loss``, ``actor/grad_norm``,
+  ``actor/lr``), reduced over ranks, from DP rank 0.
+* ``save_checkpoint(path, extra)`` / ``load_checkpoint(path)`` (ONE_TO_ALL).
+
+The rollout and resharding issues add the generation methods. Log-probs are computed at
+``batch.meta["temperature"]`` (default 1.0), the temperature the rollout sampled with.
+The reference may keep its shards on the host (``ref.fsdp.param_offload``); FSDP then
+moves each block to the device only while it runs.
+
+Update batches should hold a multiple of the DP size rows: the controller pads uneven
+batches by repeating rows, which an update would count twice.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minihf.algorithms import (agg_loss, compute_policy_loss, kl_penalty, masked_mean)
+from minihf.controller import Dispatch, Worker, register
+from minihf.protocol import Batch
+from minihf.utils import checkpoint as ckpt
+from minihf.workers.config import ActorRolloutRefConfig
+from minihf.workers.engine import (build_fsdp_model, build_optim, mini_batch_rows, prefixed,
+                                   run_micro_batches, tensors_of)
+from minihf.workers.forward import forward_log_probs
+from minihf.workers.train_step import (global_normalizer, global_token_count, mean_metrics,
+                                       plan_micro_batches, take_rows, train_minibatch)
+
+INPUT_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
+UPDATE_KEYS = INPUT_KEYS + ("response_mask", "old_log_probs", "advantages")
+
+
+
+class ActorRolloutRefWorker(Worker):
+    def __init__(self, config: ActorRolloutRefConfig, with_ref: bool = True):
+        super().__init__()
+        self.config = config
+        self.with_ref = with_ref
+        self.actor = self.ref = self.optimizer = self.lr_scheduler = None
+        self.update_calls = 0
+
+    # -- set-up ---------------------------------------------------------------------------
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        cfg = self.config
+        self.actor = build_fsdp_model(cfg.model, cfg.actor.fsdp, head="lm", group=self.group,
+                                      device=self.device)
+        self.optimizer, self.lr_scheduler = build_optim(self.actor, cfg.actor.optim)
+        if self.with_ref:
+            self.ref = build_fsdp_model(cfg.model, cfg.ref.fsdp, head="lm", group=self.group,
+                                        device=self.device, trainable=False)
+
+    def _require(self, name: str):
+        model = getattr(self, name)
+        if model is None:
+            hint = ("construct the worker with with_ref=True" if name == "ref"
+                    else "call init_model() first")
+            raise RuntimeError(f"{type(self).__name__}.{name} is not built; {hint}")
+        return model
+
+    # -- inference ------------------------------------------------------------------------
+    def _log_probs(self, model, batch: Batch, micro: int | None, max_tokens: int | None,
+                   calc_entropy: bool) -> dict:
+        data = tensors_of(batch, INPUT_KEYS, self.device)
+        temperature = float(batch.meta.get("temperature", 1.0))
+        use_rmpad = self.config.model.use_remove_padding
+
+        def fn(mb):
+            return forward_log_probs(model, mb, use_remove_padding=use_rmpad,
+                                     temperature=temperature, calc_entropy=calc_entropy)
+        return run_micro_batches(data, fn, micro_batch_size=micro, max_tokens=max_tokens,
+                                 group=self.group)
+
+    @register(dispatch=Dispatch.DP_COMPUTE)
+    def compute_log_prob(self, batch: Batch, calc_entropy: bool = False) -> Batch:
+        """Old log-probs of the response tokens under the current actor (+ entropy)."""
+        a = self.config.actor
+        out = self._log_probs(self._require("actor"), batch, a.log_prob_micro_batch_size_per_gpu,
+                              a.max_tokens_per_micro_batch, calc_entropy)
+        tensors = {"old_log_probs": out["log_probs"].cpu()}
+        if calc_entropy:
+            tensors["entropys"] = out["entropy"].cpu()
+        return Batch(tensors)
+
+    @register(dispatch=Dispatch.DP_COMPUTE)
+    def compute_ref_log_prob(self, batch: Batch) -> Batch:
+        """Log-probs of the response tokens under the frozen reference policy."""
+        r = self.config.ref
+        out = self._log_probs(self._require("ref"), batch, r.log_prob_micro_batch_size_per_gpu,
+                              r.max_tokens_per_micro_batch, False)
+        return Batch({"ref_log_prob": out["log_probs"].cpu()})
+
+    # -- update ---------------------------------------------------------------------------
+    def _loss_fn(self, norm, tokens, temperature):
+        a = self.config.actor
+        model = self.actor
+
+        def loss_fn(mb):
+            mask = mb["response_mask"]
+            out = forward_log_probs(model, mb, use_remove_padding=self.config.model.use_remove_padding,
+                                    temperature=temperature, calc_entropy=a.entropy_coeff != 0)
+            log_prob = out["log_probs"]                                       # [b, R]
+            pg_loss, clipfrac, ppo_kl, clipfrac_lower = compute_policy_loss(
+                mb["old_log_probs"], log_prob, mb["advantages"], mask, cliprange=a.clip_ratio,
+                cliprange_low=a.clip_ratio_low, cliprange_high=a.clip_ratio_high,
+                clip_ratio_c=a.clip_ratio_c, loss_agg_mode=a.loss_agg_mode, normalizer=norm)
+            share = mask.float().sum() / tokens  # this micro-batch's weight in token means
+            stats = {"pg_loss": pg_loss, "pg_clipfrac": clipfrac * share,
+                     "ppo_kl": ppo_kl * share, "pg_clipfrac_lower": clipfrac_lower * share}
+            loss = pg_loss
+            if a.entropy_coeff != 0:
+                entropy = agg_loss(out["entropy"], mask, a.loss_agg_mode, norm)
+                loss = loss - a.entropy_coeff * entropy
+                stats["entropy"] = masked_mean(out["entropy"], mask) * share
+            if a.use_kl_loss:
+                kl = agg_loss(kl_penalty(log_prob, mb["ref_log_prob"], a.kl_loss_type), mask,
+                              a.loss_agg_mode, norm)
+                loss = loss + a.kl_loss_coef * kl
+                stats["kl_loss"] = kl
+            return loss, stats
+        return loss_fn
+
+    @register(dispatch=Dispatch.DP_COMPUTE, collect=Dispatch.RANK_ZERO)
+    def update_actor(self, batch: Batch) -> dict[str, float]:
+        """PPO update: ``ppo_epochs`` x mini-batches x micro-batches; returns metrics."""
+        a = self.config.actor
+        self._require("actor")
+        keys = UPDATE_KEYS + (("ref_log_prob",) if a.use_kl_loss else ())
+        data = tensors_of(batch, keys, self.device)
+        temperature = float(batch.meta.get("temperature", 1.0))
+        steps = []
+        for rows in mini_batch_rows(len(batch), a.ppo_mini_batch_size, self.group,
+                                    epochs=a.ppo_epochs, shuffle=a.shuffle, seed=self.update_calls):
+            mini = take_rows(data, rows)
+            norm = global_normalizer(mini["response_mask"], a.loss_agg_mode, self.group)
+            tokens = global_token_count(mini["response_mask"], self.group)
+            plan = plan_micro_batches(mini["attention_mask"], micro_batch_size=a.ppo_micro_batch_size_per_gpu,
+                                      max_tokens=a.max_tokens_per_micro_batch, group=self.group)
+            steps.append(train_minibatch(self.actor, self.optimizer, self.lr_scheduler,
+                                         [take_rows(mini, p) for p in plan],
+                                         self._loss_fn(norm, tokens, temperature),
+                                         clip_grad=a.optim.clip_grad, group=self.group))
+        self.update_calls += 1
+        metrics = prefixed(mean_metrics(steps), "actor")
+        if a.use_kl_loss:
+            metrics["actor/kl_coef"] = a.kl_loss_coef
+        return metrics
+
+    # -- checkpoints ----------------------------------------------------------------------
+    @register(dispatch=Dispatch.ONE_TO_ALL, collect=Dispatch.RANK_ZERO)
+    def save_checkpoint(self, path: str, extra: dict | None = None) -> str:
+        """Sharded actor + optimizer + schedule + RNG (+ ``extra``) under ``path``."""
+        state = dict(extra or {}, update_calls=self.update_calls)
+        ckpt.save_checkpoint(path, self._require("actor"), self.optimizer, self.lr_scheduler,
+                        group=self.group, extra=state, hf_source=self.config.model.path)
+        return str(path)
+
+    @register(dispatch=Dispatch.ONE_TO_ALL, collect=Dispatch.RANK_ZERO)
+    def load_checkpoint(self, path: str) -> dict:
+        """Restore what ``save_checkpoint`` wrote; returns the saved ``extra``."""
+        extra = ckpt.load_checkpoint(path, self._require("actor"), self.optimizer, self.lr_scheduler,
+                                group=self.group)
+        self.update_calls = extra.pop("update_calls", self.update_calls)
+        return extra

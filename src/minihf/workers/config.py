@@ -1,0 +1,129 @@
+"""Config sections of the training workers (composed into a job's root config).
+
+Batch sizes count *sequences* (rows of a Batch, i.e. prompts x samples per prompt) and
+are global over the role's data-parallel ranks unless the name ends in ``_per_gpu``.
+Every field has verl's name where verl has one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from minihf.algorithms import LOSS_AGG_MODES
+from minihf.trainer.optim import OptimConfig
+
+
+@dataclass
+class FSDPConfig:
+    """How a role's model is sharded (see ``minihf.parallel.fsdp.apply_fsdp``)."""
+    param_offload: bool = False          # params/grads/optimizer state on the host (CPUOffloadPolicy)
+    activation_checkpointing: bool = False
+    mixed_precision: Literal["auto", "none"] = "auto"  # auto: bf16/fp32-reduce on CUDA, fp32 on CPU
+    reshard_after_forward: bool = True
+
+
+@dataclass
+class ModelConfig:
+    """Which checkpoint a role loads and how its forward runs."""
+    path: str = ""                       # HF checkpoint dir (config.json + safetensors)
+    use_remove_padding: bool = True      # padding-free packed micro-batches
+
+
+def _check_micro(micro: Optional[int], max_tokens: Optional[int]) -> None:
+    if micro is None and max_tokens is None:
+        raise ValueError("set a micro-batch size (*_micro_batch_size_per_gpu) or "
+                         "max_tokens_per_micro_batch")
+    if micro is not None and micro < 1:
+        raise ValueError(f"micro-batch size {micro} must be >= 1")
+    if max_tokens is not None and max_tokens < 1:
+        raise ValueError(f"max_tokens_per_micro_batch={max_tokens} must be >= 1")
+
+
+@dataclass
+class ActorConfig:
+    """PPO policy update."""
+    ppo_mini_batch_size: int = 16        # sequences per optimizer step, global
+    ppo_micro_batch_size_per_gpu: Optional[int] = 4
+    max_tokens_per_micro_batch: Optional[int] = None  # dynamic micro-batches (wins when set)
+    ppo_epochs: int = 1
+    shuffle: bool = False                # reshuffle rows before cutting mini-batches each epoch
+    clip_ratio: float = 0.2
+    clip_ratio_low: Optional[float] = None
+    clip_ratio_high: Optional[float] = None
+    clip_ratio_c: Optional[float] = None  # dual-clip bound (e.g. 3.0); None disables
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False            # GRPO-style KL to the reference in the loss
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    loss_agg_mode: str = "token-mean"
+    log_prob_micro_batch_size_per_gpu: Optional[int] = 8  # for compute_log_prob
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+
+    def __post_init__(self):
+        if self.ppo_mini_batch_size < 1 or self.ppo_epochs < 1:
+            raise ValueError(f"ppo_mini_batch_size={self.ppo_mini_batch_size} and "
+                             f"ppo_epochs={self.ppo_epochs} must be >= 1")
+        _check_micro(self.ppo_micro_batch_size_per_gpu, self.max_tokens_per_micro_batch)
+        if self.loss_agg_mode not in LOSS_AGG_MODES:
+            raise ValueError(f"loss_agg_mode={self.loss_agg_mode!r}; choose one of "
+                             f"{list(LOSS_AGG_MODES)}")
+        if not self.clip_ratio > 0:
+            raise ValueError(f"clip_ratio={self.clip_ratio} must be > 0")
+
+
+@dataclass
+class RefConfig:
+    """The frozen reference policy (same checkpoint as the actor)."""
+    log_prob_micro_batch_size_per_gpu: Optional[int] = 8
+    max_tokens_per_micro_batch: Optional[int] = None
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)  # param_offload: keep it on the host when idle
+
+    def __post_init__(self):
+        _check_micro(self.log_prob_micro_batch_size_per_gpu, self.max_tokens_per_micro_batch)
+
+
+@dataclass
+class ActorRolloutRefConfig:
+    """The hybrid actor/rollout/reference worker (the rollout issue adds its section)."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+
+
+@dataclass
+class CriticConfig:
+    """PPO value-function update (model.path may be a causal-LM checkpoint)."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    ppo_mini_batch_size: int = 16
+    ppo_micro_batch_size_per_gpu: Optional[int] = 4
+    max_tokens_per_micro_batch: Optional[int] = None
+    forward_micro_batch_size_per_gpu: Optional[int] = 8
+    ppo_epochs: int = 1
+    shuffle: bool = False
+    cliprange_value: float = 0.5
+    loss_agg_mode: str = "token-mean"
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+
+    def __post_init__(self):
+        if self.ppo_mini_batch_size < 1 or self.ppo_epochs < 1:
+            raise ValueError(f"ppo_mini_batch_size={self.ppo_mini_batch_size} and "
+                             f"ppo_epochs={self.ppo_epochs} must be >= 1")
+        _check_micro(self.ppo_micro_batch_size_per_gpu, self.max_tokens_per_micro_batch)
+        if self.loss_agg_mode not in LOSS_AGG_MODES:
+            raise ValueError(f"loss_agg_mode={self.loss_agg_mode!r}; choose one of "
+                             f"{list(LOSS_AGG_MODES)}")
+
+
+@dataclass
+class RewardModelConfig:
+    """A learned reward model (score head; scored at the last response token)."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    micro_batch_size_per_gpu: Optional[int] = 8
+    max_tokens_per_micro_batch: Optional[int] = None
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+
+    def __post_init__(self):
+        _check_micro(self.micro_batch_size_per_gpu, self.max_tokens_per_micro_batch)

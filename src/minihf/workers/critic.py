@@ -1,0 +1,109 @@
+"""``CriticWorker``: the PPO value function (a ``ValueModel``), trained with the clipped
+value loss.
+
+* ``init_model`` (ONE_TO_ALL); ``compute_values(batch) -> Batch{values}`` (DP_COMPUTE);
+* ``update_critic(batch) -> metrics`` (``critic/vf_loss``, ``critic/vf_clipfrac``,
+  ``critic/vpred_mean``, ``critic/grad_norm``, ``critic/lr``), needs ``values`` (old) and
+  ``returns``;
+* ``save_checkpoint`` / ``load_checkpoint`` (ONE_TO_ALL).
+
+``model.path`` may be a causal-LM checkpoint: the backbone is loaded, the value head
+initialised fresh (``load_hf`` warns once).
+"""
+
+from __future__ import annotations
+
+from minihf.algorithms import compute_value_loss, masked_mean
+from minihf.controller import Dispatch, Worker, register
+from minihf.protocol import Batch
+from minihf.utils import checkpoint as ckpt
+from minihf.workers.config import CriticConfig
+from minihf.workers.engine import (build_fsdp_model, build_optim, mini_batch_rows, prefixed,
+                                   run_micro_batches, tensors_of)
+from minihf.workers.forward import forward_values
+from minihf.workers.train_step import (global_normalizer, global_token_count, mean_metrics,
+                                       plan_micro_batches, take_rows, train_minibatch)
+
+INPUT_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
+UPDATE_KEYS = INPUT_KEYS + ("response_mask", "values", "returns")
+
+
+class CriticWorker(Worker):
+    def __init__(self, config: CriticConfig):
+        super().__init__()
+        self.config = config
+        self.critic = self.optimizer = self.lr_scheduler = None
+        self.update_calls = 0
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        c = self.config
+        self.critic = build_fsdp_model(c.model, c.fsdp, head="value", group=self.group,
+                                       device=self.device)
+        self.optimizer, self.lr_scheduler = build_optim(self.critic, c.optim)
+
+    def _model(self):
+        if self.critic is None:
+            raise RuntimeError("CriticWorker: call init_model() first")
+        return self.critic
+
+    @register(dispatch=Dispatch.DP_COMPUTE)
+    def compute_values(self, batch: Batch) -> Batch:
+        """V(s) before each response token, ``values`` [B, R] (zero under the mask's pads)."""
+        c, model = self.config, self._model()
+        data = tensors_of(batch, INPUT_KEYS, self.device)
+
+        def fn(mb):
+            v = forward_values(model, mb, use_remove_padding=c.model.use_remove_padding)
+            return {"values": v}
+        out = run_micro_batches(data, fn, micro_batch_size=c.forward_micro_batch_size_per_gpu,
+                                max_tokens=c.max_tokens_per_micro_batch, group=self.group)
+        return Batch({"values": out["values"].cpu()})
+
+    def _loss_fn(self, norm, tokens):
+        c, model = self.config, self.critic
+
+        def loss_fn(mb):
+            mask = mb["response_mask"]
+            vpreds = forward_values(model, mb, use_remove_padding=c.model.use_remove_padding)
+            vf_loss, clipfrac = compute_value_loss(vpreds, mb["returns"], mb["values"], mask,
+                                                   c.cliprange_value, c.loss_agg_mode, norm)
+            share = mask.float().sum() / tokens
+            return vf_loss, {"vf_loss": vf_loss, "vf_clipfrac": clipfrac * share,
+                             "vpred_mean": masked_mean(vpreds, mask) * share}
+        return loss_fn
+
+    @register(dispatch=Dispatch.DP_COMPUTE, collect=Dispatch.RANK_ZERO)
+    def update_critic(self, batch: Batch) -> dict[str, float]:
+        """Clipped value-loss update: ``ppo_epochs`` x mini-batches x micro-batches."""
+        c = self.config
+        self._model()
+        data = tensors_of(batch, UPDATE_KEYS, self.device)
+        steps = []
+        for rows in mini_batch_rows(len(batch), c.ppo_mini_batch_size, self.group,
+                                    epochs=c.ppo_epochs, shuffle=c.shuffle, seed=self.update_calls):
+            mini = take_rows(data, rows)
+            norm = global_normalizer(mini["response_mask"], c.loss_agg_mode, self.group)
+            tokens = global_token_count(mini["response_mask"], self.group)
+            plan = plan_micro_batches(mini["attention_mask"], micro_batch_size=c.ppo_micro_batch_size_per_gpu,
+                                      max_tokens=c.max_tokens_per_micro_batch, group=self.group)
+            steps.append(train_minibatch(self.critic, self.optimizer, self.lr_scheduler,
+                                         [take_rows(mini, p) for p in plan],
+                                         self._loss_fn(norm, tokens),
+                                         clip_grad=c.optim.clip_grad, group=self.group))
+        self.update_calls += 1
+        return prefixed(mean_metrics(steps), "critic")
+
+    @register(dispatch=Dispatch.ONE_TO_ALL, collect=Dispatch.RANK_ZERO)
+    def save_checkpoint(self, path: str, extra: dict | None = None) -> str:
+        ckpt.save_checkpoint(path, self._model(), self.optimizer, self.lr_scheduler,
+                             group=self.group, extra=dict(extra or {}, update_calls=self.update_calls),
+                             hf_source=self.config.model.path)
+        return str(path)
+
+    @register(dispatch=Dispatch.ONE_TO_ALL, collect=Dispatch.RANK_ZERO)
+    def load_checkpoint(self, path: str) -> dict:
+        extra = ckpt.load_checkpoint(path, self._model(), self.optimizer, self.lr_scheduler,
+                                     group=self.group)
+        self.update_calls = extra.pop("update_calls", self.update_calls)
+        return extra

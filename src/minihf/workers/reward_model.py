@@ -1,0 +1,45 @@
+"""``RewardModelWorker``: a learned reward model (``ScoreModel``), inference only.
+
+``compute_rm_score(batch) -> Batch{rm_scores}`` (DP_COMPUTE): the score head's output at
+the last real token of each sequence, placed at the last response token of a ``[B, R]``
+tensor (zeros elsewhere), verl's ``rm_scores`` layout; the driver adds it to (or uses it
+as) ``token_level_scores``. The RM reads the actor's token ids, so it must share the
+actor's tokenizer.
+"""
+
+from __future__ import annotations
+
+from minihf.controller import Dispatch, Worker, register
+from minihf.protocol import Batch
+from minihf.workers.config import RewardModelConfig
+from minihf.workers.engine import build_fsdp_model, run_micro_batches, tensors_of
+from minihf.workers.forward import forward_scores
+
+INPUT_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
+
+
+class RewardModelWorker(Worker):
+    def __init__(self, config: RewardModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = None
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        c = self.config
+        self.model = build_fsdp_model(c.model, c.fsdp, head="score", group=self.group,
+                                      device=self.device, trainable=False)
+
+    @register(dispatch=Dispatch.DP_COMPUTE)
+    def compute_rm_score(self, batch: Batch) -> Batch:
+        if self.model is None:
+            raise RuntimeError("RewardModelWorker: call init_model() first")
+        c = self.config
+        data = tensors_of(batch, INPUT_KEYS, self.device)
+
+        def fn(mb):
+            return {"rm_scores": forward_scores(self.model, mb,
+                                                use_remove_padding=c.model.use_remove_padding)}
+        out = run_micro_batches(data, fn, micro_batch_size=c.micro_batch_size_per_gpu,
+                                max_tokens=c.max_tokens_per_micro_batch, group=self.group)
+        return Batch({"rm_scores": out["rm_scores"].cpu()})

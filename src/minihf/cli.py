@@ -72,5 +72,31 @@ def make_data(
         typer.echo(f"{split}: {path} (+ .jsonl)")
 
 
+@app.command()
+def generate(
+    model_dir: str = typer.Argument(..., help="HF model dir (config.json, safetensors, tokenizer)."),
+    prompt: list[str] = typer.Option(..., "--prompt", "-p", help="Prompt text; repeat for a batch."),
+    max_tokens: int = typer.Option(64, help="New tokens at most."),
+    temperature: float = typer.Option(0.0, help="0 = greedy."),
+    top_p: float = typer.Option(1.0, help="Nucleus sampling mass (1 = off)."),
+    top_k: int = typer.Option(-1, help="Top-k (-1 = off)."),
+    n: int = typer.Option(1, help="Completions per prompt."),
+    seed: int = typer.Option(None, help="Seed for reproducible sampling."),
+    chat: bool = typer.Option(False, help="Wrap each prompt in the tokenizer's chat template."),
+) -> None:
+    """Generate completions with minihf's rollout engine."""
+    from minihf.rollout import SamplingParams
+    from minihf.rollout.text import generate_text
+
+    try:
+        params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed)
+        outs = generate_text(model_dir, prompt, params, chat=chat)
+    except (ValueError, FileNotFoundError) as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    for text, completions in zip(prompt, outs):
+        for c in completions:
+            typer.echo(f"{text!r} -> {c!r}")
+
+
 if __name__ == "__main__":
     app()

@@ -17,9 +17,31 @@ from __future__ import annotations
 
 import torch
 
+from minihf.parallel.tp import ColumnParallelLinear, RowParallelLinear, VocabParallelLMHead
+
 from .kv_cache import SlotKVCache
 from .sampling import RowParams, SamplingParams, sample, sequence_key
 from .scheduler import Scheduler, Sequence
+
+
+_LINEARS = (torch.nn.Linear, ColumnParallelLinear, RowParallelLinear, VocabParallelLMHead)
+
+
+def column_major_linears(model: torch.nn.Module) -> None:
+    """Store every Linear weight [out, in] column-major (same shape, values and names).
+
+    On CPU the decode step is a chain of matrix-vector products over weights that do not stay
+    in cache; MKL streams a column-major weight (``x @ W_t`` with ``W_t`` [in, out]
+    contiguous) about 2x faster than the row-major ``nn.Linear`` layout when the weight comes
+    from DRAM (measured: 8192x256 fp32, cold, 1.13 ms -> 0.44 ms), which made the batch-1 step
+    of the 5M benchmark model ~1.4x faster. ``F.linear`` accepts the transposed-view weight
+    as is; loads into it (``copy_``) keep working. Not done on CUDA, where it does not help.
+    """
+    with torch.no_grad():
+        for module in model.modules():
+            w = getattr(module, "weight", None)
+            if isinstance(module, _LINEARS) and w.dim() == 2 and w.is_contiguous():
+                w.data = w.data.t().contiguous().t()
 
 
 class Engine:
@@ -27,6 +49,8 @@ class Engine:
                  max_num_batched_tokens: int | None = None, kv_cache_memory: int | None = None,
                  gpu_memory_utilization: float | None = None, eos_token_ids: tuple[int, ...] = (), seed: int = 0):
         self.model = model.eval()
+        if self.device.type == "cpu":
+            column_major_linears(model)
         args = model.args
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len or args.max_position_embeddings

@@ -54,7 +54,12 @@ class SlotKVCache:
         self._kv_len = kv_len
         keys = torch.arange(self._kv_len, device=positions.device)
         self._mask = (keys[None, :] <= positions[:, None])[:, None, None, :]  # [B, 1, 1, S]
-        self._row_idx = torch.arange(self._rows, device=positions.device)
+        # flat index of (row b, head h, position p) in a layer viewed as [slots*heads*max_len, hd]:
+        # one index_copy_ per layer instead of an advanced-index put, computed once per step
+        heads = self.k.shape[2]
+        rows = torch.arange(self._rows, device=positions.device)
+        self._flat = (((rows * heads)[:, None] + torch.arange(heads, device=positions.device)) * self.max_len
+                      + positions[:, None]).reshape(-1)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
         """Write ``k, v`` [B, n_kv, T, hd] at ``positions`` [B, T]; return keys, values, mask."""
@@ -63,9 +68,9 @@ class SlotKVCache:
             self.k[layer][rows, :, positions] = k.transpose(1, 2)
             self.v[layer][rows, :, positions] = v.transpose(1, 2)
             return k, v, self._mask
-        pos = positions[:, 0]
-        self.k[layer][self._row_idx, :, pos] = k[:, :, 0]
-        self.v[layer][self._row_idx, :, pos] = v[:, :, 0]
+        hd = k.shape[-1]
+        self.k[layer].view(-1, hd).index_copy_(0, self._flat, k.reshape(-1, hd))
+        self.v[layer].view(-1, hd).index_copy_(0, self._flat, v.reshape(-1, hd))
         S, B = self._kv_len, self._rows
         return self.k[layer, :B, :, :S], self.v[layer, :B, :, :S], self._mask
 

@@ -134,10 +134,11 @@ def sample(logits: torch.Tensor, rows: RowParams, steps: torch.Tensor) -> tuple[
     """
     logits = logits.float()
     greedy_tok = logits.argmax(dim=-1)
+    if rows.all_greedy:
+        logp = torch.log_softmax(logits, dim=-1)
+        return greedy_tok, logp.gather(1, greedy_tok[:, None]).squeeze(1)
     temp = torch.where(rows.temperature > 0, rows.temperature, torch.ones_like(rows.temperature))
     logp = torch.log_softmax(logits / temp[:, None], dim=-1)  # [B, V]
-    if rows.all_greedy:
-        return greedy_tok, logp.gather(1, greedy_tok[:, None]).squeeze(1)
     u = uniforms(rows.keys, steps)  # [B] float64
     if rows.truncate:
         sorted_logp, order = logp.sort(dim=-1, descending=True, stable=True)  # [B, V]

@@ -1,0 +1,188 @@
+"""Benchmark minihf's rollout engine against transformers ``generate`` on the same weights.
+
+    python scripts/bench_generate.py            # ~5M and ~30M models, batch 1/16/64, 128 new tokens
+    python scripts/bench_generate.py --quick    # ~5M model only, fewer tokens and repeats
+
+Models are random-init Llama configs built locally (no download) and loaded by both
+libraries from the same checkpoint dir. Greedy decoding with ``ignore_eos`` so lengths
+match; the script asserts token-identical outputs, runs the two libraries alternately
+(``--repeats`` rounds) and reports the best round of each (the least disturbed by other load
+on a shared machine), tokens/s and the ratio. A second workload (``--varlen``) gives
+requests very different lengths (per-request ``max_tokens``) to compare continuous batching
+(slots refilled as sequences finish) with static batching (transformers: each batch of
+``--slots`` prompts runs until its longest member is done). On CUDA the decode step time is
+also compared with the weight-bandwidth limit (bytes of weights / measured copy bandwidth).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import tempfile
+import time
+
+import torch
+
+MODELS = {  # name: (hidden, layers, heads, kv_heads, intermediate, vocab)
+    "5M": (256, 4, 8, 4, 688, 8192),
+    "30M": (512, 8, 8, 4, 1408, 16384),
+}
+
+
+def build(name: str, path: str) -> None:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    h, layers, heads, kv, inter, vocab = MODELS[name]
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=h, intermediate_size=inter, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=1024,
+                      tie_word_embeddings=True, initializer_range=0.1, eos_token_id=None, bos_token_id=None)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_hf(hf, prompts: torch.Tensor, new: int) -> tuple[list[list[int]], float]:
+    sync(prompts.device)
+    t = time.perf_counter()
+    with torch.inference_mode():
+        out = hf.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new, min_new_tokens=new,
+                          do_sample=False, pad_token_id=0, eos_token_id=None)
+    sync(prompts.device)
+    return out[:, prompts.shape[1]:].tolist(), time.perf_counter() - t
+
+
+def run_minihf(llm, prompts: list[list[int]], params) -> tuple[list, float]:
+    sync(llm.engine.device)
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    sync(llm.engine.device)
+    return [o.outputs[0].token_ids for o in outs], time.perf_counter() - t
+
+
+def bench_fixed(name, path, device, dtype, batches, prompt_len, new, repeats):
+    from transformers import AutoModelForCausalLM
+
+    from minihf.rollout import LLM, SamplingParams
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    llm = LLM(path, dtype=dtype, device=str(device), max_num_seqs=max(batches))
+    vocab = MODELS[name][5]
+    nparams = sum(p.numel() for p in hf.parameters())
+    print(f"\n== model {name} ({nparams / 1e6:.1f}M params), prompt {prompt_len}, {new} new tokens, greedy ==")
+    print(f"{'batch':>5} {'minihf tok/s':>13} {'hf tok/s':>10} {'ratio':>6}  identical")
+    params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+    rows = []
+    for batch in batches:
+        prompts = torch.randint(0, vocab, (batch, prompt_len), generator=torch.Generator().manual_seed(batch))
+        best_m = best_h = float("inf")
+        for _ in range(repeats):
+            ref, th = run_hf(hf, prompts.to(device), new)
+            got, tm = run_minihf(llm, prompts.tolist(), params)
+            best_h, best_m = min(best_h, th), min(best_m, tm)
+            same = got == ref
+            if not same:
+                bad = sum(a != b for a, b in zip(got, ref))
+                raise AssertionError(f"{name} batch {batch}: {bad}/{batch} sequences differ from transformers")
+        tm_s, th_s = batch * new / best_m, batch * new / best_h
+        print(f"{batch:>5} {tm_s:>13.0f} {th_s:>10.0f} {tm_s / th_s:>6.2f}  {same}")
+        rows.append((name, batch, tm_s, th_s))
+        if device.type == "cuda":
+            report_bandwidth(llm, hf, prompts.tolist(), new, best_m)
+    llm.free()
+    del hf
+    return rows
+
+
+def report_bandwidth(llm, hf, prompts, new, total_s):
+    from minihf.rollout import SamplingParams
+
+    _, prefill_s = run_minihf(llm, prompts, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    step_ms = (total_s - prefill_s) / max(1, new - 1) * 1e3
+    weight_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
+    x = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    y.copy_(x)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    bw = 2 * x.numel() * 10 / (time.perf_counter() - t)  # read + write bytes/s
+    limit_ms = weight_bytes / bw * 1e3
+    print(f"      decode step {step_ms:.3f} ms vs weight-bandwidth limit {limit_ms:.3f} ms "
+          f"({weight_bytes / 2**20:.0f} MiB at {bw / 1e9:.0f} GB/s): {limit_ms / step_ms:.0%} of peak")
+
+
+def bench_varlen(name, path, device, dtype, num_requests, slots, prompt_len, max_new, repeats):
+    from transformers import AutoModelForCausalLM
+
+    from minihf.rollout import LLM, SamplingParams
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    llm = LLM(path, dtype=dtype, device=str(device), max_num_seqs=slots)
+    vocab = MODELS[name][5]
+    rng = random.Random(0)
+    # long-tailed lengths: most responses short, a few long (as in RL rollouts)
+    lengths = [min(max_new, max(4, int(rng.expovariate(1 / (max_new / 6))))) for _ in range(num_requests)]
+    prompts = torch.randint(0, vocab, (num_requests, prompt_len), generator=torch.Generator().manual_seed(1))
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    useful = sum(lengths)
+    best = {"minihf continuous": float("inf"), "minihf static": float("inf"), "hf static": float("inf")}
+    for _ in range(repeats):
+        t = time.perf_counter()
+        hf_out = []
+        for i in range(0, num_requests, slots):
+            out, _ = run_hf(hf, prompts[i:i + slots].to(device), max(lengths[i:i + slots]))
+            hf_out += [o[:n] for o, n in zip(out, lengths[i:i + slots])]
+        best["hf static"] = min(best["hf static"], time.perf_counter() - t)
+        got, tc = run_minihf(llm, prompts.tolist(), params)
+        best["minihf continuous"] = min(best["minihf continuous"], tc)
+        assert got == hf_out, "continuous batching outputs differ from transformers"
+        t = time.perf_counter()
+        for i in range(0, num_requests, slots):  # static: a batch is admitted only when the previous one is done
+            run_minihf(llm, prompts[i:i + slots].tolist(), params[i:i + slots])
+        best["minihf static"] = min(best["minihf static"], time.perf_counter() - t)
+    print(f"\n== variable lengths, model {name}: {num_requests} requests, {slots} slots, max_tokens "
+          f"{min(lengths)}..{max(lengths)} (mean {useful / num_requests:.0f}) ==")
+    for k, v in best.items():
+        print(f"{k:>18}: {useful / v:8.0f} useful tok/s ({v:.2f} s)")
+    print(f"continuous vs hf static: {best['hf static'] / best['minihf continuous']:.2f}x; "
+          f"vs minihf static: {best['minihf static'] / best['minihf continuous']:.2f}x")
+    llm.free()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="5M model, 32 new tokens, 1 repeat, small varlen run")
+    ap.add_argument("--models", nargs="+", default=["5M", "30M"], choices=sorted(MODELS))
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64])
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    ap.add_argument("--no-varlen", action="store_true")
+    args = ap.parse_args()
+    if args.quick:
+        args.models, args.new_tokens, args.repeats = ["5M"], 32, 1
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    print(f"device {device}, dtype {dtype}, torch {torch.__version__}, threads {torch.get_num_threads()}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.models:
+            path = f"{tmp}/{name}"
+            build(name, path)
+            bench_fixed(name, path, device, dtype, args.batches, args.prompt_len, args.new_tokens, args.repeats)
+        if not args.no_varlen:
+            name = args.models[0]
+            n, slots, max_new = (32, 8, 64) if args.quick else (128, 32, 256)
+            bench_varlen(name, f"{tmp}/{name}", device, dtype, n, slots, args.prompt_len, max_new, max(1, args.repeats - 1))
+
+
+if __name__ == "__main__":
+    main()

@@ -17,10 +17,10 @@ def build_tiny(arch: str, path, heads: int = 4, kv_heads: int = 2, **extra):
 
     cls = dict(llama=LlamaConfig, qwen2=Qwen2Config, qwen3=Qwen3Config, mistral=MistralConfig)[arch]
     # a large init std makes logits peaky, so greedy comparisons are not decided by fp32 ties
+    extra.setdefault("tie_word_embeddings", arch == "qwen2")
     cfg = cls(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
-              initializer_range=0.2, tie_word_embeddings=(arch == "qwen2"), eos_token_id=None,
-              bos_token_id=None, pad_token_id=None, **extra)
+              initializer_range=0.2, eos_token_id=None, bos_token_id=None, pad_token_id=None, **extra)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     model.save_pretrained(path)
@@ -99,6 +99,9 @@ def test_seeds_and_n_samples(tiny_dirs):
     assert [[c.token_ids for c in o.outputs] for o in a] == [[c.token_ids for c in o.outputs] for o in b]
     samples = [tuple(c.token_ids) for c in a[0].outputs]
     assert len(set(samples)) == 4  # the n samples of one request differ
+    # sample 0 of n (prefilled once, cache copied to the other samples) equals an n=1 request
+    one = llm.generate(PROMPTS[:1], SamplingParams(n=1, temperature=1.0, max_tokens=16, seed=123))[0].outputs[0]
+    assert one.token_ids == a[0].outputs[0].token_ids
     c = llm.generate(PROMPTS[:2], SamplingParams(n=4, temperature=1.0, max_tokens=16, seed=124))
     assert [x.token_ids for x in c[0].outputs] != [x.token_ids for x in a[0].outputs]
     # unseeded requests: consecutive calls draw different samples
@@ -122,6 +125,12 @@ def test_eos_stop_and_ignore_eos(tiny_dirs):
     short = LLM(str(path), max_model_len=8)
     out = short.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=10))[0].outputs[0]
     assert out.token_ids == ref[:3] and out.finish_reason == "length"  # 5 prompt + 3 = max_model_len
+
+
+def test_out_of_vocab_prompt_is_rejected(tiny_dirs):
+    llm = LLM(str(tiny_dirs["llama"][0]))
+    with pytest.raises(ValueError, match="vocab"):
+        llm.generate([[1, 2, 128]], SamplingParams(max_tokens=2))
 
 
 def test_memory_budget_and_free(tiny_dirs):

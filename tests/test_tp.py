@@ -54,8 +54,9 @@ def tp_model_dir(tmp_path_factory):
     from test_rollout_engine import build_tiny
 
     path = tmp_path_factory.mktemp("tp") / "llama"
-    # 8 query / 4 kv heads divide by 4; attention_bias + mlp_bias exercise column and row biases
-    build_tiny("llama", path, heads=8, kv_heads=4, attention_bias=True, mlp_bias=True)
+    # 8 query / 4 kv heads divide by 4; attention_bias + mlp_bias exercise column and row biases;
+    # tied embeddings: the vocab-parallel head slices the embedding matrix, which stays whole
+    build_tiny("llama", path, heads=8, kv_heads=4, attention_bias=True, mlp_bias=True, tie_word_embeddings=True)
     return str(path)
 
 

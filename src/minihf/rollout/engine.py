@@ -134,9 +134,15 @@ class Engine:
         max_len = min(self.max_model_len, longest)
         slots = self._ensure_cache(len(seqs), max_len)
         sched = Scheduler(slots, max_len, self.max_num_batched_tokens)
+        vocab = self.model.args.vocab_size
+        for i, prompt in enumerate(prompts):
+            if len(prompt) >= self.max_model_len:
+                raise ValueError(f"prompt {i} has {len(prompt)} tokens but max_model_len is {self.max_model_len}; "
+                                 "shorten it or raise max_model_len")
+            bad = [t for t in prompt if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt {i} has token ids {bad[:5]} outside the vocabulary [0, {vocab})")
         for s in seqs:
-            if len(s.prompt) >= self.max_model_len:
-                raise ValueError(f"prompt {s.seq_id} has {len(s.prompt)} tokens, max_model_len is {self.max_model_len}")
             sched.add(s)
         with torch.inference_mode():
             while sched.has_work():
@@ -159,16 +165,30 @@ class Engine:
         return [int(t) for t in both[0].tolist()], both[1].tolist()
 
     def _prefill(self, sched: Scheduler, seqs: list[Sequence]) -> None:
+        """One forward over the distinct prompts (the n samples of a request share one), then
+        their cache rows are copied to the other samples' slots; each sample draws its own
+        first token from the shared logits."""
         dev = self.device
-        lens = [len(s.prompt) for s in seqs]
+        first: dict[tuple[int, ...], int] = {}
+        uniq: list[Sequence] = []
+        src: list[int] = []  # index into uniq of each seq's prompt
+        for s in seqs:
+            if tuple(s.prompt) not in first:
+                first[tuple(s.prompt)] = len(uniq)
+                uniq.append(s)
+            src.append(first[tuple(s.prompt)])
+        lens = [len(s.prompt) for s in uniq]
         T = max(lens)
-        tokens = torch.tensor([s.prompt + [0] * (T - len(s.prompt)) for s in seqs], dtype=torch.long, device=dev)
-        positions = torch.arange(T, device=dev).expand(len(seqs), T)
-        self.cache.begin_prefill(torch.tensor([s.slot for s in seqs], device=dev), T)
-        hidden = self.model.forward_hidden(tokens, positions, kv_cache=self.cache)  # [k, T, H]
-        last = hidden[torch.arange(len(seqs), device=dev), torch.tensor(lens, device=dev) - 1]
-        logits = self.model.lm_head(last)  # [k, V]
-        toks, logps = self._sample(logits, seqs)
+        tokens = torch.tensor([s.prompt + [0] * (T - len(s.prompt)) for s in uniq], dtype=torch.long, device=dev)
+        positions = torch.arange(T, device=dev).expand(len(uniq), T)
+        self.cache.begin_prefill(torch.tensor([s.slot for s in uniq], device=dev), T)
+        hidden = self.model.forward_hidden(tokens, positions, kv_cache=self.cache)  # [u, T, H]
+        last = hidden[torch.arange(len(uniq), device=dev), torch.tensor(lens, device=dev) - 1]
+        logits = self.model.lm_head(last)  # [u, V]
+        for s, u in zip(seqs, src):
+            if s is not uniq[u]:
+                self.cache.move(uniq[u].slot, s.slot, len(s.prompt))
+        toks, logps = self._sample(logits[torch.tensor(src, device=dev)], seqs)
         sched.record_prefill(seqs, toks, logps)
 
     def _decode(self, sched: Scheduler) -> None:

@@ -94,7 +94,7 @@ def _two_ranks_driver(groups):
     out["meta"] = res.meta
     out["seen"] = a.last_seen()
     out["sum_a"], out["sum_b"] = a.group_sum(1.0), b.group_sum(10.0)
-    out["first"], out["each"] = b.only_first(), b.each(["x", "y"])
+    out["first"], out["each"] = b.only_first(), b.each(["x", "y" * 10_000])  # control > header
     try:
         a.fail_on(1)
     except RemoteError as e:
@@ -133,7 +133,7 @@ def test_two_ranks_colocated_modes_errors_and_stop():
     assert first["meta"] == {"temperature": 0.7}
     assert first["seen"] == [[0, 1, 2], [3, 4, 0]]  # rank 1's chunk ends with the pad row
     assert first["sum_a"] == [3.0, 3.0] and first["sum_b"] == [30.0, 30.0]
-    assert first["first"] == 0 and first["each"] == [(0, "x"), (1, "y")]
+    assert first["first"] == 0 and first["each"] == [(0, "x"), (1, "y" * 10_000)]
     name, rank, role, method, tb = first["error"]
     assert (name, rank, role, method) == ("RemoteError", 1, "a", "fail_on")
     assert "ValueError: deliberate failure on rank 1" in tb and "in fail_on" in tb

@@ -7,9 +7,12 @@ The tensors then go in as few buffers as is cheap: tensors of at least ``BIG_TEN
 travel as their own buffer (no copy), the smaller ones are packed into one flat buffer per
 dtype (one copy, far fewer messages). On the wire, one message is
 
-    int64[1] header (length of the control record)
-    uint8[n] control record: pickle of (payload bytes, tensor table, buffer specs)
+    uint8[HEADER_BYTES] header: the control record's length n (8 bytes, little endian),
+                        then the record itself when it fits (the common case: one message)
+    uint8[n] control record, only when it did not fit in the header
     one tensor per buffer spec, in order
+
+The control record is a pickle of (payload bytes, tensor table, buffer specs).
 
 Ordering and concurrency: each (driver, worker rank) pair has two ``Channel``s, one per
 direction, each on its own two-rank process group. Messages on one channel are matched in
@@ -32,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 BIG_TENSOR_BYTES = 1 << 20
+HEADER_BYTES = 4096
 
 
 @dataclass
@@ -131,9 +135,15 @@ class Channel:
 
     def isend(self, packed: Packed) -> list:
         """Start sending; returns the works (keep ``packed`` alive until they complete)."""
-        header = torch.tensor([packed.control.numel()], dtype=torch.int64)
-        works = [dist.isend(header, self.peer, group=self.group),
-                 dist.isend(packed.control, self.peer, group=self.group)]
+        n = packed.control.numel()
+        header = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
+        header[:8] = torch.frombuffer(bytearray(n.to_bytes(8, "little")), dtype=torch.uint8)
+        inline = n <= HEADER_BYTES - 8
+        if inline:
+            header[8:8 + n] = packed.control
+        works = [dist.isend(header, self.peer, group=self.group)]
+        if not inline:
+            works.append(dist.isend(packed.control, self.peer, group=self.group))
         works += [dist.isend(b, self.peer, group=self.group) for b in packed.buffers]
         works.append(header)  # keeps the header tensor alive with the works
         return works
@@ -151,10 +161,14 @@ class Channel:
         dist.irecv(tensor, self.peer, group=self.group).wait(self.timeout)
 
     def recv(self) -> Any:
-        header = torch.empty(1, dtype=torch.int64)
+        header = torch.empty(HEADER_BYTES, dtype=torch.uint8)
         self._recv_into(header)
-        control = torch.empty(int(header.item()), dtype=torch.uint8)
-        self._recv_into(control)
+        n = int.from_bytes(header[:8].numpy().tobytes(), "little")
+        if n <= HEADER_BYTES - 8:
+            control = header[8:8 + n]
+        else:
+            control = torch.empty(n, dtype=torch.uint8)
+            self._recv_into(control)
         payload, table, specs = unpack_control(control)
         buffers = [torch.empty(numel, dtype=dtype, device=self.device) for dtype, numel in specs]
         works = [dist.irecv(b, self.peer, group=self.group) for b in buffers]

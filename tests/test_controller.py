@@ -108,6 +108,11 @@ def _failing_driver(groups):
     return "unreachable"
 
 
+def _unawaited_failure_driver(groups):
+    groups["a"].fail_on.future(1)  # never awaited: the error must still surface
+    return "returned"
+
+
 def _two_ranks(rank, world_size):
     cfg = ControllerConfig(timeout_s=30)
     roles = {"a": Role(EchoWorker, (2.0,)), "b": EchoWorker}
@@ -118,11 +123,17 @@ def _two_ranks(rank, world_size):
         second = "returned"
     except (RemoteError, ControllerAborted) as e:
         second = (type(e).__name__, str(e))
-    return first, second, time.monotonic() - t0
+    dt = time.monotonic() - t0
+    try:
+        third = run(_unawaited_failure_driver, roles, cfg)
+    except (RemoteError, ControllerAborted) as e:
+        third = type(e).__name__
+    return first, second, dt, third
 
 
 def test_two_ranks_colocated_modes_errors_and_stop():
-    (first, second, dt0), (none, second1, dt1) = spawn_ranks(_two_ranks, 2, timeout_s=120)
+    (first, second, dt0, third), (none, second1, dt1, third1) = spawn_ranks(_two_ranks, 2,
+                                                                            timeout_s=120)
     assert none is None  # run() returns the driver's result on rank 0 only
     who = first["who"]
     assert [w["rank"] for w in who] == [0, 1, 0, 1]
@@ -142,6 +153,7 @@ def test_two_ranks_colocated_modes_errors_and_stop():
     assert second[0] == "RemoteError" and "b.fail_on failed on rank 1" in second[1]
     assert second1[0] == "ControllerAborted"
     assert dt0 < 10 and dt1 < 10
+    assert (third, third1) == ("RemoteError", "ControllerAborted")  # unawaited call failed
 
 
 def _four_ranks_driver(groups):

@@ -10,8 +10,11 @@ execute in order, so replies arrive in FIFO order and need no ids. Calls to diff
 ranks are therefore in flight at the same time. Rank 0's own workers run on one local
 executor thread, in order, like a worker rank's serve loop.
 
-Failure: a receive that fails (peer closed its connection) or exceeds ``timeout_s`` marks
-the peer lost; its pending and later calls raise ``RankLostError``.
+Failure: a receive that fails (peer closed its connection: a killed rank is seen at once)
+or exceeds ``timeout_s`` marks the peer lost; its pending and later calls raise
+``RankLostError``. Like torch's collective timeout, ``timeout_s`` bounds every single wait:
+the duration of one call, and (on worker ranks) the idle time between two commands, so it
+must exceed the longest phase of a job.
 """
 
 from __future__ import annotations
@@ -72,6 +75,8 @@ class _Peer:
         return fut
 
     def _receive_loop(self) -> None:
+        if self.up.device.type == "cuda":  # the current device is per thread
+            torch.cuda.set_device(self.up.device)
         while True:
             with self._cond:
                 while not self._pending and not self._closed:
@@ -115,6 +120,11 @@ class CallFuture:
         self._value: Any = None
         self._error: BaseException | None = None
 
+    @property
+    def finished(self) -> bool:
+        """True once ``result`` has been called and has collected (or raised)."""
+        return self._finished
+
     def done(self) -> bool:
         return all(f.done() for f in self._parts.values())
 
@@ -151,6 +161,7 @@ class Driver:
                                          initializer=self._init_local_thread)
         self._lock = threading.Lock()
         self._closed = False
+        self._unawaited: list[CallFuture] = []  # checked at the end: no error goes unseen
 
     def _init_local_thread(self) -> None:
         if self.device.type == "cuda":  # the current device is per thread
@@ -190,7 +201,18 @@ class Driver:
                 if key not in memo:
                     memo[key] = pack(cmd, self.device)
                 parts[i] = self._peers[rank].send(memo[key], layout.role, spec.name)
-        return CallFuture(layout, spec, plan.collect_from, plan.ctx, parts)
+        fut = CallFuture(layout, spec, plan.collect_from, plan.ctx, parts)
+        if len(self._unawaited) > 64:
+            self._unawaited = [f for f in self._unawaited if not f.finished]
+        self._unawaited.append(fut)
+        return fut
+
+    def raise_unawaited_errors(self) -> None:
+        """Wait for calls whose result nobody asked for; raise the first error among them."""
+        for fut in self._unawaited:
+            if not fut.finished:  # a finished one was seen by the driver already
+                fut.result()
+        self._unawaited.clear()
 
     def stop(self) -> None:
         """Send STOP to every worker rank, wait for their acknowledgements, end threads."""
@@ -227,6 +249,7 @@ def run_driver(driver: Driver, body: Callable[[], Any]) -> Any:
     """Run ``body``; then STOP everyone, or on any exception abort everyone and re-raise."""
     try:
         result = body()
+        driver.raise_unawaited_errors()
     except BaseException as e:
         driver.abort(f"{type(e).__name__}: {e}".splitlines()[0])
         raise

@@ -170,14 +170,37 @@ def _four_ranks_driver(groups):
                 seen=tp.last_seen(), b_who=b.whoami(), sum_tp=tp.group_sum(1.0))
 
 
+def _hung_driver(groups, seen):
+    t0 = time.monotonic()
+    try:
+        groups["slow"].nap(4.0).result()  # longer than timeout_s: rank 3 counts as hung
+    except RankLostError as e:
+        seen.append((e.rank, e.method, time.monotonic() - t0))
+
+
 def _four_ranks(rank, world_size):
     placement = {"a": RoleSpec([0, 1]), "b": RoleSpec([2, 3]), "tp": RoleSpec("all", tp_size=2)}
     roles = {"a": EchoWorker, "b": EchoWorker, "tp": Role(EchoWorker, kwargs={"scale": 3.0})}
-    return run(_four_ranks_driver, roles, ControllerConfig(timeout_s=30, placement=placement))
+    first = run(_four_ranks_driver, roles, ControllerConfig(timeout_s=30, placement=placement))
+    seen = []
+    try:  # a call that outlives timeout_s fails on the driver, and every rank ends
+        run(functools.partial(_hung_driver, seen=seen), {"slow": EchoWorker},
+            ControllerConfig(timeout_s=2, placement={"slow": RoleSpec([3])}))
+    except Exception as e:  # noqa: BLE001 - STOP cannot reach rank 3 / workers are aborted
+        seen.append(type(e).__name__)
+    return first, seen
 
 
 def test_four_ranks_split_concurrency_and_dp_tp():
-    out = spawn_ranks(_four_ranks, 4, timeout_s=120)[0]
+    results = spawn_ranks(_four_ranks, 4, timeout_s=120)
+    out = results[0][0]
+    (rank, method, elapsed), end0 = results[0][1]
+    assert (rank, method) == (3, "nap") and 1.5 < elapsed < 6
+    assert end0 == "RankLostError"  # the driver cannot STOP rank 3, so run() raises
+    # idle ranks end aborted or by their own idle timeout (the same timeout_s, so it is a
+    # race); rank 3 fails once its reply cannot be delivered
+    assert all(seen in (["ControllerAborted"], ["RuntimeError"]) for _, seen in results[1:3])
+    assert results[3][1] == ["RuntimeError"]
     assert out["naps"] == ([0, 1], [2, 3])
     assert out["elapsed"] < 1.7, f"two 1 s calls on disjoint ranks took {out['elapsed']:.2f}s"
     assert [(w["rank"], w["role_rank"]) for w in out["b_who"]] == [(2, 0), (3, 1)]

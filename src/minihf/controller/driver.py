@@ -44,6 +44,7 @@ class _Peer:
         self._cond = threading.Condition()
         self._lost: BaseException | None = None
         self._closed = False
+        self.stopped = False  # acknowledged STOP: left its serve loop
         self._thread = threading.Thread(target=self._receive_loop, daemon=True,
                                         name=f"minihf-recv-rank{rank}")
         self._thread.start()
@@ -219,10 +220,11 @@ class Driver:
         with self._lock:
             self._closed = True
             stop = pack(Stop(), self.device)
-            acks = [(r, p.send(stop, "<controller>", "stop")) for r, p in self._peers.items()]
+            acks = [(p, p.send(stop, "<controller>", "stop")) for p in self._peers.values()]
         self._local.shutdown(wait=True)
-        for _, fut in acks:
+        for peer, fut in acks:
             fut.result(timeout=self.timeout_s)
+            peer.stopped = True
         for peer in self._peers.values():
             peer.close()
 
@@ -233,7 +235,7 @@ class Driver:
         msg = pack(Abort(reason), self.device)
         sends = []
         for peer in self._peers.values():
-            if not peer.lost:
+            if not (peer.lost or peer.stopped):
                 try:
                     sends.append((peer, peer.down.isend(msg)))
                 except Exception:  # noqa: BLE001 - that peer is gone already
@@ -250,8 +252,8 @@ def run_driver(driver: Driver, body: Callable[[], Any]) -> Any:
     try:
         result = body()
         driver.raise_unawaited_errors()
+        driver.stop()  # raises if a rank was lost: the others must be aborted then
     except BaseException as e:
         driver.abort(f"{type(e).__name__}: {e}".splitlines()[0])
         raise
-    driver.stop()
     return result

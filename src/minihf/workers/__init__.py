@@ -1,1 +1,20 @@
-"""minihf.workers."""
+"""minihf.workers: FSDP2 role workers driven by the single controller.
+
+``ActorRolloutRefWorker`` (policy + frozen reference; the rollout issue adds generation),
+``CriticWorker`` and ``RewardModelWorker``; their config sections live in ``config.py``.
+Shared mechanics: ``engine`` (build/shard, inference over micro-batches), ``train_step``
+(exactly normalised gradient accumulation), ``micro_batch`` (pure planning), ``packing``
+(padding-free rows), ``forward`` (response-aligned log-probs / values / scores).
+"""
+
+from minihf.workers.actor import ActorRolloutRefWorker
+from minihf.workers.config import (ActorConfig, ActorRolloutRefConfig, CriticConfig, FSDPConfig,
+                                   ModelConfig, RefConfig, RewardModelConfig)
+from minihf.workers.critic import CriticWorker
+from minihf.workers.reward_model import RewardModelWorker
+
+__all__ = [
+    "ActorConfig", "ActorRolloutRefConfig", "ActorRolloutRefWorker", "CriticConfig",
+    "CriticWorker", "FSDPConfig", "ModelConfig", "RefConfig", "RewardModelConfig",
+    "RewardModelWorker",
+]

@@ -81,3 +81,18 @@ def forward_scores(model: nn.Module, mb: dict, *, use_remove_padding: bool = Tru
     rows = (resp_len > 0).nonzero().squeeze(-1)
     scores[rows, resp_len[rows] - 1] = score[rows]
     return scores
+
+
+def forward_token_log_probs(model: nn.Module, mb: dict, *, use_remove_padding: bool = True) -> torch.Tensor:
+    """Next-token log-probs of a (right- or left-padded) batch, for SFT.
+
+    Returns ``[B, T-1]`` fp32: entry ``t`` is ``log p(input_ids[t+1] | input_ids[:t+1])``,
+    zero where ``input_ids[t+1]`` is padding.
+    """
+    out, packed = _run(model, mb, use_remove_padding)
+    if packed is not None:
+        log_probs = unpack(logprobs_from_logits(out, next_token_labels(packed)[0]), packed)
+        log_probs = log_probs[:, :-1]                                          # [B, T-1]
+    else:
+        log_probs = logprobs_from_logits(out[:, :-1], mb["input_ids"][:, 1:])  # [B, T-1]
+    return log_probs * mb["attention_mask"][:, 1:]

@@ -1,0 +1,194 @@
+"""Supervised fine-tuning: the driver loop, its config, and ``run_sft`` (script and CLI).
+
+Rank 0 owns the data (``SFTDataset`` + ``ResumableSampler``) and calls one ``SFTWorker``
+group (FSDP2 over all ranks): ``train_step`` per global batch, ``eval_step`` over the
+validation set every ``trainer.test_freq`` steps and at the end, checkpoints every
+``trainer.save_freq`` steps and at the end (with the sampler position, so a resumed run
+continues the exact data order), then an HF export to ``<default_local_dir>/hf``.
+Metrics go to stdout and ``<default_local_dir>/metrics.jsonl``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Optional, Union
+
+from minihf.config import ControllerConfig
+from minihf.trainer.optim import OptimConfig
+from minihf.workers.config import FSDPConfig, ModelConfig
+
+LATEST = "latest_checkpointed_iteration.txt"  # verl's name
+
+
+@dataclass
+class SFTDataConfig:
+    train_files: Union[str, list[str]] = ""
+    val_files: Union[str, list[str], None] = None
+    response_key: str = "response"       # e.g. extra_info.answer for `minihf make-data` files
+    max_length: int = 512
+    truncation: Literal["error", "left", "right", "filter"] = "error"
+    train_batch_size: int = 32           # sequences per optimizer step, global
+    micro_batch_size_per_gpu: Optional[int] = 8
+    max_tokens_per_micro_batch: Optional[int] = None
+    val_batch_size: int = 64
+    shuffle: bool = True
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.train_batch_size < 1 or self.val_batch_size < 1:
+            raise ValueError(f"train_batch_size={self.train_batch_size} and val_batch_size="
+                             f"{self.val_batch_size} must be >= 1")
+
+
+@dataclass
+class SFTTrainerConfig:
+    total_epochs: int = 1
+    total_training_steps: Optional[int] = None  # stop early after this many steps
+    test_freq: int = 0                   # validate every N steps (0: only at the end)
+    save_freq: int = 0                   # checkpoint every N steps (0: only at the end)
+    default_local_dir: str = "outputs/sft"
+    resume_mode: Literal["auto", "disable", "resume_path"] = "auto"
+    resume_from_path: Optional[str] = None
+    export_hf: bool = True
+    log_freq: int = 1
+
+
+@dataclass
+class SFTConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: SFTDataConfig = field(default_factory=SFTDataConfig)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4, warmup_steps=0))
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    trainer: SFTTrainerConfig = field(default_factory=SFTTrainerConfig)
+    controller: ControllerConfig = field(default_factory=ControllerConfig)
+
+
+def find_resume_path(cfg: SFTTrainerConfig) -> Optional[Path]:
+    """The checkpoint to resume from, per ``resume_mode`` (None: start fresh)."""
+    if cfg.resume_mode == "disable":
+        return None
+    if cfg.resume_mode == "resume_path":
+        if not cfg.resume_from_path:
+            raise ValueError("trainer.resume_mode=resume_path needs trainer.resume_from_path")
+        return Path(cfg.resume_from_path)
+    latest = Path(cfg.default_local_dir) / LATEST
+    if not latest.exists():
+        return None
+    return Path(cfg.default_local_dir) / f"global_step_{int(latest.read_text().strip())}"
+
+
+def _padded(batch, dp: int):
+    """Pad to a multiple of ``dp`` with loss-free rows (so no row is counted twice)."""
+    batch, pad = batch.pad_to_multiple(dp)
+    if pad:
+        batch.tensors["loss_mask"] = batch.tensors["loss_mask"].clone()
+        batch.tensors["loss_mask"][-pad:] = 0
+    return batch
+
+
+class SFTDriver:
+    """The loop on rank 0 (a plain sequential program over the worker group)."""
+
+    def __init__(self, cfg: SFTConfig, sft, log=print):
+        from minihf.data import ResumableSampler, SFTDataset, load_tokenizer
+
+        self.cfg, self.sft, self.log = cfg, sft, log
+        d = cfg.data
+        if d.train_batch_size % sft.dp_size:
+            raise ValueError(f"data.train_batch_size={d.train_batch_size} must be a multiple of "
+                             f"the {sft.dp_size} data-parallel ranks")
+        tok = load_tokenizer(cfg.model.path, padding_side="right")
+        kw = dict(max_length=d.max_length, truncation=d.truncation, response_key=d.response_key)
+        self.train = SFTDataset(d.train_files, tok, **kw)
+        self.val = SFTDataset(d.val_files, tok, **kw) if d.val_files else None
+        self.sampler = ResumableSampler(len(self.train), d.train_batch_size, shuffle=d.shuffle,
+                                        seed=d.seed, drop_last=True)
+        t = cfg.trainer
+        self.total_steps = len(self.sampler) * t.total_epochs
+        if t.total_training_steps is not None:
+            self.total_steps = min(self.total_steps, t.total_training_steps)
+        self.out = Path(t.default_local_dir)
+        self.history: list[dict] = []
+
+    def validate(self) -> dict[str, float]:
+        if self.val is None:
+            return {}
+        nll = tokens = 0.0
+        n, bs = len(self.val), self.cfg.data.val_batch_size
+        for start in range(0, n, bs):
+            batch = self.val.collate(list(range(start, min(n, start + bs))))
+            r = self.sft.eval_step(_padded(batch, self.sft.dp_size))
+            nll, tokens = nll + r["nll_sum"], tokens + r["tokens"]
+        return {"val/loss": nll / max(tokens, 1.0)}
+
+    def save(self, step: int) -> Path:
+        path = self.out / f"global_step_{step}"
+        self.sft.save_checkpoint(str(path), extra={"sampler": self.sampler.state_dict(), "step": step})
+        (self.out / LATEST).write_text(f"{step}\n")
+        return path
+
+    def record(self, metrics: dict) -> None:
+        self.history.append(metrics)
+        self.out.mkdir(parents=True, exist_ok=True)
+        with open(self.out / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        if metrics["step"] % self.cfg.trainer.log_freq == 0 or any(k.startswith("val/") for k in metrics):
+            self.log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                              for k, v in metrics.items()))
+
+    def fit(self, stop_after: int | None = None) -> list[dict]:
+        """Train to ``total_steps`` (or only ``stop_after`` more steps, as if preempted)."""
+        t = self.cfg.trainer
+        self.sft.init_model(self.total_steps)
+        step = 0
+        resume = find_resume_path(t)
+        if resume is not None:
+            extra = self.sft.load_checkpoint(str(resume))
+            self.sampler.load_state_dict(extra["sampler"])
+            step = int(extra["step"])
+            self.log(f"resumed from {resume} at step {step}")
+        last = None
+        end = self.total_steps if stop_after is None else min(self.total_steps, step + stop_after)
+        while step < end:
+            t0 = time.perf_counter()
+            batch = self.train.collate(self.sampler.next_batch())
+            metrics = self.sft.train_step(batch)
+            step += 1
+            metrics = {"step": step, "epoch": self.sampler.epoch, **metrics,
+                       "timing_s/step": time.perf_counter() - t0}
+            if (t.test_freq and step % t.test_freq == 0) or step == self.total_steps:
+                metrics.update(self.validate())
+            self.record(metrics)
+            if (t.save_freq and step % t.save_freq == 0) or step == self.total_steps:
+                last = self.save(step)
+        if t.export_hf and last is not None:
+            from minihf.utils.checkpoint import export_hf
+            self.log(f"exported {export_hf(last, self.out / 'hf')}")
+        return self.history
+
+
+def sft_driver(cfg: SFTConfig):
+    """The driver function for ``minihf.controller.run``/``launch``."""
+    def drive(groups):
+        return SFTDriver(cfg, groups["sft"]).fit()
+    return drive
+
+
+def sft_roles(cfg: SFTConfig) -> dict:
+    """The job's single role: ``sft`` on every rank."""
+    from minihf.controller import Role
+    from minihf.workers.sft_worker import SFTWorker
+
+    d = cfg.data
+    return {"sft": Role(SFTWorker, (cfg.model, cfg.optim, cfg.fsdp, d.micro_batch_size_per_gpu,
+                                    d.max_tokens_per_micro_batch))}
+
+
+def run_sft(cfg: SFTConfig) -> list[dict] | None:
+    """Run SFT as a controller job (``python`` or ``torchrun``); the metrics on rank 0."""
+    from minihf.controller import launch
+
+    return launch(sft_driver(cfg), sft_roles(cfg), cfg.controller)

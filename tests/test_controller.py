@@ -17,6 +17,17 @@ from minihf.protocol import Batch
 from minihf.utils.spawn import SpawnError, spawn_ranks
 
 
+def _fail_on_load(text):
+    raise ValueError(text)
+
+
+class Unloadable:
+    """Pickles fine, fails to unpickle: a reply the driver cannot decode."""
+
+    def __reduce__(self):
+        return (_fail_on_load, ("cannot load me",))
+
+
 class EchoWorker(Worker):
     """Records what it received so the test can check who got which chunk."""
 
@@ -70,6 +81,10 @@ class EchoWorker(Worker):
         return "ok"
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
+    def unloadable(self):
+        return Unloadable()
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
     def die_on(self, rank):
         if self.rank == rank:
             os._exit(1)
@@ -99,7 +114,11 @@ def _two_ranks_driver(groups):
         a.fail_on(1)
     except RemoteError as e:
         out["error"] = (type(e).__name__, e.rank, e.role, e.method, e.traceback)
-    out["after_error"] = a.whoami()[1]["rank"]  # the job goes on after a caught error
+    try:
+        a.unloadable()
+    except RemoteError as e:
+        out["decode_error"] = (e.rank, e.method, e.traceback)
+    out["after_error"] = a.whoami()[1]["rank"]  # the job goes on after caught errors
     return out
 
 
@@ -148,6 +167,9 @@ def test_two_ranks_colocated_modes_errors_and_stop():
     name, rank, role, method, tb = first["error"]
     assert (name, rank, role, method) == ("RemoteError", 1, "a", "fail_on")
     assert "ValueError: deliberate failure on rank 1" in tb and "in fail_on" in tb
+    rank, method, text = first["decode_error"]
+    assert (rank, method) == (1, "unloadable") and "could not unpickle" in text
+    assert "cannot load me" in text
     assert first["after_error"] == 1
     # uncaught error: RemoteError on the driver, ControllerAborted on the worker, quickly
     assert second[0] == "RemoteError" and "b.fail_on failed on rank 1" in second[1]

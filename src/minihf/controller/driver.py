@@ -29,9 +29,9 @@ import torch
 
 from minihf.controller.dispatch import RoleLayout, get_dispatch_mode
 from minihf.controller.errors import ControllerError, RankLostError, RemoteError
-from minihf.controller.messages import Abort, Command, Stop
+from minihf.controller.messages import Abort, Command, Reply, Stop
 from minihf.controller.serve import execute
-from minihf.controller.transport import Channel, Packed, pack
+from minihf.controller.transport import Channel, DecodeError, Packed, pack
 from minihf.controller.worker import MethodSpec, Worker
 
 
@@ -86,7 +86,10 @@ class _Peer:
                     return
                 fut, works, _, role, method = self._pending[0]
             try:
-                reply = self.up.recv()
+                try:
+                    reply = self.up.recv()
+                except DecodeError as e:
+                    reply = Reply(error=RemoteError(self.rank, role, method, str(e)))
                 self.down.wait(works)  # done by now: the worker answered
             except Exception as e:  # noqa: BLE001 - any transport failure loses the peer
                 with self._cond:

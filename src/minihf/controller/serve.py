@@ -13,7 +13,7 @@ from typing import Any
 
 from minihf.controller.errors import ControllerAborted, RemoteError
 from minihf.controller.messages import Abort, Command, Reply, Stop
-from minihf.controller.transport import Channel, pack
+from minihf.controller.transport import Channel, DecodeError, pack
 from minihf.controller.worker import Worker
 
 
@@ -44,7 +44,11 @@ def _send_reply(up: Channel, reply: Reply, cmd: Command | None, rank: int) -> No
 def serve(down: Channel, up: Channel, workers: dict[str, Worker], rank: int) -> None:
     """Answer the driver's commands in order until ``Stop``; ``Abort`` raises."""
     while True:
-        msg: Any = down.recv()
+        try:
+            msg: Any = down.recv()
+        except DecodeError as e:
+            _send_reply(up, Reply(error=RemoteError(rank, "?", "?", str(e))), None, rank)
+            continue
         if isinstance(msg, Stop):
             _send_reply(up, Reply(), None, rank)
             return

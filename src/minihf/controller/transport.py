@@ -45,6 +45,10 @@ class Packed:
     buffers: list[torch.Tensor] = field(default_factory=list)
 
 
+class DecodeError(RuntimeError):
+    """A message arrived whole but could not be unpickled (the channel is still in sync)."""
+
+
 class _TensorPickler(pickle.Pickler):
     def __init__(self, file, tensors: list):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
@@ -174,4 +178,9 @@ class Channel:
         works = [dist.irecv(b, self.peer, group=self.group) for b in buffers]
         for w in works:
             w.wait(self.timeout)
-        return unpack(payload, table, buffers, self.device)
+        try:  # the message was read whole: the channel stays usable if this fails
+            return unpack(payload, table, buffers, self.device)
+        except Exception as e:  # noqa: BLE001 - e.g. a class that does not exist here
+            raise DecodeError(f"could not unpickle a message from rank {self.peer}: "
+                              f"{type(e).__name__}: {e} (classes in messages must be "
+                              "importable on every rank)") from e

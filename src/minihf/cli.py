@@ -98,5 +98,42 @@ def generate(
             typer.echo(f"{text!r} -> {c!r}")
 
 
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def sft(ctx: typer.Context) -> None:
+    """Supervised fine-tuning; arguments are config overrides (recipe=NAME key=value ...).
+
+    Runs in this process; use `torchrun --nproc_per_node=N scripts/train_sft.py ...` for
+    several ranks."""
+    from minihf.config import ConfigError, load_config, split_cli_args
+    from minihf.trainer.sft import SFTConfig, run_sft
+
+    try:
+        recipe, overrides = split_cli_args(list(ctx.args))
+        cfg = load_config(SFTConfig, recipe, overrides)
+    except ConfigError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    run_sft(cfg)
+
+
+@app.command()
+def export(
+    ckpt: str = typer.Argument(..., help="A checkpoint dir written by training (…/global_step_N)."),
+    out: str = typer.Argument(..., help="Directory for the Hugging Face model (config, safetensors, tokenizer)."),
+    dtype: str = typer.Option("float32", help="float32 | bfloat16 | float16"),
+) -> None:
+    """Export a sharded training checkpoint as an HF model dir that transformers loads."""
+    import torch
+
+    from minihf.utils.checkpoint import export_hf
+
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise typer.BadParameter(f"dtype {dtype!r}; use float32, bfloat16 or float16")
+    try:
+        path = export_hf(ckpt, out, dtype=getattr(torch, dtype))
+    except FileNotFoundError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    typer.echo(f"exported {ckpt} to {path}")
+
+
 if __name__ == "__main__":
     app()

@@ -16,6 +16,7 @@ in a single process (no process group) and writes an HF dir with ``save_hf``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import shutil
@@ -51,6 +52,15 @@ def restore_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+@contextlib.contextmanager
+def _quiet_single_process(single: bool):
+    """Silence DCP's "assuming the intent is ... a single process" warning when it is."""
+    with warnings.catch_warnings():
+        if single:
+            warnings.filterwarnings("ignore", message=".*single process.*", category=UserWarning)
+        yield
+
+
 def _rank(group) -> tuple[int, int]:
     if group is None or not dist.is_initialized():
         return 0, 1
@@ -67,11 +77,12 @@ def save_checkpoint(path: str | Path, model: torch.nn.Module, optimizer=None, lr
     """
     path = Path(path)
     rank, world = _rank(group)
-    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(path / "model"),
-             process_group=group)
-    if optimizer is not None:
-        dcp.save({"optim": get_optimizer_state_dict(model, optimizer)},
-                 checkpoint_id=str(path / "optim"), process_group=group)
+    with _quiet_single_process(group is None):
+        dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(path / "model"),
+                 process_group=group)
+        if optimizer is not None:
+            dcp.save({"optim": get_optimizer_state_dict(model, optimizer)},
+                     checkpoint_id=str(path / "optim"), process_group=group)
     (path / "extra").mkdir(parents=True, exist_ok=True)
     torch.save({"lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
                 "rng": capture_rng_state(), "extra": extra or {}},
@@ -105,16 +116,17 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer=None, lr
         raise FileNotFoundError(f"no checkpoint at {path} (expected {path / 'model'}/ written "
                                 "by save_checkpoint)")
     rank, _ = _rank(group)
-    state = {"model": get_model_state_dict(model)}
-    dcp.load(state, checkpoint_id=str(path / "model"), process_group=group)
-    set_model_state_dict(model, state["model"])
-    if optimizer is not None:
-        if not (path / "optim").is_dir():
-            raise FileNotFoundError(f"{path} has no optimizer state (optim/); it was saved "
-                                    "without an optimizer")
-        ostate = {"optim": get_optimizer_state_dict(model, optimizer)}
-        dcp.load(ostate, checkpoint_id=str(path / "optim"), process_group=group)
-        set_optimizer_state_dict(model, optimizer, ostate["optim"])
+    if optimizer is not None and not (path / "optim").is_dir():
+        raise FileNotFoundError(f"{path} has no optimizer state (optim/); it was saved "
+                                "without an optimizer")
+    with _quiet_single_process(group is None):
+        state = {"model": get_model_state_dict(model)}
+        dcp.load(state, checkpoint_id=str(path / "model"), process_group=group)
+        set_model_state_dict(model, state["model"])
+        if optimizer is not None:
+            ostate = {"optim": get_optimizer_state_dict(model, optimizer)}
+            dcp.load(ostate, checkpoint_id=str(path / "optim"), process_group=group)
+            set_optimizer_state_dict(model, optimizer, ostate["optim"])
     own = path / "extra" / f"rank_{rank}.pt"
     if not own.exists():
         warnings.warn(f"{own} missing (saved with fewer ranks?): RNG and LR-scheduler states "
@@ -142,7 +154,8 @@ def export_hf(ckpt: str | Path, out: str | Path, dtype: torch.dtype | None = Non
     head = json.loads((ckpt / "meta.json").read_text())["head"]
     model = build_model(load_args(ckpt / "hf"), head)
     state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=str(ckpt / "model"), no_dist=True)
+    with _quiet_single_process(True):
+        dcp.load(state, checkpoint_id=str(ckpt / "model"), no_dist=True)
     model.load_state_dict(state["model"])
     model.tie_weights()
     if dtype is not None:

@@ -1,0 +1,80 @@
+"""Checkpoint round trip in one process (the 2-rank resume tests live in test_workers.py
+and test_sft.py), RNG state, and `minihf export` loading in transformers."""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from minihf.cli import app
+from minihf.models import ModelArgs, build_model, init_weights
+from minihf.trainer.optim import OptimConfig, build_lr_scheduler, build_optimizer
+from minihf.utils.checkpoint import (capture_rng_state, export_hf, load_checkpoint,
+                                     restore_rng_state, save_checkpoint)
+
+from test_fsdp import ARGS
+
+
+def draw():
+    return (torch.rand(3).tolist(), random.random(), float(np.random.rand()))
+
+
+def test_rng_state_round_trip():
+    state = capture_rng_state()
+    first = draw()
+    restore_rng_state(state)
+    assert draw() == first
+
+
+def trained(tie, seed=0):
+    model = init_weights(build_model(ModelArgs(**ARGS, tie_word_embeddings=tie), "lm"), seed=seed)
+    cfg = OptimConfig(lr=1e-2, warmup_steps=3)
+    opt = build_optimizer(model.parameters(), cfg)
+    sched = build_lr_scheduler(opt, cfg)
+    ids = torch.randint(0, 48, (2, 7), generator=torch.Generator().manual_seed(seed))
+    for _ in range(2):
+        model(ids).float().logsumexp(-1).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    return model, opt, sched, cfg
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_save_load_round_trip_and_export_loads_in_transformers(tmp_path, tie):
+    from transformers import AutoModelForCausalLM
+
+    model, opt, sched, cfg = trained(tie)
+    save_checkpoint(tmp_path / "ckpt", model, opt, sched, extra={"step": 2})
+    fresh, _, _, _ = trained(tie, seed=1)
+    fopt = build_optimizer(fresh.parameters(), cfg)
+    fsched = build_lr_scheduler(fopt, cfg)
+    assert load_checkpoint(tmp_path / "ckpt", fresh, fopt, fsched) == {"step": 2}
+    for (n, p), q in zip(model.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(p, q), n
+    assert fsched.last_epoch == sched.last_epoch == 2
+    s0, s1 = opt.state_dict()["state"], fopt.state_dict()["state"]
+    assert all(torch.equal(s0[k]["exp_avg"], s1[k]["exp_avg"]) for k in s0)
+
+    result = CliRunner().invoke(app, ["export", str(tmp_path / "ckpt"), str(tmp_path / "hf")])
+    assert result.exit_code == 0, result.output
+    theirs = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    ids = torch.tensor([[3, 9, 27, 1, 5]])
+    with torch.no_grad():
+        diff = (model(ids) - theirs(ids).logits).abs().max().item()
+    assert diff < 1e-5
+
+
+def test_errors_name_the_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not a minihf checkpoint"):
+        export_hf(tmp_path, tmp_path / "out")
+    model, opt, sched, _ = trained(False)
+    with pytest.raises(FileNotFoundError, match="no checkpoint at"):
+        load_checkpoint(tmp_path / "missing", model)
+    save_checkpoint(tmp_path / "noopt", model)
+    with pytest.raises(FileNotFoundError, match="without an optimizer"):
+        load_checkpoint(tmp_path / "noopt", model, opt)
+    result = CliRunner().invoke(app, ["export", str(tmp_path), str(tmp_path / "o")])
+    assert result.exit_code != 0 and "not a minihf checkpoint" in result.output

@@ -106,8 +106,19 @@ def _fsdp_vs_reference(rank, world):
     p_full, p_ref = full_params(model), full_params(ref)
     param_err = max((p_full[n] - p_ref[n]).abs().max().item() for n in p_ref)
     moved = max((p_ref[n] - q).abs().max().item() for n, q in full_params(tiny_model()).items())
+
+    # activation checkpointing and CPU offload change memory, not results (tied embeddings)
+    variants = {}
+    for name, kw in (("plain", {}), ("ckpt", dict(activation_checkpointing=True)),
+                     ("offload", dict(cpu_offload=True))):
+        m = apply_fsdp(tiny_model(tie=True), fsdp_mesh(group, "cpu"), **kw)
+        run_update(m, local, [[0], [1]], mode, group, steps=2)
+        variants[name] = full_params(m)
+    ckpt_err = max((variants["plain"][n] - variants["ckpt"][n]).abs().max().item() for n in variants["plain"])
+    offload_err = max((variants["plain"][n] - variants["offload"][n]).abs().max().item() for n in variants["plain"])
     return {"placements": placements, "grad_err": grad_err, "param_err": param_err,
-            "moved": moved, "stats": stats, "ref_stats": ref_stats}
+            "moved": moved, "stats": stats, "ref_stats": ref_stats,
+            "ckpt_err": ckpt_err, "offload_err": offload_err}
 
 
 def _invariance(rank, world):
@@ -157,6 +168,7 @@ def test_fsdp_two_ranks_match_single_process_reference():
         assert r["grad_err"] < 1e-6, r["grad_err"]
         assert r["moved"] > 1e-3  # the updates did something
         assert r["param_err"] < 1e-5, r["param_err"]
+        assert r["ckpt_err"] < 1e-6 and r["offload_err"] < 1e-6, (r["ckpt_err"], r["offload_err"])
         for s, s_ref in zip(r["stats"], r["ref_stats"]):
             assert s["grad_norm"] == pytest.approx(s_ref["grad_norm"], rel=1e-5)
             assert s["loss"] == pytest.approx(s_ref["loss"], rel=1e-5)

@@ -4,7 +4,10 @@ unsharded process; checkpoint save -> fresh worker load -> identical next step; 
 import torch
 
 from minihf.config import ControllerConfig
-from minihf.controller import Role, RoleLayout, WorkerContext, create_worker, run
+from torch.distributed.tensor import DTensor
+
+from minihf.controller import (Dispatch, Role, RoleLayout, WorkerContext, create_worker,
+                               register, run)
 from minihf.models import ModelArgs, build_model, init_weights, load_hf, save_hf
 from minihf.protocol import Batch
 from minihf.trainer.optim import OptimConfig
@@ -19,6 +22,14 @@ from minihf.workers.forward import forward_scores
 from minihf.workers.reward_model import RewardModelWorker
 
 from test_fsdp import ARGS, make_batch
+
+
+class CheckedActor(ActorRolloutRefWorker):
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def all_sharded(self) -> bool:
+        """After inference every parameter must be a DTensor shard again (resharding
+        reads shards)."""
+        return all(isinstance(p, DTensor) for p in self.actor.parameters())
 
 
 def actor_cfg(path, micro, max_tokens=None, shuffle=False):
@@ -68,8 +79,8 @@ def _driver(path, tmp):
         raw["returns"] = torch.randn(8, 5) * raw["response_mask"]
         batch = Batch(raw, meta={"temperature": 0.8})
         res = {}
-
         old = actor.compute_log_prob(batch, calc_entropy=True)
+        res["sharded"] = all(actor.all_sharded())
         ref = actor.compute_ref_log_prob(batch)
         values = critic.compute_values(batch)
         scores = rm.compute_rm_score(batch)
@@ -121,7 +132,7 @@ def _driver(path, tmp):
 
 def _run(rank, world, path, tmp):
     roles = {
-        "actor": Role(ActorRolloutRefWorker, (actor_cfg(path, 1),)),
+        "actor": Role(CheckedActor, (actor_cfg(path, 1),)),
         "actor2": Role(ActorRolloutRefWorker, (actor_cfg(path, 1),)),
         "critic": Role(CriticWorker, (critic_cfg(path, None, max_tokens=20),)),
         "rm": Role(RewardModelWorker, (RewardModelConfig(model=ModelConfig(path=path)),)),
@@ -133,6 +144,7 @@ def test_workers_two_ranks_vs_one_process_checkpoint_resume_export(tmp_path):
     model = init_weights(build_model(ModelArgs(**ARGS), "lm"), seed=5)
     path = str(save_hf(model, tmp_path / "model"))
     res = spawn_ranks(_run, 2, path, str(tmp_path), timeout_s=240)[0]
+    assert res["sharded"]
     assert res["logp_err"] < 1e-5
     assert res["ref_eq_old"]
     assert res["values_err"] < 1e-5

@@ -23,7 +23,8 @@ import functools
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy,
+                                    fully_shard)
 from torch.distributed.tensor import Shard
 from torch.utils.checkpoint import checkpoint
 
@@ -104,6 +105,14 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype |
         fully_shard(block, reshard_after_forward=reshard_after_forward and i < len(blocks) - 1, **kw)
     fully_shard(model, reshard_after_forward=reshard_after_forward, **kw)
     return model
+
+
+def reshard(model: nn.Module) -> None:
+    """Free every gathered parameter (e.g. the last block, kept unsharded after a no-grad
+    forward), so all parameters are DTensor shards again, as resharding expects."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def fsdp_mesh(group, device_type: str) -> DeviceMesh:

@@ -77,7 +77,7 @@ class ActorRolloutRefWorker(Worker):
             return forward_log_probs(model, mb, use_remove_padding=use_rmpad,
                                      temperature=temperature, calc_entropy=calc_entropy)
         return run_micro_batches(data, fn, micro_batch_size=micro, max_tokens=max_tokens,
-                                 group=self.group)
+                                 group=self.group, model=model)
 
     @register(dispatch=Dispatch.DP_COMPUTE)
     def compute_log_prob(self, batch: Batch, calc_entropy: bool = False) -> Batch:

@@ -57,7 +57,8 @@ class CriticWorker(Worker):
             v = forward_values(model, mb, use_remove_padding=c.model.use_remove_padding)
             return {"values": v}
         out = run_micro_batches(data, fn, micro_batch_size=c.forward_micro_batch_size_per_gpu,
-                                max_tokens=c.max_tokens_per_micro_batch, group=self.group)
+                                max_tokens=c.max_tokens_per_micro_batch, group=self.group,
+                                model=model)
         return Batch({"values": out["values"].cpu()})
 
     def _loss_fn(self, norm, tokens):

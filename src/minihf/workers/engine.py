@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn as nn
 
-from minihf.parallel.fsdp import apply_fsdp, fsdp_mesh
+from minihf.parallel.fsdp import apply_fsdp, fsdp_mesh, reshard
 from minihf.trainer.optim import OptimConfig, build_lr_scheduler, build_optimizer
 from minihf.workers.config import FSDPConfig, ModelConfig
 from minihf.workers.train_step import group_size, plan_micro_batches, take_rows
@@ -61,10 +61,11 @@ def tensors_of(batch, keys: Sequence[str], device: torch.device) -> dict[str, to
 @torch.no_grad()
 def run_micro_batches(data: dict[str, torch.Tensor], fn: Callable[[dict], dict],
                       *, micro_batch_size: int | None, max_tokens: int | None,
-                      group) -> dict[str, torch.Tensor]:
+                      group, model: nn.Module | None = None) -> dict[str, torch.Tensor]:
     """``fn`` over micro-batches of ``data`` (no grad), outputs back in row order.
 
     Every rank of ``group`` runs the same number of forwards (FSDP all-gathers per call).
+    ``model`` (the FSDP model ``fn`` runs) is resharded afterwards.
     """
     plan = plan_micro_batches(data["attention_mask"], micro_batch_size=micro_batch_size,
                               max_tokens=max_tokens, group=group)
@@ -74,6 +75,8 @@ def run_micro_batches(data: dict[str, torch.Tensor], fn: Callable[[dict], dict],
     for k in outs[0]:
         cat = torch.cat([o[k] for o in outs])
         result[k] = torch.empty_like(cat).index_copy_(0, order.to(cat.device), cat)
+    if model is not None:
+        reshard(model)
     return result
 
 

@@ -41,5 +41,6 @@ class RewardModelWorker(Worker):
             return {"rm_scores": forward_scores(self.model, mb,
                                                 use_remove_padding=c.model.use_remove_padding)}
         out = run_micro_batches(data, fn, micro_batch_size=c.micro_batch_size_per_gpu,
-                                max_tokens=c.max_tokens_per_micro_batch, group=self.group)
+                                max_tokens=c.max_tokens_per_micro_batch, group=self.group,
+                                model=self.model)
         return Batch({"rm_scores": out["rm_scores"].cpu()})

@@ -16,7 +16,10 @@ The reference may keep its shards on the host (``ref.fsdp.param_offload``); FSDP
 moves each block to the device only while it runs.
 
 Update batches should hold a multiple of the DP size rows: the controller pads uneven
-batches by repeating rows, which an update would count twice.
+batches by repeating rows, which an update would count twice. Training shards over all
+the role's ranks; with a generation TP size t > 1 the TP peers receive the same rows, so
+a mini-batch holds ``ppo_mini_batch_size / t`` distinct rows (each counted t times in both
+the loss sum and its normaliser, which leaves the update unchanged).
 """
 
 from __future__ import annotations

@@ -182,3 +182,30 @@ def test_update_invariant_to_micro_batches_and_ranks():
             assert naive_err > 1e-4, (mode, naive_err)  # the check can fail
             assert micro_err < 1e-5, (mode, micro_err)
             assert rank_err < 1e-5, (mode, rank_err)
+
+
+def test_lr_schedule_by_hand():
+    import math
+
+    from minihf.trainer.optim import lr_factor
+    cos = OptimConfig(lr=1.0, warmup_steps=2, lr_scheduler="cosine", total_training_steps=6,
+                      min_lr_ratio=0.1)
+    assert [lr_factor(s, cos) for s in range(2)] == [0.5, 1.0]
+    assert lr_factor(4, cos) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert lr_factor(6, cos) == pytest.approx(0.1) and lr_factor(60, cos) == pytest.approx(0.1)
+    assert lr_factor(5, OptimConfig(warmup_steps=2)) == 1.0
+    with pytest.raises(ValueError, match="total_training_steps"):
+        build_lr_scheduler(build_optimizer(tiny_model().parameters(), OptimConfig()),
+                           OptimConfig(lr_scheduler="cosine"))
+
+
+def test_clip_grad_norm_matches_torch_single_process():
+    from minihf.trainer.optim import clip_grad_norm_
+    a, b = tiny_model(), tiny_model()
+    batch = make_batch(3, 4, 3)
+    for m in (a, b):
+        nll_loss_fn(m, "token-mean", None)(batch)[0].backward()
+    ours = clip_grad_norm_(a.parameters(), 0.05)
+    theirs = torch.nn.utils.clip_grad_norm_(b.parameters(), 0.05)
+    assert ours.item() == pytest.approx(theirs.item(), rel=1e-6) and ours > 0.05
+    assert all(torch.allclose(p.grad, q.grad, atol=1e-8) for p, q in zip(a.parameters(), b.parameters()))

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from minihf.rollout.sampling import RowParams, SamplingParams, sample, sequence_key, uniforms
+from minihf.rollout.sampling import RowParams, argmax_rows, SamplingParams, sample, sequence_key, uniforms
 
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.3, -0.5, -1.0])  # V = 6
 N = 20000
@@ -97,3 +97,14 @@ def test_uniforms_look_uniform():
 def test_validation_errors(kw, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kw)
+
+
+def test_argmax_rows_equals_argmax_with_ties():
+    torch.manual_seed(0)
+    x = torch.randn(16, 1024)
+    x[3, 10] = x[3, 900] = 50.0  # tie across chunks: first index wins
+    x[4, 130] = x[4, 129] = 50.0  # tie within a chunk
+    x[5] = 0.0  # all equal
+    assert torch.equal(argmax_rows(x), x.argmax(-1))
+    y = torch.randn(4, 1000)  # not a multiple of the chunk: plain argmax
+    assert torch.equal(argmax_rows(y), y.argmax(-1))

@@ -1,0 +1,31 @@
+"""Worker config sections through minihf.config: overrides, validation messages."""
+
+import pytest
+
+from minihf.config import ConfigError, load_config
+from minihf.trainer.sft import SFTConfig
+from minihf.workers.config import ActorRolloutRefConfig, CriticConfig
+
+
+def test_overrides_reach_nested_sections():
+    cfg = load_config(ActorRolloutRefConfig, None, [
+        "actor.optim.lr=1e-5", "actor.optim.lr_scheduler=cosine", "actor.max_tokens_per_micro_batch=4096",
+        "actor.loss_agg_mode=seq-mean-token-mean", "ref.fsdp.param_offload=true", "model.path=/m"])
+    assert cfg.actor.optim.lr == 1e-5 and cfg.actor.optim.lr_scheduler == "cosine"
+    assert cfg.actor.max_tokens_per_micro_batch == 4096 and cfg.ref.fsdp.param_offload
+    assert load_config(CriticConfig).optim.lr == 1e-5
+    sft = load_config(SFTConfig, None, ["data.train_files=[a.parquet, b.parquet]", "trainer.resume_mode=disable"])
+    assert sft.data.train_files == ["a.parquet", "b.parquet"]
+
+
+@pytest.mark.parametrize("override, match", [
+    ("actor.loss_agg_mode=mean", "loss_agg_mode='mean'.*token-mean"),
+    ("actor.ppo_micro_batch_size_per_gpu=null", "micro-batch size .* or max_tokens_per_micro_batch"),
+    ("actor.optim.lr_scheduler=linear", "lr_scheduler"),
+    ("actor.optim.min_lr_ratio=2", "min_lr_ratio=2"),
+    ("actor.fsdp.mixed_precision=fp16", "mixed_precision"),
+    ("actor.clip_ratio=0", "clip_ratio=0"),
+])
+def test_bad_values_say_which_and_why(override, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(ActorRolloutRefConfig, None, [override])

@@ -41,7 +41,9 @@ class EchoWorker(Worker):
         return dict(rank=self.rank, role=self.role, role_rank=self.role_rank,
                     role_size=self.role_size, dp=(self.dp_rank, self.dp_size),
                     tp=(self.tp_rank, self.tp_size), device=str(self.device),
-                    group_size=dist.get_world_size(self.group))
+                    group_size=dist.get_world_size(self.group),
+                    tp_ranks=dist.get_process_group_ranks(self.tp_group),
+                    dp_ranks=dist.get_process_group_ranks(self.dp_group))
 
     @register(dispatch=Dispatch.DP_COMPUTE)
     def scale_batch(self, batch, offset=0.0):
@@ -158,7 +160,7 @@ def test_two_ranks_colocated_modes_errors_and_stop():
     assert [w["rank"] for w in who] == [0, 1, 0, 1]
     assert [w["role"] for w in who] == ["a", "a", "b", "b"]
     assert who[1] == dict(rank=1, role="a", role_rank=1, role_size=2, dp=(1, 2), tp=(0, 1),
-                          device="cpu", group_size=2)
+                          device="cpu", group_size=2, tp_ranks=[1], dp_ranks=[0, 1])
     assert first["res_who"] == [0, 0, 0, 1, 1]  # 5 rows padded to 6, 3 per rank, pad stripped
     assert first["meta"] == {"temperature": 0.7}
     assert first["seen"] == [[0, 1, 2], [3, 4, 0]]  # rank 1's chunk ends with the pad row
@@ -228,6 +230,8 @@ def test_four_ranks_split_concurrency_and_dp_tp():
     assert [(w["rank"], w["role_rank"]) for w in out["b_who"]] == [(2, 0), (3, 1)]
     assert [(w["dp"], w["tp"]) for w in out["who"]] == [((0, 2), (0, 2)), ((0, 2), (1, 2)),
                                                         ((1, 2), (0, 2)), ((1, 2), (1, 2))]
+    assert [(w["tp_ranks"], w["dp_ranks"]) for w in out["who"]] == [
+        ([0, 1], [0, 2]), ([0, 1], [1, 3]), ([2, 3], [0, 2]), ([2, 3], [1, 3])]
     # TP peers received identical chunks; results came from tp_rank 0 only (ranks 0 and 2)
     assert out["seen"] == [[0, 1, 2], [0, 1, 2], [3, 4, 5], [3, 4, 5]]
     assert out["res_who"] == [0, 0, 0, 2, 2, 2]

@@ -53,6 +53,15 @@ class RoleLayout:
     def tp_rank(self, role_rank: int) -> int:
         return role_rank % self.tp_size
 
+    def tp_group_ranks(self, role_rank: int) -> tuple[int, ...]:
+        """Global ranks of the TP group (one model replica) holding ``role_rank``."""
+        start = self.dp_rank(role_rank) * self.tp_size
+        return self.ranks[start:start + self.tp_size]
+
+    def dp_group_ranks(self, role_rank: int) -> tuple[int, ...]:
+        """Global ranks with the same TP rank as ``role_rank``, one per DP group."""
+        return self.ranks[self.tp_rank(role_rank)::self.tp_size]
+
 
 Call = tuple[tuple, dict]
 

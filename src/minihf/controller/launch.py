@@ -7,9 +7,8 @@ one-process job. It exits the process non-zero on any error, on every rank, so a
 never leaves a job hanging. ``run`` is the same job on an already initialised default
 process group (used by ``launch`` and by multi-process tests); it raises instead of exiting.
 
-Groups (created by every rank in the same order): one per role over its ranks (colocated
-roles get separate groups), and two per worker rank r (driver->r, r->driver; see
-``transport``). With CUDA the backend is "cpu:gloo,cuda:nccl": pickled control records go
+Groups: per role, one over its ranks (colocated roles get separate groups) plus its DP and
+TP groups; and two per worker rank r (driver->r, r->driver; see ``transport``). With CUDA the backend is "cpu:gloo,cuda:nccl": pickled control records go
 over gloo, tensors over NCCL.
 """
 
@@ -60,19 +59,65 @@ def resolve_backend(backend: str, cuda_available: bool) -> str:
     return "gloo"
 
 
-def _build_workers(rank: int, roles: dict[str, Role], layouts: dict[str, RoleLayout],
-                   groups: dict[str, Any], device: torch.device) -> dict[str, Worker]:
+def _make_groups(rank: int, world: int, layouts: dict[str, RoleLayout],
+                 transport_device: torch.device, device: torch.device, timeout_s: float
+                 ) -> tuple[dict[str, WorkerContext], dict[int, tuple[Channel, Channel]], list]:
+    """This rank's worker contexts (role, DP and TP groups) and its driver links.
+
+    Every rank creates every multi-rank group (torch requires it), in one global order:
+    roles sorted by name (role group, then its TP groups, then its DP groups), then the
+    links by peer. A DP or TP group of one rank is created by that rank alone.
+    """
+    timeout = timedelta(seconds=timeout_s)
+    created: list = []
+
+    def new_group(ranks) -> Any:
+        group = dist.new_group(list(ranks), timeout=timeout)
+        if rank in ranks:
+            created.append(group)
+            return group
+        return None
+
+    def own_group() -> Any:  # a group of this rank alone: no other rank is involved
+        group = dist.new_group([rank], timeout=timeout, use_local_synchronization=True)
+        created.append(group)
+        return group
+
+    contexts = {}
+    for name in sorted(layouts):
+        layout = layouts[name]
+        group = new_group(layout.ranks)
+        tp = dp = None
+        if layout.tp_size > 1 and layout.dp_size > 1:
+            for d in range(layout.dp_size):
+                tp = new_group(layout.tp_group_ranks(d * layout.tp_size)) or tp
+            for t in range(layout.tp_size):
+                dp = new_group(layout.dp_group_ranks(t)) or dp
+        if rank in layout.ranks:
+            tp = group if layout.dp_size == 1 else tp if layout.tp_size > 1 else own_group()
+            dp = group if layout.tp_size == 1 else dp if layout.dp_size > 1 else own_group()
+            contexts[name] = WorkerContext(rank, layout, group, device, dp_group=dp, tp_group=tp)
+    links: dict[int, tuple[Channel, Channel]] = {}
+    for peer in range(1, world):  # two groups per pair: driver->peer and peer->driver
+        down, up = new_group([0, peer]), new_group([0, peer])
+        if rank in (0, peer):
+            other = peer if rank == 0 else 0
+            links[other] = (Channel(down, other, transport_device, timeout_s),
+                            Channel(up, other, transport_device, timeout_s))
+    return contexts, links, created
+
+
+def _build_workers(roles: dict[str, Role], contexts: dict[str, WorkerContext]
+                   ) -> dict[str, Worker]:
     """Build this rank's workers; if any rank fails, every rank raises the same error."""
     workers, error = {}, None
-    for name in sorted(layouts):
-        if rank in layouts[name].ranks:
-            try:
-                ctx = WorkerContext(rank, layouts[name], groups[name], device)
-                spec = roles[name]
-                workers[name] = create_worker(spec.worker_cls, ctx, spec.args, spec.kwargs)
-            except Exception:  # noqa: BLE001 - reported to every rank below
-                error = f"building role {name!r} failed on rank {rank}:\n{traceback.format_exc()}"
-                break
+    for name, ctx in contexts.items():
+        try:
+            spec = roles[name]
+            workers[name] = create_worker(spec.worker_cls, ctx, spec.args, spec.kwargs)
+        except Exception:  # noqa: BLE001 - reported to every rank below
+            error = f"building role {name!r} failed on rank {ctx.rank}:\n{traceback.format_exc()}"
+            break
     errors: list = [None] * dist.get_world_size()
     dist.all_gather_object(errors, error)
     failed = [e for e in errors if e]
@@ -101,24 +146,10 @@ def run(driver_fn: DriverFn, roles: Mapping[str, Role | type[Worker]],
     transport_device = torch.device("cuda", torch.cuda.current_device()) if on_cuda \
         else torch.device("cpu")
     device = device or transport_device
-    timeout = timedelta(seconds=config.timeout_s)
 
-    created = []
-    role_groups = {}
-    for name in sorted(layouts):
-        role_groups[name] = dist.new_group(list(layouts[name].ranks), timeout=timeout)
-        created.append(role_groups[name])
-    links: dict[int, tuple[Channel, Channel]] = {}
-    for peer in range(1, world):
-        down = dist.new_group([0, peer], timeout=timeout)
-        up = dist.new_group([0, peer], timeout=timeout)
-        created += [down, up]
-        if rank in (0, peer):
-            other = peer if rank == 0 else 0
-            links[other] = (Channel(down, other, transport_device, config.timeout_s),
-                            Channel(up, other, transport_device, config.timeout_s))
-
-    workers = _build_workers(rank, roles, layouts, role_groups, device)
+    contexts, links, created = _make_groups(rank, world, layouts, transport_device, device,
+                                            config.timeout_s)
+    workers = _build_workers(roles, contexts)
     if rank == 0:
         driver = Driver(rank, links, workers, transport_device, config.timeout_s)
         groups = {n: WorkerGroup(layouts[n], roles[n].worker_cls, driver) for n in sorted(layouts)}
@@ -127,8 +158,7 @@ def run(driver_fn: DriverFn, roles: Mapping[str, Role | type[Worker]],
         serve(*links[0], workers, rank)
         result = None
     for g in created:  # only after a clean STOP: on errors peers may be gone
-        if g is not None and g != dist.GroupMember.NON_GROUP_MEMBER:
-            dist.destroy_process_group(g)
+        dist.destroy_process_group(g)
     return result
 
 

@@ -77,6 +77,8 @@ class WorkerContext:
     layout: RoleLayout
     group: Any  # torch.distributed ProcessGroup of the role's ranks
     device: torch.device
+    dp_group: Any = None  # this rank's DP group (same TP rank); the role group if tp_size 1
+    tp_group: Any = None  # this rank's TP group; the role group if dp_size is 1
 
 
 class Worker:
@@ -143,6 +145,14 @@ class Worker:
     @property
     def tp_size(self) -> int:
         return self.ctx.layout.tp_size
+
+    @property
+    def dp_group(self) -> Any:
+        return self.ctx.dp_group
+
+    @property
+    def tp_group(self) -> Any:
+        return self.ctx.tp_group
 
 
 def create_worker(cls: type[Worker], ctx: WorkerContext, args: tuple = (),

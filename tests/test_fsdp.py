@@ -21,8 +21,8 @@ ARGS = dict(arch="qwen2", vocab_size=48, hidden_size=32, num_hidden_layers=2,
             attention_bias=True, max_position_embeddings=64)
 
 
-def tiny_model(seed=0, tie=False):
-    args = ModelArgs(**ARGS, tie_word_embeddings=tie)
+def tiny_model(seed=0, tie=False, **overrides):
+    args = ModelArgs(**{**ARGS, **overrides}, tie_word_embeddings=tie)
     return init_weights(build_model(args, "lm"), seed=seed)
 
 
@@ -116,9 +116,18 @@ def _fsdp_vs_reference(rank, world):
         variants[name] = full_params(m)
     ckpt_err = max((variants["plain"][n] - variants["ckpt"][n]).abs().max().item() for n in variants["plain"])
     offload_err = max((variants["plain"][n] - variants["offload"][n]).abs().max().item() for n in variants["plain"])
+
+    # sizes that do not divide by 2: uneven dim-0 shards; down_proj falls back to dim 0
+    odd_ref = tiny_model(intermediate_size=63, vocab_size=49)
+    odd = apply_fsdp(copy.deepcopy(odd_ref), fsdp_mesh(group, "cpu"))
+    odd_place = odd.model.layers[0].mlp.down_proj.weight.placements[0]
+    run_update(odd, local, [[0, 1]], mode, group, steps=2)
+    run_update(odd_ref, batch, [[0, 1, 2, 3]], mode, None, steps=2)
+    a, b = full_params(odd), full_params(odd_ref)
+    odd_err = max((a[n] - b[n]).abs().max().item() for n in a)
     return {"placements": placements, "grad_err": grad_err, "param_err": param_err,
             "moved": moved, "stats": stats, "ref_stats": ref_stats,
-            "ckpt_err": ckpt_err, "offload_err": offload_err}
+            "ckpt_err": ckpt_err, "offload_err": offload_err, "odd": (odd_place, odd_err)}
 
 
 def _invariance(rank, world):
@@ -168,6 +177,7 @@ def test_fsdp_two_ranks_match_single_process_reference():
         assert r["grad_err"] < 1e-6, r["grad_err"]
         assert r["moved"] > 1e-3  # the updates did something
         assert r["param_err"] < 1e-5, r["param_err"]
+        assert r["odd"][0] == Shard(0) and r["odd"][1] < 1e-5, r["odd"]
         assert r["ckpt_err"] < 1e-6 and r["offload_err"] < 1e-6, (r["ckpt_err"], r["offload_err"])
         for s, s_ref in zip(r["stats"], r["ref_stats"]):
             assert s["grad_norm"] == pytest.approx(s_ref["grad_norm"], rel=1e-5)

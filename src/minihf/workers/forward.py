@@ -42,11 +42,19 @@ def forward_log_probs(model: nn.Module, mb: dict, *, use_remove_padding: bool = 
     valid = mb["attention_mask"][:, -r:].float()                             # [B, R]
     out, packed = _run(model, mb, use_remove_padding)
     if packed is not None:
-        logits = out.float() / temperature                                 # [N, V]
-        log_probs = unpack(logprobs_from_logits(logits, next_token_labels(packed)[0]), packed)
-        result = {"log_probs": log_probs[:, -r - 1:-1] * valid}              # [B, R]
+        # only positions that predict a response token are upcast (prompt logits are not)
+        t = packed.shape[1]
+        col = packed.indices % t                                             # [N]
+        sel = ((col >= t - r - 1) & (col < t - 1)).nonzero().squeeze(-1)      # [M]
+        logits = out[sel].float() / temperature                             # [M, V]
+        labels = next_token_labels(packed)[0][sel]                          # [M]
+
+        def to_response(values):                                            # [M] -> [B, R]
+            flat = values.new_zeros(out.shape[0]).index_copy_(0, sel, values)
+            return unpack(flat, packed)[:, -r - 1:-1] * valid
+        result = {"log_probs": to_response(logprobs_from_logits(logits, labels))}
         if calc_entropy:
-            result["entropy"] = unpack(entropy_from_logits(logits), packed)[:, -r - 1:-1] * valid
+            result["entropy"] = to_response(entropy_from_logits(logits))
         return result
     logits = out[:, -r - 1:-1].float() / temperature                       # [B, R, V]
     result = {"log_probs": logprobs_from_logits(logits, mb["responses"]) * valid}

@@ -61,8 +61,8 @@ def training_logprobs(model, prompt, response, temperature):
 
 def test_logprobs_match_training_forward(tiny_dirs):
     path, _ = tiny_dirs["qwen3"]
-    model = load_hf(path)
-    llm = LLM(model, max_num_seqs=3)
+    model = load_hf(path)  # the trainer's copy (row-major); the engine gets its own, re-laid-out one
+    llm = LLM(load_hf(path), max_num_seqs=3, cpu_column_major=True)
     worst = 0.0
     for sp in (SamplingParams(temperature=0.7, max_tokens=12, seed=1, n=2),
                SamplingParams(temperature=1.3, top_k=20, top_p=0.9, max_tokens=12, seed=2),

@@ -50,9 +50,10 @@ def column_major_linears(model: torch.nn.Module) -> None:
 class Engine:
     def __init__(self, model: torch.nn.Module, *, max_num_seqs: int = 256, max_model_len: int | None = None,
                  max_num_batched_tokens: int | None = None, kv_cache_memory: int | None = None,
-                 gpu_memory_utilization: float | None = None, eos_token_ids: tuple[int, ...] = (), seed: int = 0):
+                 gpu_memory_utilization: float | None = None, eos_token_ids: tuple[int, ...] = (), seed: int = 0,
+                 cpu_column_major: bool = True):
         self.model = model.eval()
-        if self.device.type == "cpu":
+        if cpu_column_major and self.device.type == "cpu":
             column_major_linears(model)
         args = model.args
         self.max_num_seqs = max_num_seqs

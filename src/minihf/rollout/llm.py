@@ -63,12 +63,15 @@ class LLM:
     completion (default: the model's ``max_position_embeddings``); ``kv_cache_memory``
     (bytes) or ``gpu_memory_utilization`` (fraction of free CUDA memory) bound the cache.
     An in-memory model is used as is (not copied): ``apply_tp`` shards it in place.
+    ``cpu_column_major`` (default: only for models this class loads itself) re-lays Linear
+    weights out column-major on CPU for faster decoding (see ``engine.column_major_linears``);
+    pass True for an in-memory model that only generates.
     """
 
     def __init__(self, model, tp_group=None, dtype: torch.dtype | None = None, device: str | None = None,
                  max_num_seqs: int = 256, max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
                  kv_cache_memory: int | None = None, gpu_memory_utilization: float | None = None,
-                 eos_token_ids: tuple[int, ...] | None = None, seed: int = 0):
+                 eos_token_ids: tuple[int, ...] | None = None, seed: int = 0, cpu_column_major: bool | None = None):
         if device is None:
             if tp_group is not None and torch.cuda.is_available():
                 device = f"cuda:{torch.cuda.current_device()}"
@@ -84,7 +87,9 @@ class LLM:
                 raise FileNotFoundError(f"{path} has no config.json; pass a Hugging Face checkpoint dir or a minihf model")
             model = load_hf(path, dtype=dtype, device=device)
             default_eos = eos_ids_from_dir(path, model.args.hf_config)
+            owned = True
         else:
+            owned = False
             default_eos = eos_ids_from_dir(Path("/nonexistent"), getattr(model.args, "hf_config", None) or {})
         if tp_group is not None:
             from minihf.parallel.tp import apply_tp
@@ -95,6 +100,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory=kv_cache_memory,
             gpu_memory_utilization=gpu_memory_utilization,
             eos_token_ids=default_eos if eos_token_ids is None else tuple(eos_token_ids), seed=seed,
+            cpu_column_major=owned if cpu_column_major is None else cpu_column_major,
         )
 
     def generate(self, prompts: list[list[int]], sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:

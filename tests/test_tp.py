@@ -14,7 +14,9 @@ def _tp_rank(rank, world_size, path):
     import torch.distributed as dist
 
     from minihf.models import load_hf
-    from minihf.parallel.tp import ColumnParallelLinear, RowParallelLinear, VocabParallelLMHead, apply_tp
+    from minihf.parallel.tp import (
+        ColumnParallelLinear, RowParallelLinear, VocabParallelLMHead, apply_tp, load_full_state_dict,
+    )
     from minihf.rollout import LLM, SamplingParams
 
     group = dist.group.WORLD
@@ -40,7 +42,16 @@ def _tp_rank(rank, world_size, path):
         llm = LLM(model, max_num_seqs=3)
         outs = llm.generate(PROMPTS, greedy)
         samples = [[c.token_ids for c in o.outputs] for o in llm.generate(PROMPTS, sampled)]
+        # fresh weights (as after a training step) loaded by slicing the full state dict
+        new_model = load_hf(path)
+        with torch.no_grad():
+            for p in new_model.parameters():
+                p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+            new_ref = new_model(ids, pos)
+            load_full_state_dict(model, new_model.state_dict(), group)
+            new_logits = model(ids, pos)
         results[vocab_parallel] = dict(
+            reload_diff=(new_logits - new_ref).abs().max().item(),
             logit_diff=(logits - ref_logits).abs().max().item(),
             same_greedy=[o.outputs[0].token_ids for o in outs] == ref_greedy,
             lp_diff=max(abs(a - b) for o, r in zip(outs, ref_lp) for a, b in zip(o.outputs[0].logprobs, r)),
@@ -66,6 +77,7 @@ def test_tp_matches_tp1(tp_model_dir, world):
     for rank, res in enumerate(results):
         for vp, r in res.items():
             assert r["logit_diff"] < 1e-4, (rank, vp, r["logit_diff"])
+            assert r["reload_diff"] < 1e-4, (rank, vp, r["reload_diff"])
             assert r["same_greedy"], (rank, vp)
             assert r["lp_diff"] < 1e-4, (rank, vp)
             assert r["samples"] == results[0][vp]["samples"]  # every rank draws the same tokens

@@ -155,3 +155,28 @@ def apply_tp(model: nn.Module, tp_group=None, vocab_parallel: bool | None = None
             raise ValueError(f"apply_tp: {name}: {e}") from None
         _set_submodule(model, name, new)
     return model
+
+
+def is_vocab_parallel(model: nn.Module) -> bool:
+    """Whether ``apply_tp`` made this model's LM head vocab-parallel."""
+    return isinstance(getattr(model, "lm_head", None), VocabParallelLMHead)
+
+
+@torch.no_grad()
+def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor], tp_group=None) -> None:
+    """Copy full (unsharded) tensors ``state`` (HF keys) into a TP-sharded ``model``, slicing
+    each by :func:`tp_shard_dim` (e.g. fresh actor weights into the rollout engine's copy).
+
+    A tied checkpoint may omit ``lm_head.weight``; the embedding is used for it then.
+    Raises KeyError naming the parameters ``state`` lacks.
+    """
+    world = dist.get_world_size(tp_group) if tp_group is not None else 1
+    rank = dist.get_rank(tp_group) if tp_group is not None else 0
+    vocab_parallel = is_vocab_parallel(model)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    missing = [n for n in params if n not in state and not (n == "lm_head.weight" and "model.embed_tokens.weight" in state)]
+    if missing:
+        raise KeyError(f"load_full_state_dict: state lacks {missing[:8]}{'...' if len(missing) > 8 else ''}")
+    for name, p in params.items():
+        full = state.get(name, state.get("model.embed_tokens.weight") if name == "lm_head.weight" else None)
+        p.copy_(shard_tensor(full, tp_shard_dim(name, vocab_parallel), rank, world).to(p.dtype))

@@ -5,7 +5,8 @@
     python scripts/bench_rpc.py --mb 64 --repeats 7 --pings 200
 
 Each controller figure is printed next to raw ``torch.distributed`` p2p of the same bytes,
-with the ratio; controller and raw runs alternate and medians are reported:
+with the ratio of the medians and the median of paired ratios (neighbouring runs, robust to
+load that changes during the run); controller and raw runs alternate:
 
 * no-op call latency: ``remote.noop()`` on a role placed on rank 1 vs a 1-element
   send/recv ping-pong.
@@ -114,7 +115,13 @@ def bench_transfer(target, remote, batch: Batch, repeats: int, split: bool) -> l
         if split:
             times[2].append(raw_round_trip(tensors, local))
         fut.result()
-    return [statistics.median(t[1:]) for t in times if t]
+    return [statistics.median(t[1:]) for t in times if t] + [
+        statistics.median(c / r for c, r in zip(times[0][1:], t[1:])) for t in times[1:] if t]
+
+
+def paired(ctl: list[float], raw: list[float]) -> float:
+    """Median of the ratios of neighbouring runs: robust to load that drifts during the run."""
+    return statistics.median(c / r for c, r in zip(ctl, raw))
 
 
 def driver(groups, args) -> None:
@@ -134,17 +141,17 @@ def driver(groups, args) -> None:
         fut.result()
     c, r = statistics.median(ctl), statistics.median(raw)
     print(f"{'no-op call, role on rank 1':<36} controller {c * 1e3:7.2f} ms | raw ping-pong "
-          f"{r * 1e3:7.2f} ms | ratio {c / r:5.2f}")
+          f"{r * 1e3:7.2f} ms | ratio {c / r:5.2f} (paired {paired(ctl, raw):5.2f})")
     batch = make_batch(args.mb, device)
     mb = nbytes(batch) / 2**20
-    c, r = bench_transfer(remote, remote, batch, args.repeats, split=False)
+    c, r, pr = bench_transfer(remote, remote, batch, args.repeats, split=False)
     print(f"{f'{mb:.0f} MB round trip, role on rank 1':<36} controller {c * 1e3:7.1f} ms | "
-          f"raw send+recv {r * 1e3:7.1f} ms | ratio {c / r:5.2f}")
-    c, r, rc = bench_transfer(dp2, remote, batch, args.repeats, split=True)
+          f"raw send+recv {r * 1e3:7.1f} ms | ratio {c / r:5.2f} (paired {pr:5.2f})")
+    c, r, rc, pr, prc = bench_transfer(dp2, remote, batch, args.repeats, split=True)
     print(f"{f'{mb:.0f} MB DP_COMPUTE over ranks 0,1':<36} controller {c * 1e3:7.1f} ms | "
-          f"raw send+recv {r * 1e3:7.1f} ms | ratio {c / r:5.2f} (rank 1's half only)\n"
-          f"{'':<36} {'':<21} | raw + concat  {rc * 1e3:7.1f} ms | ratio {c / rc:5.2f} "
-          "(same result by hand)")
+          f"raw send+recv {r * 1e3:7.1f} ms | ratio {c / r:5.2f} (paired {pr:5.2f}); raw: "
+          f"rank 1's half only\n{'':<36} {'':<21} | raw + concat  {rc * 1e3:7.1f} ms | "
+          f"ratio {c / rc:5.2f} (paired {prc:5.2f}); the same result built by hand")
 
 
 ROLES = {"remote": BenchWorker, "dp2": BenchWorker}

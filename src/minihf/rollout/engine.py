@@ -65,6 +65,8 @@ class Engine:
         self.seed = seed
         self._calls = 0
         self.cache: SlotKVCache | None = None
+        self._rows_key: tuple | None = None
+        self._rows: RowParams | None = None
         attn = model.model.layers[0].self_attn
         self._cache_geometry = (len(model.model.layers), attn.num_kv_heads, attn.head_dim)
 
@@ -118,6 +120,7 @@ class Engine:
         if len(plist) != len(prompts):
             raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts; pass one or one per prompt")
         self._calls += 1
+        self._rows_key = None  # ids of dead sequences may be reused by this call's
         call_key = sequence_key(self.seed, self._calls)
         groups: list[list[Sequence]] = []
         longest = 0
@@ -161,8 +164,13 @@ class Engine:
         return groups
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence | None]) -> tuple[list[int], list[float]]:
-        rows = RowParams.build([s.params[0] if s else None for s in seqs],
-                               [s.params[1] if s else 0 for s in seqs], logits.device)
+        # per-row parameters change only when the row composition does (admission, finish, move)
+        composition = tuple(id(s) for s in seqs)
+        if self._rows_key != composition:
+            self._rows = RowParams.build([s.params[0] if s else None for s in seqs],
+                                         [s.params[1] if s else 0 for s in seqs], logits.device)
+            self._rows_key = composition
+        rows = self._rows
         steps = torch.tensor([len(s.tokens) if s else 0 for s in seqs], dtype=torch.int64, device=logits.device)
         tok, logp = sample(logits, rows, steps)
         both = torch.stack([tok.double(), logp.double()]).cpu()  # the one host sync per step

@@ -110,6 +110,11 @@ def _two_ranks_driver(groups):
     out["res_who"] = res.tensors["who"].tolist()
     out["meta"] = res.meta
     out["seen"] = a.last_seen()
+    # several calls in flight to the same ranks: messages and replies stay matched in order
+    batches = [_data(4 + i) for i in range(3)]
+    futures = [a.scale_batch.future(bt) for bt in batches]
+    for bt, fut in zip(reversed(batches), reversed(futures)):
+        torch.testing.assert_close(fut.result().tensors["y"], bt.tensors["x"] * 2.0)
     out["sum_a"], out["sum_b"] = a.group_sum(1.0), b.group_sum(10.0)
     out["first"], out["each"] = b.only_first(), b.each(["x", "y" * 10_000])  # control > header
     try:

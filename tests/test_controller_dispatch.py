@@ -137,3 +137,18 @@ def test_pack_groups_small_tensors_by_dtype_and_keeps_big_ones_whole():
     assert back["arr"].tolist() == [0, 1, 2] and back["txt"] == "hi"
     with pytest.raises(TypeError, match="to_dense"):
         pack(torch.eye(3).to_sparse(), torch.device("cpu"))
+
+
+def test_worker_group_lists_registered_methods_on_typos():
+    from minihf.controller import WorkerGroup
+
+    class Critic(Worker):
+        @register(dispatch=Dispatch.DP_COMPUTE)
+        def compute_values(self, batch):
+            return batch
+
+    group = WorkerGroup(RoleLayout("critic", (0, 1)), Critic, driver=None)
+    assert group.compute_values.spec.dispatch == Dispatch.DP_COMPUTE
+    assert "compute_values" in dir(group)
+    with pytest.raises(AttributeError, match=r"no remote method 'compute_value'.*\['compute_values'\]"):
+        group.compute_value

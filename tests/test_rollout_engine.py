@@ -149,3 +149,19 @@ def test_memory_budget_and_free(tiny_dirs):
     assert llm.engine.cache is None and llm.engine.model is None
     with pytest.raises(RuntimeError, match="freed"):
         llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2))
+
+
+def test_length_buckets_bound_padding():
+    import random
+
+    from minihf.rollout.engine import length_buckets
+
+    rng = random.Random(0)
+    lens = [rng.randint(1, 200) for _ in range(300)]
+    groups = length_buckets(lens)
+    assert sorted(i for g in groups for i in g) == list(range(300))
+    for g in groups:
+        real = sum(lens[i] for i in g)
+        assert max(lens[i] for i in g) * len(g) <= 1.25 * real
+    assert len(groups) < 40
+    assert length_buckets([32] * 64) == [list(range(64))]  # equal lengths: one forward

@@ -47,6 +47,24 @@ def column_major_linears(model: torch.nn.Module) -> None:
                 w.data = w.data.t().contiguous().t()
 
 
+def length_buckets(lens: list[int], max_waste: float = 0.25) -> list[list[int]]:
+    """Group indices of prompts (by ascending length) so each group's right-padding adds at
+    most ``max_waste`` of its real tokens. Measured on 64 prompts of 8..64 tokens (5M model,
+    1 thread): one padded batch 424 ms, one forward per prompt 383 ms, buckets 250 ms."""
+    order = sorted(range(len(lens)), key=lens.__getitem__)
+    groups: list[list[int]] = []
+    total = 0
+    for i in order:
+        g = groups[-1] if groups else None
+        if g is not None and lens[i] * (len(g) + 1) <= (1 + max_waste) * (total + lens[i]):
+            g.append(i)
+            total += lens[i]
+        else:
+            groups.append([i])
+            total = lens[i]
+    return groups
+
+
 class Engine:
     def __init__(self, model: torch.nn.Module, *, max_num_seqs: int = 256, max_model_len: int | None = None,
                  max_num_batched_tokens: int | None = None, kv_cache_memory: int | None = None,
@@ -177,9 +195,9 @@ class Engine:
         return [int(t) for t in both[0].tolist()], both[1].tolist()
 
     def _prefill(self, sched: Scheduler, seqs: list[Sequence]) -> None:
-        """One forward over the distinct prompts (the n samples of a request share one), then
-        their cache rows are copied to the other samples' slots; each sample draws its own
-        first token from the shared logits."""
+        """Prefill the distinct prompts (the n samples of a request share one forward; their
+        cache rows are then copied to the other samples' slots, and each sample draws its own
+        first token from the shared logits). Prompts are right-padded in length buckets."""
         dev = self.device
         first: dict[tuple[int, ...], int] = {}
         uniq: list[Sequence] = []
@@ -189,14 +207,19 @@ class Engine:
                 first[tuple(s.prompt)] = len(uniq)
                 uniq.append(s)
             src.append(first[tuple(s.prompt)])
-        lens = [len(s.prompt) for s in uniq]
-        T = max(lens)
-        tokens = torch.tensor([s.prompt + [0] * (T - len(s.prompt)) for s in uniq], dtype=torch.long, device=dev)
-        positions = torch.arange(T, device=dev).expand(len(uniq), T)
-        self.cache.begin_prefill(torch.tensor([s.slot for s in uniq], device=dev), T)
-        hidden = self.model.forward_hidden(tokens, positions, kv_cache=self.cache)  # [u, T, H]
-        last = hidden[torch.arange(len(uniq), device=dev), torch.tensor(lens, device=dev) - 1]
-        logits = self.model.lm_head(last)  # [u, V]
+        last_hidden: list[torch.Tensor | None] = [None] * len(uniq)
+        for group in length_buckets([len(s.prompt) for s in uniq]):
+            part = [uniq[i] for i in group]
+            lens = [len(s.prompt) for s in part]
+            T = max(lens)
+            tokens = torch.tensor([s.prompt + [0] * (T - len(s.prompt)) for s in part], dtype=torch.long, device=dev)
+            positions = torch.arange(T, device=dev).expand(len(part), T)
+            self.cache.begin_prefill(torch.tensor([s.slot for s in part], device=dev), T)
+            hidden = self.model.forward_hidden(tokens, positions, kv_cache=self.cache)  # [g, T, H]
+            last = hidden[torch.arange(len(part), device=dev), torch.tensor(lens, device=dev) - 1]
+            for i, h in zip(group, last):
+                last_hidden[i] = h
+        logits = self.model.lm_head(torch.stack(last_hidden))  # [u, V]
         for s, u in zip(seqs, src):
             if s is not uniq[u]:
                 self.cache.move(uniq[u].slot, s.slot, len(s.prompt))

@@ -1,10 +1,15 @@
 """The generation engine: executes the scheduler's decisions with a slot KV cache.
 
-Each engine step runs (1) slot moves chosen by the scheduler (compaction), (2) one batched
-prefill of the newly admitted prompts (right-padded; only the last position of each prompt
-goes through the LM head), sampling each one's first token, and (3) one decode step over
-the dense slot prefix ``[0, num_rows)``, new sequences included. The host sees the sampled
-tokens once per step (one device->host copy: stop checks are Python), nothing else.
+Each engine step runs (1) slot moves chosen by the scheduler (compaction), (2) the prefill
+of the newly admitted prompts (right-padded in length buckets; a prompt shared by n samples
+is run once; only the last position of each prompt goes through the LM head), sampling each
+one's first token, and (3) one decode step over the dense slot prefix ``[0, num_rows)``, new
+sequences included. The host sees the sampled tokens once per step (one device->host copy:
+stop checks are Python), nothing else.
+
+Not done yet (GPU): CUDA graphs / torch.compile for the decode step and flash-attn's KV-cache
+kernel; the decode runs eager SDPA over the used prefix of the cache. On CPU torch.compile
+recompiled on every new cache length and did not pay off.
 
 The KV cache is allocated lazily, sized to the work at hand (``min(max_num_seqs, #sequences)``
 slots of ``min(max_model_len, longest prompt + max_tokens)`` positions) and capped by

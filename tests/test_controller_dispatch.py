@@ -122,7 +122,7 @@ def test_pack_groups_small_tensors_by_dtype_and_keeps_big_ones_whole():
     obj = {"batch": _batch(4), "big": big, "f": [torch.ones(2), torch.zeros(3, 1)],
            "b": torch.tensor([True, False]), "empty": torch.empty(0, 4), "s": torch.tensor(2.5),
            "view": torch.arange(12).view(3, 4).t(), "arr": np.arange(3), "txt": "hi"}
-    packed = pack(obj, torch.device("cpu"))
+    packed = pack(obj, None)
     # float32 small: x, ones, zeros, s -> 1 buffer; int64: ids, view -> 1; bool -> 1; big -> 1
     assert sorted(str(b.dtype) for b in packed.buffers) == sorted(
         ["torch.float32", "torch.float32", "torch.int64", "torch.bool"])
@@ -136,7 +136,7 @@ def test_pack_groups_small_tensors_by_dtype_and_keeps_big_ones_whole():
     assert back["b"].tolist() == [True, False] and back["f"][1].shape == (3, 1)
     assert back["arr"].tolist() == [0, 1, 2] and back["txt"] == "hi"
     with pytest.raises(TypeError, match="to_dense"):
-        pack(torch.eye(3).to_sparse(), torch.device("cpu"))
+        pack(torch.eye(3).to_sparse(), None)
 
 
 def test_worker_group_lists_registered_methods_on_typos():

@@ -76,8 +76,8 @@ class _Peer:
         return fut
 
     def _receive_loop(self) -> None:
-        if self.up.device.type == "cuda":  # the current device is per thread
-            torch.cuda.set_device(self.up.device)
+        if self.up.cuda is not None:  # the current device is per thread
+            torch.cuda.set_device(self.up.cuda)
         while True:
             with self._cond:
                 while not self._pending and not self._closed:
@@ -157,8 +157,8 @@ class Driver:
     """Rank 0's runtime: peers for the other ranks, a local executor for its own workers."""
 
     def __init__(self, rank: int, links: dict[int, tuple[Channel, Channel]],
-                 local_workers: dict[str, Worker], device: torch.device, timeout_s: float):
-        self.rank, self.device, self.timeout_s = rank, device, timeout_s
+                 local_workers: dict[str, Worker], cuda: torch.device | None, timeout_s: float):
+        self.rank, self.cuda, self.timeout_s = rank, cuda, timeout_s  # cuda: None without NCCL
         self._peers = {r: _Peer(r, down, up, timeout_s) for r, (down, up) in links.items()}
         self._local_workers = local_workers
         self._local = ThreadPoolExecutor(1, thread_name_prefix="minihf-local-worker",
@@ -168,8 +168,8 @@ class Driver:
         self._unawaited: list[CallFuture] = []  # checked at the end: no error goes unseen
 
     def _init_local_thread(self) -> None:
-        if self.device.type == "cuda":  # the current device is per thread
-            torch.cuda.set_device(self.device)
+        if self.cuda is not None:  # the current device is per thread
+            torch.cuda.set_device(self.cuda)
 
     def _run_local(self, cmd: Command) -> Any:
         reply = execute(self._local_workers, cmd, self.rank)
@@ -203,7 +203,7 @@ class Driver:
                     continue
                 key = (id(call), cmd.reply)
                 if key not in memo:
-                    memo[key] = pack(cmd, self.device)
+                    memo[key] = pack(cmd, self.cuda)
                 parts[i] = self._peers[rank].send(memo[key], layout.role, spec.name)
         fut = CallFuture(layout, spec, plan.collect_from, plan.ctx, parts)
         if len(self._unawaited) > 64:
@@ -222,7 +222,7 @@ class Driver:
         """Send STOP to every worker rank, wait for their acknowledgements, end threads."""
         with self._lock:
             self._closed = True
-            stop = pack(Stop(), self.device)
+            stop = pack(Stop(), self.cuda)
             acks = [(p, p.send(stop, "<controller>", "stop")) for p in self._peers.values()]
         self._local.shutdown(wait=True)
         for peer, fut in acks:
@@ -235,7 +235,7 @@ class Driver:
         """Best effort: tell every reachable worker rank to exit with an error."""
         self._closed = True
         self._local.shutdown(wait=False, cancel_futures=True)
-        msg = pack(Abort(reason), self.device)
+        msg = pack(Abort(reason), self.cuda)
         sends = []
         for peer in self._peers.values():
             if not (peer.lost or peer.stopped):

@@ -60,7 +60,7 @@ def resolve_backend(backend: str, cuda_available: bool) -> str:
 
 
 def _make_groups(rank: int, world: int, layouts: dict[str, RoleLayout],
-                 transport_device: torch.device, device: torch.device, timeout_s: float
+                 cuda: torch.device | None, device: torch.device, timeout_s: float
                  ) -> tuple[dict[str, WorkerContext], dict[int, tuple[Channel, Channel]], list]:
     """This rank's worker contexts (role, DP and TP groups) and its driver links.
 
@@ -102,8 +102,8 @@ def _make_groups(rank: int, world: int, layouts: dict[str, RoleLayout],
         down, up = new_group([0, peer]), new_group([0, peer])
         if rank in (0, peer):
             other = peer if rank == 0 else 0
-            links[other] = (Channel(down, other, transport_device, timeout_s),
-                            Channel(up, other, transport_device, timeout_s))
+            links[other] = (Channel(down, other, cuda, timeout_s),
+                            Channel(up, other, cuda, timeout_s))
     return contexts, links, created
 
 
@@ -143,15 +143,14 @@ def run(driver_fn: DriverFn, roles: Mapping[str, Role | type[Worker]],
     placement = resolve_placement(config.placement, world, roles=list(roles))
     layouts = {n: RoleLayout(n, tuple(p.ranks), p.tp_size) for n, p in placement.items()}
     on_cuda = "nccl" in str(dist.get_backend())
-    transport_device = torch.device("cuda", torch.cuda.current_device()) if on_cuda \
-        else torch.device("cpu")
-    device = device or transport_device
+    cuda = torch.device("cuda", torch.cuda.current_device()) if on_cuda else None
+    device = device or cuda or torch.device("cpu")
 
-    contexts, links, created = _make_groups(rank, world, layouts, transport_device, device,
+    contexts, links, created = _make_groups(rank, world, layouts, cuda, device,
                                             config.timeout_s)
     workers = _build_workers(roles, contexts)
     if rank == 0:
-        driver = Driver(rank, links, workers, transport_device, config.timeout_s)
+        driver = Driver(rank, links, workers, cuda, config.timeout_s)
         groups = {n: WorkerGroup(layouts[n], roles[n].worker_cls, driver) for n in sorted(layouts)}
         result = run_driver(driver, lambda: driver_fn(groups))
     else:

@@ -32,12 +32,12 @@ def execute(workers: dict[str, Worker], cmd: Command, rank: int) -> Reply:
 
 def _send_reply(up: Channel, reply: Reply, cmd: Command | None, rank: int) -> None:
     try:
-        packed = pack(reply, up.device)
+        packed = pack(reply, up.cuda)
     except Exception:  # noqa: BLE001 - e.g. an unpicklable return value
         role, method = (cmd.role, cmd.method) if cmd else ("?", "stop")
         error = RemoteError(rank, role, method, "could not send the return value back:\n"
                             + traceback.format_exc())
-        packed = pack(Reply(error=error), up.device)
+        packed = pack(Reply(error=error), up.cuda)
     up.wait(up.isend(packed))
 
 

@@ -20,7 +20,7 @@ send order (torch.distributed p2p is FIFO per group and peer), so no tags are ne
 the driver can send on the "down" channel from the calling thread while a per-peer thread
 receives on the "up" channel: the two never share a communicator (NCCL forbids concurrent
 use of one communicator from two threads). With NCCL the groups are "cpu:gloo,cuda:nccl":
-header and control record are CPU tensors (gloo), buffers are CUDA tensors (NCCL).
+header, control record and CPU tensors go over gloo, CUDA tensors over NCCL.
 """
 
 from __future__ import annotations
@@ -73,31 +73,37 @@ class _TensorUnpickler(pickle.Unpickler):
         return self.tensors[pid]
 
 
-def pack(obj: Any, device: torch.device) -> Packed:
-    """Pickle ``obj`` without its tensors; put the tensors, on ``device``, into buffers."""
+def pack(obj: Any, cuda: torch.device | None) -> Packed:
+    """Pickle ``obj`` without its tensors and put the tensors into buffers.
+
+    With a ``cuda`` device (NCCL available), CUDA tensors travel as CUDA buffers and CPU
+    tensors as CPU buffers (over gloo); without one, everything travels on the CPU. Either
+    way a tensor arrives on the same kind of device it was sent from, like a local call.
+    """
     tensors: list[torch.Tensor] = []
     payload = io.BytesIO()
     _TensorPickler(payload, tensors).dump(obj)
-    table: list[tuple[int, int, tuple, torch.dtype]] = []  # buffer index, offset, shape, dtype
+    table: list[tuple] = []  # per tensor: buffer index, offset, shape, dtype, on cuda
     buffers: list[torch.Tensor] = []
-    small: dict[torch.dtype, list[int]] = {}
+    small: dict[tuple[torch.dtype, bool], list[int]] = {}
     for i, t in enumerate(tensors):
-        table.append((-1, 0, tuple(t.shape), t.dtype))
+        on_cuda = t.is_cuda and cuda is not None
+        table.append((-1, 0, tuple(t.shape), t.dtype, on_cuda))
         if t.numel() == 0:
             continue
         if t.numel() * t.element_size() >= BIG_TENSOR_BYTES:
-            table[i] = (len(buffers), 0, tuple(t.shape), t.dtype)
-            buffers.append(t.detach().to(device).contiguous().view(-1))
+            table[i] = (len(buffers), 0, tuple(t.shape), t.dtype, on_cuda)
+            buffers.append(t.detach().to(cuda if on_cuda else "cpu").contiguous().view(-1))
         else:
-            small.setdefault(t.dtype, []).append(i)
-    for dtype, idx in small.items():
+            small.setdefault((t.dtype, on_cuda), []).append(i)
+    for (dtype, on_cuda), idx in small.items():
         offset = 0
         for i in idx:
-            table[i] = (len(buffers), offset, tuple(tensors[i].shape), dtype)
+            table[i] = (len(buffers), offset, tuple(tensors[i].shape), dtype, on_cuda)
             offset += tensors[i].numel()
-        flat = [tensors[i].detach().reshape(-1).to(device) for i in idx]
+        flat = [tensors[i].detach().reshape(-1).to(cuda if on_cuda else "cpu") for i in idx]
         buffers.append(torch.cat(flat) if len(flat) > 1 else flat[0].contiguous())
-    specs = [(b.dtype, b.numel()) for b in buffers]
+    specs = [(b.dtype, b.numel(), b.is_cuda) for b in buffers]
     control = pickle.dumps((payload.getvalue(), table, specs), protocol=pickle.HIGHEST_PROTOCOL)
     return Packed(torch.frombuffer(bytearray(control), dtype=torch.uint8), buffers)
 
@@ -107,13 +113,19 @@ def unpack_control(control: torch.Tensor) -> tuple[bytes, list, list]:
     return pickle.loads(control.numpy().tobytes())
 
 
+def empty_buffers(specs: list, cuda: torch.device | None) -> list[torch.Tensor]:
+    """Receive buffers for ``specs``: CUDA ones on this rank's ``cuda`` device."""
+    return [torch.empty(numel, dtype=dtype, device=cuda if on_cuda else "cpu")
+            for dtype, numel, on_cuda in specs]
+
+
 def unpack(payload: bytes, table: list, buffers: list[torch.Tensor],
-           device: torch.device) -> Any:
+           cuda: torch.device | None) -> Any:
     """Rebuild the object from its payload and received buffers (tensors are views)."""
     tensors = []
-    for buf_idx, offset, shape, dtype in table:
+    for buf_idx, offset, shape, dtype, on_cuda in table:
         if buf_idx < 0:
-            tensors.append(torch.empty(shape, dtype=dtype, device=device))
+            tensors.append(torch.empty(shape, dtype=dtype, device=cuda if on_cuda else "cpu"))
             continue
         numel = 1
         for s in shape:
@@ -122,19 +134,21 @@ def unpack(payload: bytes, table: list, buffers: list[torch.Tensor],
     return _TensorUnpickler(io.BytesIO(payload), tensors).load()
 
 
-def roundtrip(obj: Any, device: torch.device | str = "cpu") -> Any:
+def roundtrip(obj: Any, cuda: torch.device | None = None) -> Any:
     """pack + unpack in one process (what a peer would rebuild); used by tests."""
-    device = torch.device(device)
-    packed = pack(obj, device)
-    payload, table, _ = unpack_control(packed.control)
-    return unpack(payload, table, [b.clone() for b in packed.buffers], device)
+    packed = pack(obj, cuda)
+    payload, table, specs = unpack_control(packed.control)
+    buffers = empty_buffers(specs, cuda)
+    for b, src in zip(buffers, packed.buffers):
+        b.copy_(src)
+    return unpack(payload, table, buffers, cuda)
 
 
 class Channel:
     """One direction of the link between this rank and ``peer`` on a two-rank ``group``."""
 
-    def __init__(self, group: Any, peer: int, device: torch.device, timeout_s: float):
-        self.group, self.peer, self.device = group, peer, device
+    def __init__(self, group: Any, peer: int, cuda: torch.device | None, timeout_s: float):
+        self.group, self.peer, self.cuda = group, peer, cuda  # cuda: None without NCCL
         self.timeout = timedelta(seconds=timeout_s)
 
     def isend(self, packed: Packed) -> list:
@@ -158,7 +172,7 @@ class Channel:
                 w.wait(timeout or self.timeout)
 
     def send(self, obj: Any) -> None:
-        packed = pack(obj, self.device)
+        packed = pack(obj, self.cuda)
         self.wait(self.isend(packed))
 
     def _recv_into(self, tensor: torch.Tensor) -> None:
@@ -174,12 +188,12 @@ class Channel:
             control = torch.empty(n, dtype=torch.uint8)
             self._recv_into(control)
         payload, table, specs = unpack_control(control)
-        buffers = [torch.empty(numel, dtype=dtype, device=self.device) for dtype, numel in specs]
+        buffers = empty_buffers(specs, self.cuda)
         works = [dist.irecv(b, self.peer, group=self.group) for b in buffers]
         for w in works:
             w.wait(self.timeout)
         try:  # the message was read whole: the channel stays usable if this fails
-            return unpack(payload, table, buffers, self.device)
+            return unpack(payload, table, buffers, self.cuda)
         except Exception as e:  # noqa: BLE001 - e.g. a class that does not exist here
             raise DecodeError(f"could not unpickle a message from rank {self.peer}: "
                               f"{type(e).__name__}: {e} (classes in messages must be "

@@ -26,6 +26,10 @@ class SlotKVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.num_slots, self.max_len = num_slots, max_len
+        # per-step index arithmetic, precomputed: key positions, and the flat offset of
+        # (slot b, head h, position 0) in one layer viewed as [slots * heads * max_len, hd]
+        self._keys = torch.arange(max_len, device=device)
+        self._base = (torch.arange(num_slots * n_kv_heads, device=device) * max_len).view(num_slots, n_kv_heads)
         self._prefill_slots: torch.Tensor | None = None
         self._rows = 0
         self._kv_len = 0
@@ -52,14 +56,9 @@ class SlotKVCache:
         self._prefill_slots = None
         self._rows = positions.shape[0]
         self._kv_len = kv_len
-        keys = torch.arange(self._kv_len, device=positions.device)
-        self._mask = (keys[None, :] <= positions[:, None])[:, None, None, :]  # [B, 1, 1, S]
-        # flat index of (row b, head h, position p) in a layer viewed as [slots*heads*max_len, hd]:
-        # one index_copy_ per layer instead of an advanced-index put, computed once per step
-        heads = self.k.shape[2]
-        rows = torch.arange(self._rows, device=positions.device)
-        self._flat = (((rows * heads)[:, None] + torch.arange(heads, device=positions.device)) * self.max_len
-                      + positions[:, None]).reshape(-1)
+        self._mask = (self._keys[None, :kv_len] <= positions[:, None])[:, None, None, :]  # [B, 1, 1, S]
+        # one index_copy_ per layer (cheaper than an advanced-index put), index built once per step
+        self._flat = (self._base[: self._rows] + positions[:, None]).reshape(-1)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
         """Write ``k, v`` [B, n_kv, T, hd] at ``positions`` [B, T]; return keys, values, mask."""

@@ -145,6 +145,12 @@ def test_memory_budget_and_free(tiny_dirs):
     llm.engine.cache = None
     with pytest.raises(ValueError, match="holds no sequence"):
         llm.generate(PROMPTS[:1], SamplingParams(max_tokens=10))
+    llm.engine.kv_cache_memory = None
+    out = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=10))[0].outputs[0]
+    llm.free(weights=False)  # cache only: generation still works and reallocates it
+    assert llm.engine.cache is None
+    again = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=10))[0].outputs[0]
+    assert again.token_ids == out.token_ids and llm.engine.cache is not None
     llm.free()
     assert llm.engine.cache is None and llm.engine.model is None
     with pytest.raises(RuntimeError, match="freed"):

@@ -71,6 +71,13 @@ def length_buckets(lens: list[int], max_waste: float = 0.25) -> list[list[int]]:
 
 
 class Engine:
+    """Runs generation for one model (possibly TP-sharded) with a slot KV cache.
+
+    ``max_num_seqs`` caps concurrent sequences (cache slots), ``max_model_len`` caps prompt +
+    completion, ``max_num_batched_tokens`` caps prompt tokens per prefill step, and
+    ``kv_cache_memory`` (bytes) / ``gpu_memory_utilization`` cap the cache size.
+    """
+
     def __init__(self, model: torch.nn.Module, *, max_num_seqs: int = 256, max_model_len: int | None = None,
                  max_num_batched_tokens: int | None = None, kv_cache_memory: int | None = None,
                  gpu_memory_utilization: float | None = None, eos_token_ids: tuple[int, ...] = (), seed: int = 0,
@@ -127,10 +134,14 @@ class Engine:
             self.cache = SlotKVCache(layers, slots, kv, max_len, hd, p.dtype, p.device)
         return self.cache.num_slots
 
-    def free(self) -> None:
-        """Drop the KV cache and the weights (the engine is unusable afterwards)."""
+    def free(self, weights: bool = True) -> None:
+        """Drop the KV cache and (unless ``weights=False``) the engine's reference to the model;
+        after dropping the weights the engine cannot generate any more. The cache is
+        reallocated by the next ``generate``."""
         self.cache = None
-        self.model = None
+        self._rows = self._rows_key = None
+        if weights:
+            self.model = None
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 

@@ -117,6 +117,7 @@ class LLM:
             for i, (prompt, group) in enumerate(zip(prompts, groups))
         ]
 
-    def free(self) -> None:
-        """Release weights and KV cache (e.g. before the colocated trainer runs)."""
-        self.engine.free()
+    def free(self, weights: bool = True) -> None:
+        """Release the KV cache and, unless ``weights=False``, the weights (e.g. before the
+        colocated trainer runs)."""
+        self.engine.free(weights)

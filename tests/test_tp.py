@@ -39,7 +39,7 @@ def _tp_rank(rank, world_size, path):
         assert isinstance(model.lm_head, VocabParallelLMHead) == vocab_parallel
         with torch.no_grad():
             logits = model(ids, pos)
-        llm = LLM(model, max_num_seqs=3)
+        llm = LLM(model, max_num_seqs=3, cpu_column_major=True)  # the layout LLM(path) uses on CPU
         outs = llm.generate(PROMPTS, greedy)
         samples = [[c.token_ids for c in o.outputs] for o in llm.generate(PROMPTS, sampled)]
         # fresh weights (as after a training step) loaded by slicing the full state dict

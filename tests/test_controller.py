@@ -4,6 +4,7 @@ errors, STOP, a DP x TP layout and a killed rank. Checks are grouped into few sp
 import functools
 import os
 import time
+import weakref
 
 import pytest
 import torch
@@ -110,6 +111,13 @@ def _two_ranks_driver(groups):
     out["res_who"] = res.tensors["who"].tolist()
     out["meta"] = res.meta
     out["seen"] = a.last_seen()
+    # the controller keeps no reference to results once the driver drops them
+    blocking_ref = weakref.ref(a.scale_batch(data).tensors["y"])
+    fut = a.scale_batch.future(data)
+    future_ref = weakref.ref(fut.result().tensors["y"])
+    del fut
+    a.whoami()
+    out["leaked"] = [blocking_ref() is not None, future_ref() is not None]
     # several calls in flight to the same ranks: messages and replies stay matched in order
     batches = [_data(4 + i) for i in range(3)]
     futures = [a.scale_batch.future(bt) for bt in batches]
@@ -168,6 +176,7 @@ def test_two_ranks_colocated_modes_errors_and_stop():
                           device="cpu", group_size=2, tp_ranks=[1], dp_ranks=[0, 1])
     assert first["res_who"] == [0, 0, 0, 1, 1]  # 5 rows padded to 6, 3 per rank, pad stripped
     assert first["meta"] == {"temperature": 0.7}
+    assert first["leaked"] == [False, False]
     assert first["seen"] == [[0, 1, 2], [3, 4, 0]]  # rank 1's chunk ends with the pad row
     assert first["sum_a"] == [3.0, 3.0] and first["sum_b"] == [30.0, 30.0]
     assert first["first"] == 0 and first["each"] == [(0, "x"), (1, "y" * 10_000)]

@@ -132,6 +132,14 @@ class CallFuture:
     def done(self) -> bool:
         return all(f.done() for f in self._parts.values())
 
+    def failed_unseen(self) -> bool | None:
+        """True: an error nobody has seen yet; False: nothing to report; None: running."""
+        if self._finished:
+            return False
+        if not self.done():
+            return None
+        return any(f.exception() is not None for f in self._parts.values())
+
     def result(self, timeout: float | None = None) -> Any:
         if not self._finished:
             values, errors = {}, []
@@ -148,6 +156,7 @@ class CallFuture:
                 self._value = collect(self.layout, [values[i] for i in self._collect_from],
                                       self._ctx)
             self._finished = True
+            self._parts = {}  # the parts' values are not needed any more
         if self._error is not None:
             raise self._error
         return self._value
@@ -177,8 +186,13 @@ class Driver:
             raise reply.error
         return reply.value
 
-    def call(self, layout: RoleLayout, spec: MethodSpec, args: tuple, kwargs: dict) -> CallFuture:
-        """Dispatch ``spec`` on ``layout``'s ranks; returns at once with a ``CallFuture``."""
+    def call(self, layout: RoleLayout, spec: MethodSpec, args: tuple, kwargs: dict,
+             track: bool = True) -> CallFuture:
+        """Dispatch ``spec`` on ``layout``'s ranks; returns at once with a ``CallFuture``.
+
+        ``track``: remember the future until it is awaited, so that an error in a call
+        whose result nobody asks for still ends the job (blocking calls do not need it).
+        """
         if self._closed:
             raise ControllerError(f"{layout.role}.{spec.name}: the controller is stopped")
         plan = get_dispatch_mode(spec.dispatch).dispatch_fn(layout, args, kwargs)
@@ -206,16 +220,17 @@ class Driver:
                     memo[key] = pack(cmd, self.cuda)
                 parts[i] = self._peers[rank].send(memo[key], layout.role, spec.name)
         fut = CallFuture(layout, spec, plan.collect_from, plan.ctx, parts)
-        if len(self._unawaited) > 64:
-            self._unawaited = [f for f in self._unawaited if not f.finished]
-        self._unawaited.append(fut)
+        # keep only calls still running or holding an unseen error (never their values)
+        self._unawaited = [f for f in self._unawaited if f.failed_unseen() is not False]
+        if track:
+            self._unawaited.append(fut)
         return fut
 
     def raise_unawaited_errors(self) -> None:
         """Wait for calls whose result nobody asked for; raise the first error among them."""
         for fut in self._unawaited:
             if not fut.finished:  # a finished one was seen by the driver already
-                fut.result()
+                fut.result()  # raises its error, if any
         self._unawaited.clear()
 
     def stop(self) -> None:

@@ -26,8 +26,10 @@ class RemoteCall:
         return g._driver.call(g.layout, self.spec, args, kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        fut = self.future(*args, **kwargs)
-        return fut.result() if self.spec.blocking else fut
+        if not self.spec.blocking:
+            return self.future(*args, **kwargs)
+        g = self._group
+        return g._driver.call(g.layout, self.spec, args, kwargs, track=False).result()
 
     def __repr__(self) -> str:
         return f"<remote {self._group.role}.{self.spec.name} dispatch={self.spec.dispatch}>"

@@ -100,7 +100,7 @@ class SamplingParams:
 
 @dataclass
 class RowParams:
-    """Per-row sampling parameters as tensors on the logits' device (built once per batch shape)."""
+    """Per-row sampling parameters as tensors on the logits' device (rebuilt when the rows change)."""
 
     temperature: torch.Tensor  # [B] float32, 0 = greedy
     top_k: torch.Tensor  # [B] int64, <= 0 = off

@@ -77,6 +77,12 @@ def test_missing_pad_token_uses_eos_and_warns(tmp_path):
 def test_load_tokenizer_missing_dir(tmp_path):
     with pytest.raises(FileNotFoundError, match="init-model"):
         load_tokenizer(tmp_path / "nope")
+    # a dir with only config.json (e.g. weights copied without the tokenizer) is an error,
+    # not an empty tokenizer that encodes every text to no ids
+    Qwen2Config(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1, intermediate_size=64).save_pretrained(str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="holds no tokenizer"):
+        load_tokenizer(tmp_path)
 
 
 _CHILD = r"""

@@ -39,6 +39,9 @@ CHAT_TEMPLATE = (
 )
 
 _GENERIC_CLASSES = {"PreTrainedTokenizerFast", "TokenizersBackend"}
+# Any one of these marks a dir that holds a tokenizer (fast, sentencepiece, BPE, WordPiece).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
+                    "vocab.txt")
 
 
 def build_char_tokenizer(alphabet: str, model_max_length: int = 2048):
@@ -121,6 +124,14 @@ def load_tokenizer(model_dir: str | Path, padding_side: str = "left"):
         raise FileNotFoundError(
             f"load_tokenizer: {model_dir} is not a directory; pass a model dir containing tokenizer.json "
             f"(make one offline with `minihf init-model {model_dir} --task digits`)"
+        )
+    if not any((model_dir / name).exists() for name in _TOKENIZER_FILES):
+        # AutoTokenizer would otherwise build an empty tokenizer from config.json alone
+        # (every text encodes to no ids) or fail deep inside transformers.
+        raise FileNotFoundError(
+            f"load_tokenizer: {model_dir} holds no tokenizer (none of {list(_TOKENIZER_FILES)}); "
+            "copy the tokenizer files of the checkpoint into it, or save one with "
+            "tokenizer.save_pretrained(dir)"
         )
     config_file = model_dir / "tokenizer_config.json"
     config = json.loads(config_file.read_text()) if config_file.exists() else {}

@@ -26,6 +26,7 @@ def test_digits_continuation_by_hand():
     ("", 0.0),
     ("hello", 0.0),
     (" 7, 1 ,5,9 ", 1.0),
+    ("7,\u00b2,5,9", 0.75),     # a non-ASCII digit is a wrong term, not a crash
 ])
 def test_digits_reward(solution, expected):
     assert digits.compute_score(solution, "7,1,5,9") == pytest.approx(expected)
@@ -77,6 +78,8 @@ GT = {"target": 22, "numbers": [3, 5, 7]}
     ("import os", 0.0),
     ("", 0.0),
     ("3*5+7=23x", 0.0),
+    ("1+" * 20000 + "1", 0.0),  # too deep for ast: malformed, not a RecursionError
+    ("1" * 5000, 0.0),          # over Python's int digit limit
 ])
 def test_countdown_reward(solution, expected):
     assert countdown.compute_score(solution, GT) == expected

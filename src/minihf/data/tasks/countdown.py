@@ -66,16 +66,18 @@ def _evaluate(node: ast.AST, used: list[int]) -> float:
 
 def parse_equation(text: str) -> tuple[float | None, list[int]] | None:
     """``(value, numbers used)``; value None on division by zero; None if not well formed."""
+    # RecursionError: a response of thousands of chained terms; ValueError: an integer
+    # literal over Python's digit limit. Either is a malformed answer, not a crash.
     try:
         tree = ast.parse(text, mode="eval")
-    except SyntaxError:
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
         return None
     used: list[int] = []
     try:
         value = _evaluate(tree.body, used)
     except ZeroDivisionError:
         return None, used
-    except ValueError:
+    except (ValueError, RecursionError, OverflowError):
         return None
     return value, used
 

@@ -34,7 +34,8 @@ def parse_terms(text: str) -> list[int | None]:
     terms: list[int | None] = []
     for part in text.strip().split(","):
         part = part.strip()
-        terms.append(int(part) if part.isdigit() else None)
+        # isascii: str.isdigit also accepts e.g. '²', which int() rejects
+        terms.append(int(part) if part.isascii() and part.isdigit() else None)
     return terms
 
 

@@ -31,15 +31,12 @@ from minihf.controller import Dispatch, Worker, register
 from minihf.protocol import Batch
 from minihf.utils import checkpoint as ckpt
 from minihf.workers.config import ActorRolloutRefConfig
-from minihf.workers.engine import (build_fsdp_model, build_optim, mini_batch_rows, prefixed,
-                                   run_micro_batches, tensors_of)
+from minihf.workers.engine import (build_fsdp_model, build_optim, prefixed, run_micro_batches,
+                                   run_update, tensors_of)
 from minihf.workers.forward import forward_log_probs
-from minihf.workers.train_step import (global_normalizer, global_token_count, mean_metrics,
-                                       plan_micro_batches, take_rows, train_minibatch)
 
 INPUT_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
 UPDATE_KEYS = INPUT_KEYS + ("response_mask", "old_log_probs", "advantages")
-
 
 
 class ActorRolloutRefWorker(Worker):
@@ -139,20 +136,16 @@ class ActorRolloutRefWorker(Worker):
         keys = UPDATE_KEYS + (("ref_log_prob",) if a.use_kl_loss else ())
         data = tensors_of(batch, keys, self.device)
         temperature = float(batch.meta.get("temperature", 1.0))
-        steps = []
-        for rows in mini_batch_rows(len(batch), a.ppo_mini_batch_size, self.group,
-                                    epochs=a.ppo_epochs, shuffle=a.shuffle, seed=self.update_calls):
-            mini = take_rows(data, rows)
-            norm = global_normalizer(mini["response_mask"], a.loss_agg_mode, self.group)
-            tokens = global_token_count(mini["response_mask"], self.group)
-            plan = plan_micro_batches(mini["attention_mask"], micro_batch_size=a.ppo_micro_batch_size_per_gpu,
-                                      max_tokens=a.max_tokens_per_micro_batch, group=self.group)
-            steps.append(train_minibatch(self.actor, self.optimizer, self.lr_scheduler,
-                                         [take_rows(mini, p) for p in plan],
-                                         self._loss_fn(norm, tokens, temperature),
-                                         clip_grad=a.optim.clip_grad, group=self.group))
+        stats = run_update(self.actor, self.optimizer, self.lr_scheduler, data,
+                           mini_batch_size=a.ppo_mini_batch_size,
+                           micro_batch_size=a.ppo_micro_batch_size_per_gpu,
+                           max_tokens=a.max_tokens_per_micro_batch, epochs=a.ppo_epochs,
+                           shuffle=a.shuffle, seed=self.update_calls,
+                           loss_agg_mode=a.loss_agg_mode,
+                           make_loss_fn=lambda norm, tokens: self._loss_fn(norm, tokens, temperature),
+                           clip_grad=a.optim.clip_grad, group=self.group)
         self.update_calls += 1
-        metrics = prefixed(mean_metrics(steps), "actor")
+        metrics = prefixed(stats, "actor")
         if a.use_kl_loss:
             metrics["actor/kl_coef"] = a.kl_loss_coef
         return metrics

@@ -18,11 +18,9 @@ from minihf.controller import Dispatch, Worker, register
 from minihf.protocol import Batch
 from minihf.utils import checkpoint as ckpt
 from minihf.workers.config import CriticConfig
-from minihf.workers.engine import (build_fsdp_model, build_optim, mini_batch_rows, prefixed,
-                                   run_micro_batches, tensors_of)
+from minihf.workers.engine import (build_fsdp_model, build_optim, prefixed, run_micro_batches,
+                                   run_update, tensors_of)
 from minihf.workers.forward import forward_values
-from minihf.workers.train_step import (global_normalizer, global_token_count, mean_metrics,
-                                       plan_micro_batches, take_rows, train_minibatch)
 
 INPUT_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
 UPDATE_KEYS = INPUT_KEYS + ("response_mask", "values", "returns")
@@ -80,20 +78,15 @@ class CriticWorker(Worker):
         c = self.config
         self._model()
         data = tensors_of(batch, UPDATE_KEYS, self.device)
-        steps = []
-        for rows in mini_batch_rows(len(batch), c.ppo_mini_batch_size, self.group,
-                                    epochs=c.ppo_epochs, shuffle=c.shuffle, seed=self.update_calls):
-            mini = take_rows(data, rows)
-            norm = global_normalizer(mini["response_mask"], c.loss_agg_mode, self.group)
-            tokens = global_token_count(mini["response_mask"], self.group)
-            plan = plan_micro_batches(mini["attention_mask"], micro_batch_size=c.ppo_micro_batch_size_per_gpu,
-                                      max_tokens=c.max_tokens_per_micro_batch, group=self.group)
-            steps.append(train_minibatch(self.critic, self.optimizer, self.lr_scheduler,
-                                         [take_rows(mini, p) for p in plan],
-                                         self._loss_fn(norm, tokens),
-                                         clip_grad=c.optim.clip_grad, group=self.group))
+        stats = run_update(self.critic, self.optimizer, self.lr_scheduler, data,
+                           mini_batch_size=c.ppo_mini_batch_size,
+                           micro_batch_size=c.ppo_micro_batch_size_per_gpu,
+                           max_tokens=c.max_tokens_per_micro_batch, epochs=c.ppo_epochs,
+                           shuffle=c.shuffle, seed=self.update_calls,
+                           loss_agg_mode=c.loss_agg_mode, make_loss_fn=self._loss_fn,
+                           clip_grad=c.optim.clip_grad, group=self.group)
         self.update_calls += 1
-        return prefixed(mean_metrics(steps), "critic")
+        return prefixed(stats, "critic")
 
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Dispatch.RANK_ZERO)
     def save_checkpoint(self, path: str, extra: dict | None = None) -> str:

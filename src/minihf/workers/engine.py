@@ -17,7 +17,9 @@ import torch.nn as nn
 from minihf.parallel.fsdp import apply_fsdp, fsdp_mesh, reshard
 from minihf.trainer.optim import OptimConfig, build_lr_scheduler, build_optimizer
 from minihf.workers.config import FSDPConfig, ModelConfig
-from minihf.workers.train_step import group_size, plan_micro_batches, take_rows
+from minihf.workers.train_step import (LossFn, global_normalizer, global_token_count, group_size,
+                                       mean_metrics, plan_micro_batches, take_rows,
+                                       train_minibatch)
 
 
 def build_fsdp_model(model_cfg: ModelConfig, fsdp_cfg: FSDPConfig, *, head: str, group,
@@ -101,6 +103,32 @@ def mini_batch_rows(num_rows: int, mini_batch_size: int, group, *, epochs: int,
             order = torch.randperm(num_rows, generator=g).tolist()
         steps += [order[i:i + local] for i in range(0, num_rows, local)]
     return steps
+
+
+def run_update(model: nn.Module, optimizer, lr_scheduler, data: dict[str, torch.Tensor], *,
+               mini_batch_size: int, micro_batch_size: int | None, max_tokens: int | None,
+               epochs: int, shuffle: bool, seed: int, loss_agg_mode: str,
+               make_loss_fn: Callable[[torch.Tensor, torch.Tensor], LossFn], clip_grad: float,
+               group) -> dict[str, float]:
+    """One update call of a PPO role: epochs x mini-batches x micro-batches.
+
+    For each mini-batch the global loss normaliser and token count (over all DP ranks) are
+    computed first; ``make_loss_fn(norm, tokens)`` builds the micro-batch loss that divides
+    by them (exact accumulation, see ``train_step``). Returns the per-step metrics averaged.
+    """
+    steps = []
+    num_rows = len(next(iter(data.values())))
+    for rows in mini_batch_rows(num_rows, mini_batch_size, group, epochs=epochs,
+                                shuffle=shuffle, seed=seed):
+        mini = take_rows(data, rows)
+        norm = global_normalizer(mini["response_mask"], loss_agg_mode, group)
+        tokens = global_token_count(mini["response_mask"], group)
+        plan = plan_micro_batches(mini["attention_mask"], micro_batch_size=micro_batch_size,
+                                  max_tokens=max_tokens, group=group)
+        steps.append(train_minibatch(model, optimizer, lr_scheduler,
+                                     [take_rows(mini, p) for p in plan],
+                                     make_loss_fn(norm, tokens), clip_grad=clip_grad, group=group))
+    return mean_metrics(steps)
 
 
 def prefixed(metrics: dict[str, float], prefix: str) -> dict[str, float]:

@@ -25,7 +25,17 @@ def test_overrides_reach_nested_sections():
     ("actor.optim.min_lr_ratio=2", "min_lr_ratio=2"),
     ("actor.fsdp.mixed_precision=fp16", "mixed_precision"),
     ("actor.clip_ratio=0", "clip_ratio=0"),
+    ("actor.clip_ratio_c=0.5", r"actor: clip_ratio_c=0.5 must be > 1"),
+    ("actor.kl_loss_type=lowvar", "kl_loss_type='lowvar'.*low_var_kl"),
+    ("actor.ppo_epochs=0", "ppo_epochs=0 must be >= 1"),
 ])
 def test_bad_values_say_which_and_why(override, match):
     with pytest.raises(ConfigError, match=match):
         load_config(ActorRolloutRefConfig, None, [override])
+
+
+def test_critic_shares_the_update_checks():
+    with pytest.raises(ConfigError, match="loss_agg_mode='mean'"):
+        load_config(CriticConfig, None, ["loss_agg_mode=mean"])
+    with pytest.raises(ConfigError, match="ppo_mini_batch_size=0"):
+        load_config(CriticConfig, None, ["ppo_mini_batch_size=0"])

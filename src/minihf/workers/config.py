@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from minihf.algorithms import LOSS_AGG_MODES
+from minihf.algorithms.kl import KL_PENALTIES
 from minihf.trainer.optim import OptimConfig
 
 
@@ -40,6 +41,17 @@ def _check_micro(micro: Optional[int], max_tokens: Optional[int]) -> None:
         raise ValueError(f"max_tokens_per_micro_batch={max_tokens} must be >= 1")
 
 
+def _check_ppo_update(cfg) -> None:
+    """The checks shared by the actor's and the critic's update sections."""
+    if cfg.ppo_mini_batch_size < 1 or cfg.ppo_epochs < 1:
+        raise ValueError(f"ppo_mini_batch_size={cfg.ppo_mini_batch_size} and "
+                         f"ppo_epochs={cfg.ppo_epochs} must be >= 1")
+    _check_micro(cfg.ppo_micro_batch_size_per_gpu, cfg.max_tokens_per_micro_batch)
+    if cfg.loss_agg_mode not in LOSS_AGG_MODES:
+        raise ValueError(f"loss_agg_mode={cfg.loss_agg_mode!r}; choose one of "
+                         f"{list(LOSS_AGG_MODES)}")
+
+
 @dataclass
 class ActorConfig:
     """PPO policy update."""
@@ -62,15 +74,15 @@ class ActorConfig:
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
 
     def __post_init__(self):
-        if self.ppo_mini_batch_size < 1 or self.ppo_epochs < 1:
-            raise ValueError(f"ppo_mini_batch_size={self.ppo_mini_batch_size} and "
-                             f"ppo_epochs={self.ppo_epochs} must be >= 1")
-        _check_micro(self.ppo_micro_batch_size_per_gpu, self.max_tokens_per_micro_batch)
-        if self.loss_agg_mode not in LOSS_AGG_MODES:
-            raise ValueError(f"loss_agg_mode={self.loss_agg_mode!r}; choose one of "
-                             f"{list(LOSS_AGG_MODES)}")
+        _check_ppo_update(self)
         if not self.clip_ratio > 0:
             raise ValueError(f"clip_ratio={self.clip_ratio} must be > 0")
+        if self.clip_ratio_c is not None and not self.clip_ratio_c > 1:
+            raise ValueError(f"clip_ratio_c={self.clip_ratio_c} must be > 1 (e.g. 3.0), or "
+                             "null to disable the dual clip")
+        if self.kl_loss_type not in KL_PENALTIES:
+            raise ValueError(f"kl_loss_type={self.kl_loss_type!r}; choose one of "
+                             f"{list(KL_PENALTIES)}")
 
 
 @dataclass
@@ -108,13 +120,7 @@ class CriticConfig:
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
 
     def __post_init__(self):
-        if self.ppo_mini_batch_size < 1 or self.ppo_epochs < 1:
-            raise ValueError(f"ppo_mini_batch_size={self.ppo_mini_batch_size} and "
-                             f"ppo_epochs={self.ppo_epochs} must be >= 1")
-        _check_micro(self.ppo_micro_batch_size_per_gpu, self.max_tokens_per_micro_batch)
-        if self.loss_agg_mode not in LOSS_AGG_MODES:
-            raise ValueError(f"loss_agg_mode={self.loss_agg_mode!r}; choose one of "
-                             f"{list(LOSS_AGG_MODES)}")
+        _check_ppo_update(self)
 
 
 @dataclass

@@ -87,3 +87,8 @@ def test_packed_equals_padded_log_probs_entropy_values_scores():
         last = b["response_mask"].sum(-1) - 1
         assert (s1 != 0).sum() == len(b["input_ids"])
         assert torch.equal((s1 != 0).float().argmax(-1), last)
+        # reference: the score head at the last token of each sequence run alone, unpadded
+        for i in range(len(b["input_ids"])):
+            ids = b["input_ids"][i][b["attention_mask"][i].bool()][None]
+            alone = rm(ids, torch.arange(ids.shape[1])[None])[0, -1]
+            assert abs(s1[i, last[i]].item() - alone.item()) < 1e-5, i

@@ -86,3 +86,25 @@ def test_sft_two_ranks_loss_decreases_resume_matches_export_loads(tmp_path):
                 zip(ours.state_dict().values(), load_hf(model).state_dict().values()))
     assert moved > 1e-3
     assert (tmp_path / "full" / "hf" / "tokenizer.json").exists()
+
+
+def test_sft_cli_names_missing_model_and_data(tmp_path):
+    from typer.testing import CliRunner
+
+    from minihf.cli import app
+    from minihf.data import init_model
+
+    def run(*args):
+        res = CliRunner().invoke(app, ["sft", *args])
+        assert res.exit_code == 2, res.output  # a usage error, not a traceback
+        # the error box wraps long paths anywhere: compare without spaces and box drawing
+        return "".join(c for c in res.output if not c.isspace() and c not in "│╭╮╰╯─")
+
+    out = run(f"model.path={tmp_path / 'nope'}")
+    assert "doesnotexist" in out and "init-model" in out
+    (tmp_path / "empty").mkdir()
+    assert "hasnoconfig.json" in run(f"model.path={tmp_path / 'empty'}")
+    model = str(init_model(tmp_path / "model", task="digits"))
+    out = run(f"model.path={model}", f"data.train_files={tmp_path / 'x.parquet'}")
+    assert "data.train_files" in out and "x.parquet" in out
+    assert "unknownkey'data.trian_files'" in run("data.trian_files=a")

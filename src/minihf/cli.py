@@ -105,11 +105,12 @@ def sft(ctx: typer.Context) -> None:
     Runs in this process; use `torchrun --nproc_per_node=N scripts/train_sft.py ...` for
     several ranks."""
     from minihf.config import ConfigError, load_config, split_cli_args
-    from minihf.trainer.sft import SFTConfig, run_sft
+    from minihf.trainer.sft import SFTConfig, check_paths, run_sft
 
     try:
         recipe, overrides = split_cli_args(list(ctx.args))
         cfg = load_config(SFTConfig, recipe, overrides)
+        check_paths(cfg)
     except ConfigError as exc:
         raise typer.BadParameter(str(exc)) from exc
     run_sft(cfg)

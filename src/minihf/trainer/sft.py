@@ -187,8 +187,27 @@ def sft_roles(cfg: SFTConfig) -> dict:
                                     d.max_tokens_per_micro_batch))}
 
 
+def check_paths(cfg: SFTConfig) -> None:
+    """Fail before any process group exists if the model dir or a data file is missing."""
+    from minihf.config import ConfigError
+
+    model = Path(cfg.model.path)
+    if not cfg.model.path or not (model / "config.json").is_file():
+        what = "is empty" if not cfg.model.path else (
+            "does not exist" if not model.exists() else "has no config.json")
+        raise ConfigError(f"model.path={cfg.model.path!r} {what}; pass an HF checkpoint dir "
+                          "(make one offline with `minihf init-model DIR --task digits`)")
+    for key in ("train_files", "val_files"):
+        files = getattr(cfg.data, key)
+        for f in [files] if isinstance(files, str) else (files or []):
+            if not Path(f).is_file():
+                raise ConfigError(f"data.{key}: {f!r} does not exist (relative paths are from "
+                                  f"{Path.cwd()}); write task data with `minihf make-data`")
+
+
 def run_sft(cfg: SFTConfig) -> list[dict] | None:
     """Run SFT as a controller job (``python`` or ``torchrun``); the metrics on rank 0."""
     from minihf.controller import launch
 
+    check_paths(cfg)
     return launch(sft_driver(cfg), sft_roles(cfg), cfg.controller)

@@ -16,7 +16,7 @@ import torch.nn as nn
 from .args import ModelArgs
 from .layers import Block, RMSNorm
 from .masks import build_attn_meta
-from .rope import inv_freq, rope_cos_sin
+from .rope import RopeTable
 
 HEADS = ("lm", "value", "score")
 
@@ -30,6 +30,7 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(Block(args, i) for i in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.rope = RopeTable(args)  # not a module or buffer: invisible to state dicts / FSDP
 
     def forward(self, tokens, positions=None, kv_cache=None, cu_seqlens=None,
                 attention_mask=None) -> torch.Tensor:
@@ -44,7 +45,7 @@ class DecoderModel(nn.Module):
         h = self.embed_tokens(tokens)
         meta = None if kv_cache is not None else build_attn_meta(tokens, attention_mask,
                                                                    cu_seqlens, h.dtype)
-        cos, sin = rope_cos_sin(inv_freq(self.args, tokens.device), positions, h.dtype)
+        cos, sin = self.rope(positions, h.dtype)
         for layer in self.layers:
             h = layer(h, cos, sin, positions, meta, kv_cache)
         return self.norm(h)

@@ -10,7 +10,10 @@ import platform
 def _version_of(module: str) -> str:
     if importlib.util.find_spec(module) is None:
         return "not installed"
-    mod = __import__(module)
+    try:
+        mod = importlib.import_module(module)
+    except Exception as exc:  # noqa: BLE001 - e.g. flash-attn built for another torch/CUDA
+        return f"installed but fails to import ({type(exc).__name__}: {exc})"
     return getattr(mod, "__version__", "installed")
 
 

@@ -1,0 +1,36 @@
+"""The ``minihf`` CLI skeleton: --help, --version, doctor (incl. a module that fails to import)."""
+
+import torch
+from typer.testing import CliRunner
+
+from minihf import __version__
+from minihf.cli import app
+from minihf.utils.doctor import _version_of, report
+
+
+def test_version_and_help():
+    res = CliRunner().invoke(app, ["--version"])
+    assert res.exit_code == 0 and res.output.strip() == f"minihf {__version__}"
+    res = CliRunner().invoke(app, ["--help"])
+    assert res.exit_code == 0
+    for command in ("doctor", "init-model", "make-data", "generate", "sft", "export"):
+        assert command in res.output, command
+
+
+def test_doctor_reports_this_machine():
+    res = CliRunner().invoke(app, ["doctor"])
+    assert res.exit_code == 0, res.output
+    lines = {line[:22].strip(): line[23:] for line in res.output.splitlines()}  # "key<22 value"
+    assert lines["torch"] == torch.__version__
+    assert lines["gloo"] == "True"  # every torch build this project supports has gloo
+    assert lines["torch threads"] == str(torch.get_num_threads())
+    for key in ("cuda available", "nccl", "flash-attn", "transformers", "cpu cores"):
+        assert key in lines, key
+    assert set(report()) == set(lines)
+
+
+def test_doctor_survives_a_broken_install(tmp_path, monkeypatch):
+    (tmp_path / "broken_ext_mod.py").write_text("raise ImportError('undefined symbol: _ZN3c10')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert _version_of("broken_ext_mod").startswith("installed but fails to import (ImportError")
+    assert _version_of("surely_not_a_module_xyz") == "not installed"

@@ -10,7 +10,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from minihf.algorithms import agg_loss, loss_normalizer
 from minihf.models import ModelArgs, build_model, init_weights
-from minihf.parallel.fsdp import apply_fsdp, fsdp_mesh, shard_dim
+from minihf.parallel.fsdp import apply_fsdp, default_mixed_precision, fsdp_mesh, shard_dim
 from minihf.trainer.optim import OptimConfig, build_lr_scheduler, build_optimizer
 from minihf.utils.spawn import spawn_ranks
 from minihf.workers.forward import forward_log_probs
@@ -163,6 +163,9 @@ def test_shard_dim_rule():
     assert shard_dim("model.layers.0.mlp.down_proj.weight", (32, 63), 2) == 0  # uneven: dim 0
     assert shard_dim("model.layers.0.self_attn.q_proj.weight", (32, 32), 2) == 0
     assert shard_dim("lm_head.weight", (48, 32), 2) == 0
+    # the precision policy apply_fsdp picks by device (the CUDA branch cannot run here)
+    assert default_mixed_precision("cuda") == (torch.bfloat16, torch.float32)
+    assert default_mixed_precision("cpu") == (None, None)
 
 
 def test_fsdp_two_ranks_match_single_process_reference():

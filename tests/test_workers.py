@@ -14,8 +14,8 @@ from minihf.trainer.optim import OptimConfig
 from minihf.utils.checkpoint import export_hf
 from minihf.utils.spawn import spawn_ranks
 from minihf.workers.actor import ActorRolloutRefWorker
-from minihf.workers.config import (ActorConfig, ActorRolloutRefConfig, CriticConfig, ModelConfig,
-                                   RewardModelConfig)
+from minihf.workers.config import (ActorConfig, ActorRolloutRefConfig, CriticConfig, FSDPConfig,
+                                   ModelConfig, RefConfig, RewardModelConfig)
 from minihf.workers.critic import CriticWorker
 from minihf.workers.engine import build_optim
 from minihf.workers.forward import forward_scores
@@ -40,7 +40,8 @@ def actor_cfg(path, micro, max_tokens=None, shuffle=False):
                           entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1,
                           log_prob_micro_batch_size_per_gpu=3,
                           optim=OptimConfig(lr=1e-3, warmup_steps=2, lr_scheduler="cosine",
-                                            total_training_steps=20, min_lr_ratio=0.1)))
+                                            total_training_steps=20, min_lr_ratio=0.1)),
+        ref=RefConfig(fsdp=FSDPConfig(param_offload=True)))  # the reference idles on the host
 
 
 def critic_cfg(path, micro, max_tokens=None):
@@ -106,6 +107,11 @@ def _driver(path, tmp):
         c_ref = lc.update_critic(full[order])
         res["metrics"], res["metrics_ref"] = m, m_ref
         res["cmetrics"], res["cmetrics_ref"] = c, c_ref
+        # the reference stays frozen while the actor moves
+        res["ref_frozen"] = torch.equal(actor.compute_ref_log_prob(batch)["ref_log_prob"],
+                                        ref["ref_log_prob"])
+        new_old = actor.compute_log_prob(batch)["old_log_probs"]
+        res["actor_moved"] = (new_old - old["old_log_probs"]).abs().max().item()
 
         # checkpoint, then one more update; a fresh worker loads it and repeats that update
         actor.save_checkpoint(f"{tmp}/ckpt_actor", extra={"sampler": 7})
@@ -147,6 +153,7 @@ def test_workers_two_ranks_vs_one_process_checkpoint_resume_export(tmp_path):
     assert res["sharded"]
     assert res["logp_err"] < 1e-5
     assert res["ref_eq_old"]
+    assert res["ref_frozen"] and res["actor_moved"] > 1e-4
     assert res["values_err"] < 1e-5
     assert res["rm_err"] < 1e-5 and res["rm_nonzero"] == 8
     m, m_ref = res["metrics"], res["metrics_ref"]

@@ -78,3 +78,9 @@ def test_errors_name_the_path(tmp_path):
         load_checkpoint(tmp_path / "noopt", model, opt)
     result = CliRunner().invoke(app, ["export", str(tmp_path), str(tmp_path / "o")])
     assert result.exit_code != 0 and "not a minihf checkpoint" in result.output
+    (tmp_path / "afile").write_text("")
+    result = CliRunner().invoke(app, ["export", str(tmp_path / "noopt"), str(tmp_path / "afile")])
+    assert result.exit_code == 2 and "is a file" in result.output
+    from minihf.data.tokenizer import load_tokenizer
+    with pytest.raises(FileNotFoundError, match="training checkpoint.*minihf export"):
+        load_tokenizer(tmp_path / "noopt")  # e.g. `minihf generate CKPT`

@@ -131,7 +131,7 @@ def export(
         raise typer.BadParameter(f"dtype {dtype!r}; use float32, bfloat16 or float16")
     try:
         path = export_hf(ckpt, out, dtype=getattr(torch, dtype))
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, FileExistsError) as exc:
         raise typer.BadParameter(str(exc)) from exc
     typer.echo(f"exported {ckpt} to {path}")
 

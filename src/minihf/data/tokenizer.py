@@ -125,6 +125,11 @@ def load_tokenizer(model_dir: str | Path, padding_side: str = "left"):
             f"load_tokenizer: {model_dir} is not a directory; pass a model dir containing tokenizer.json "
             f"(make one offline with `minihf init-model {model_dir} --task digits`)"
         )
+    if (model_dir / "meta.json").exists() and (model_dir / "model").is_dir():
+        raise FileNotFoundError(
+            f"load_tokenizer: {model_dir} is a minihf training checkpoint, not a model dir; "
+            f"export it first with `minihf export {model_dir} OUT` and pass OUT"
+        )
     if not any((model_dir / name).exists() for name in _TOKENIZER_FILES):
         # AutoTokenizer would otherwise build an empty tokenizer from config.json alone
         # (every text encodes to no ids) or fail deep inside transformers.

@@ -151,6 +151,8 @@ def export_hf(ckpt: str | Path, out: str | Path, dtype: torch.dtype | None = Non
     if not (ckpt / "meta.json").exists():
         raise FileNotFoundError(f"{ckpt} is not a minihf checkpoint (no meta.json); pass a dir "
                                 "written by save_checkpoint (e.g. .../global_step_N/actor)")
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"export target {out} is a file; pass a directory path")
     head = json.loads((ckpt / "meta.json").read_text())["head"]
     model = build_model(load_args(ckpt / "hf"), head)
     state = {"model": model.state_dict()}

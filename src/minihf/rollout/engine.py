@@ -247,7 +247,7 @@ class Engine:
         tok_list, pos_list, seqs = sched.decode_rows()
         tokens = torch.tensor(tok_list, dtype=torch.long, device=dev)[:, None]  # [B, 1]
         positions = torch.tensor(pos_list, dtype=torch.long, device=dev)[:, None]
-        self.cache.begin_decode(positions[:, 0], max(pos_list) + 1)
+        self.cache.begin_decode(positions[:, 0], max(pos_list) + 1, same_length=min(pos_list) == max(pos_list))
         logits = self.model(tokens, positions, kv_cache=self.cache)[:, -1]  # [B, V]
         toks, logps = self._sample(logits, seqs)
         sched.record_decode(toks, logps)

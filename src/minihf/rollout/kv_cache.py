@@ -50,13 +50,16 @@ class SlotKVCache:
         idx = torch.arange(T, device=slots.device)
         self._mask = (idx[None, :] <= idx[:, None])[None, None]  # [1, 1, T, T]
 
-    def begin_decode(self, positions: torch.Tensor, kv_len: int) -> None:
+    def begin_decode(self, positions: torch.Tensor, kv_len: int, same_length: bool = False) -> None:
         """Next forward appends one token to each row ``[0, len(positions))`` at ``positions`` [B];
-        ``kv_len`` = 1 + the largest position (passed in: the host knows it, no device sync)."""
+        ``kv_len`` = 1 + the largest position (passed in: the host knows it, no device sync).
+        ``same_length``: every row is at position ``kv_len - 1``, so every key is attended to
+        and no mask is needed (batch 1 always; saves the mask and its use in every layer)."""
         self._prefill_slots = None
         self._rows = positions.shape[0]
         self._kv_len = kv_len
-        self._mask = (self._keys[None, :kv_len] <= positions[:, None])[:, None, None, :]  # [B, 1, 1, S]
+        self._mask = None if same_length else \
+            (self._keys[None, :kv_len] <= positions[:, None])[:, None, None, :]  # [B, 1, 1, S]
         # one index_copy_ per layer (cheaper than an advanced-index put), index built once per step
         self._flat = (self._base[: self._rows] + positions[:, None]).reshape(-1)
 

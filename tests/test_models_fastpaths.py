@@ -1,0 +1,68 @@
+"""The decode fast paths of minihf.models against their plain references.
+
+RopeTable (cos/sin looked up instead of recomputed) against transformers' formula,
+``decode_attention`` (one query per row, GQA by reshaping) against SDPA, and the fused
+fp32 RMSNorm against HF's op-by-op order. Whole-model parity with transformers is in
+test_models_parity.py; these pin each piece so a regression names its culprit.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minihf.models import ModelArgs
+from minihf.models.layers import RMSNorm, decode_attention
+from minihf.models.rope import RopeTable, apply_rope, inv_freq
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+
+
+def _reference_rope(x, args, positions):
+    """transformers' rotation: angles = pos * inv_freq, x * cos + rotate_half(x) * sin."""
+    angles = positions[..., None].float() * inv_freq(args)
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = emb.cos()[:, None], emb.sin()[:, None]
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+@pytest.mark.parametrize("scaling", [None, LLAMA3])
+def test_rope_table_matches_reference_and_grows_on_cpu(scaling):
+    args = ModelArgs(head_dim=16, rope_theta=5e5, rope_scaling=scaling, max_position_embeddings=64)
+    table = RopeTable(args)
+    x = torch.randn(3, 4, 5, 16)
+    for positions in (torch.arange(5).expand(3, 5), torch.tensor([[0, 1, 2, 9, 40]] * 3),
+                      torch.full((3, 5), 700)):  # 700: past both the first table and max_position
+        cos, sin = table(positions, torch.float32)
+        torch.testing.assert_close(apply_rope(x, cos, sin), _reference_rope(x, args, positions),
+                                   atol=2e-6, rtol=0)
+    assert table.cos.shape[0] >= 701
+    cos, _ = table(torch.zeros(1, 1, dtype=torch.long), torch.float64)  # new dtype: rebuilt
+    assert cos.dtype == torch.float64 and table.key == (torch.device("cpu"), torch.float64)
+
+
+def test_decode_attention_matches_sdpa_with_gqa_and_masks():
+    B, H, KV, S, hd = 5, 8, 2, 11, 16
+    q = torch.randn(B, 1, H, hd).transpose(1, 2)
+    cache = torch.randn(2, B + 2, KV, S + 4, hd)
+    k, v = cache[0, :B, :, :S], cache[1, :B, :, :S]  # strided views, as the slot cache returns
+    lengths = torch.tensor([11, 1, 6, 9, 3])
+    mask = (torch.arange(S)[None, :] < lengths[:, None])[:, None, None, :]
+    for m in (mask, None):
+        ref = F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True)
+        torch.testing.assert_close(decode_attention(q, k, v, m), ref, atol=1e-6, rtol=0)
+
+
+def test_fused_rmsnorm_equals_hf_order():
+    norm = RMSNorm(24, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(24))
+    x = torch.randn(3, 7, 24) * 5
+    hf = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+    torch.testing.assert_close(norm(x), hf, atol=1e-6, rtol=1e-6)
+    # bf16 keeps HF's casts: normalise in fp32, cast, then scale
+    xb, nb = x.bfloat16(), RMSNorm(24, eps=1e-5).bfloat16()
+    ref = nb.weight * (x.bfloat16().float() * torch.rsqrt(xb.float().pow(2).mean(-1, keepdim=True)
+                                                         + 1e-5)).bfloat16()
+    assert torch.equal(nb(xb), ref)

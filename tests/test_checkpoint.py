@@ -61,7 +61,7 @@ def test_save_load_round_trip_and_export_loads_in_transformers(tmp_path, tie):
     result = CliRunner().invoke(app, ["export", str(tmp_path / "ckpt"), str(tmp_path / "hf")])
     assert result.exit_code == 0, result.output
     theirs = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
-    ids = torch.tensor([[3, 9, 27, 1, 5]])
+    ids = torch.tensor([[3, 9, 27, 1, 5], [44, 2, 8, 30, 17]])
     with torch.no_grad():
         diff = (model(ids) - theirs(ids).logits).abs().max().item()
     assert diff < 1e-5

@@ -281,3 +281,46 @@ def test_killed_rank_raises_on_driver_within_timeout(tmp_path):
     elapsed, msg = path.read_text().split(" ", 1)
     assert msg == f"{RankLostError.__name__} rank=1 method=die_on"
     assert float(elapsed) < 10
+
+
+class ShardedWorker(Worker):
+    """FSDP2 on the role group: all-gathers and reduce-scatters, then DTensor ops."""
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def grad_norm(self):
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor import DeviceMesh
+
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+        ref = [p.detach().clone() for p in model.parameters()]
+        fully_shard(model, mesh=DeviceMesh.from_group(self.group, "cpu"))
+        x = torch.arange(12.0).view(3, 4) * (self.rank + 1)
+        model(x).sum().backward()
+        norm = torch.stack([p.grad.norm() for p in model.parameters()]).norm()
+        return float(norm.full_tensor()), [r.sum().item() for r in ref]
+
+
+def _reference_grad_norm(world_size, ref_sums):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+    assert [p.sum().item() for p in model.parameters()] == ref_sums
+    for r in range(world_size):  # FSDP averages gradients over ranks
+        (model(torch.arange(12.0).view(3, 4) * (r + 1)).sum() / world_size).backward()
+    return float(torch.stack([p.grad.norm() for p in model.parameters()]).norm())
+
+
+def _repeated_runs(rank, world_size):
+    cfg = ControllerConfig(timeout_s=10)
+    return [run(lambda g: g["w"].grad_norm(), {"w": ShardedWorker}, cfg) for _ in range(2)]
+
+
+def test_repeated_runs_in_the_same_processes_after_fsdp():
+    # regression: the second run hung (worker ranks reused the first run's DTensor caches,
+    # whose meshes held the first run's groups); each run must match the reference
+    runs = spawn_ranks(_repeated_runs, 2, timeout_s=60)[0]
+    assert len(runs) == 2
+    for per_rank in runs:
+        (n0, sums), (n1, _) = per_rank
+        assert n0 == n1
+        assert n0 == pytest.approx(_reference_grad_norm(2, sums), rel=1e-5)

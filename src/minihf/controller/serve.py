@@ -4,12 +4,25 @@ Ranks other than 0 sit in ``serve``: receive the next message from the driver, r
 the named role's worker, send the ``Reply`` back, strictly in order, until ``Stop``.
 ``execute`` is shared with the driver's own local executor, so a method behaves the same
 wherever it runs: exceptions become a ``RemoteError`` with the traceback text.
+
+Threads: worker methods run on a thread owned by one ``serve`` call (rank 0's executor
+thread is likewise owned by one ``Driver``), never on the caller's long-lived thread. torch
+keeps per-thread caches keyed by objects that compare equal across runs: DTensor's sharding
+cache hands back output specs holding the ``DeviceMesh`` that was current when an entry was
+made, and meshes over the same ranks built on the same thread are equal even when their
+process groups differ. A second ``run`` in the same processes on the caller's thread would
+therefore send FSDP's collectives over the previous run's (destroyed) groups on worker
+ranks only, while rank 0 (fresh thread) used the new ones: a hang. A fresh thread per run
+starts every rank with empty caches.
 """
 
 from __future__ import annotations
 
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+import torch
 
 from minihf.controller.errors import ControllerAborted, RemoteError
 from minihf.controller.messages import Abort, Command, Reply, Stop
@@ -42,7 +55,20 @@ def _send_reply(up: Channel, reply: Reply, cmd: Command | None, rank: int) -> No
 
 
 def serve(down: Channel, up: Channel, workers: dict[str, Worker], rank: int) -> None:
-    """Answer the driver's commands in order until ``Stop``; ``Abort`` raises."""
+    """Answer the driver's commands in order until ``Stop``; ``Abort`` raises.
+
+    The loop runs on a new thread that ends with this call (see the module docstring).
+    """
+    def init_thread() -> None:
+        if down.cuda is not None:  # the current device is per thread
+            torch.cuda.set_device(down.cuda)
+
+    with ThreadPoolExecutor(1, thread_name_prefix="minihf-serve",
+                            initializer=init_thread) as pool:
+        pool.submit(_serve_loop, down, up, workers, rank).result()
+
+
+def _serve_loop(down: Channel, up: Channel, workers: dict[str, Worker], rank: int) -> None:
     while True:
         try:
             msg: Any = down.recv()

@@ -12,6 +12,14 @@ requests very different lengths (per-request ``max_tokens``) to compare continuo
 (slots refilled as sequences finish) with static batching (transformers: each batch of
 ``--slots`` prompts runs until its longest member is done). On CUDA the decode step time is
 also compared with the weight-bandwidth limit (bytes of weights / measured copy bandwidth).
+
+On CPU each row also says how hard both libraries push the machine: the model FLOPs of the
+run (matmuls and attention of the prefill and every decode step, the same count for both)
+divided by wall time, next to two rates measured in the same run at the same thread count:
+``mm peak`` (a large square fp32 ``torch.mm``, printed once) and ``linear`` (the model's own
+Linear layers at this batch size: the best its matmuls can do). ``ceiling`` = transformers'
+time / (FLOPs at the ``linear`` rate) is the speedup over transformers that minihf would
+reach if everything but the matmuls cost nothing; a goal above it is out of reach in fp32.
 """
 
 from __future__ import annotations
@@ -62,6 +70,48 @@ class Clock:
         self.wall, self.cpu = time.perf_counter() - self.wall, time.process_time() - self.cpu
 
 
+def mm_peak_gflops(n: int = 1024, repeats: int = 5) -> float:
+    """fp32 matmul peak of this machine at the current thread count: best of ``repeats``
+    ``torch.mm`` of two n x n matrices."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best / 1e9
+
+
+def linear_gflops(model, batch: int, repeats: int = 5) -> float:
+    """GFLOP/s of ``model``'s own Linear layers (their weights and memory layout) applied in
+    turn to ``batch`` rows, as a decode step does: the matmul rate its shapes allow."""
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    xs = {m.in_features: torch.randn(batch, m.in_features, dtype=m.weight.dtype) for m in linears}
+    flops = 2 * batch * sum(m.weight.numel() for m in linears)
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(repeats + 1):
+            t = time.perf_counter()
+            for m in linears:
+                torch.nn.functional.linear(xs[m.in_features], m.weight)
+            best = min(best, time.perf_counter() - t)
+    return flops / best / 1e9
+
+
+def generate_flops(model, batch: int, prompt_len: int, new: int) -> float:
+    """Model FLOPs of greedy generation: the prompt and ``new - 1`` decode tokens go through
+    the body, ``new`` positions through the LM head; attention (QK and PV) at each position
+    over the keys up to it."""
+    a = model.args
+    body = sum(m.weight.numel() for m in model.model.modules() if isinstance(m, torch.nn.Linear))
+    head = a.hidden_size * a.vocab_size
+    positions = prompt_len + new - 1
+    attn_keys = positions * (positions + 1) // 2  # sum over positions p of (p + 1) keys
+    per_row = 2 * body * positions + 2 * head * new + 4 * a.num_hidden_layers * a.num_attention_heads * a.head_dim * attn_keys
+    return batch * per_row
+
+
 def run_hf(hf, prompts: torch.Tensor, new: int) -> tuple[list[list[int]], Clock]:
     with Clock(prompts.device) as clock, torch.inference_mode():
         out = hf.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new, min_new_tokens=new,
@@ -85,7 +135,9 @@ def bench_fixed(name, path, device, dtype, batches, prompt_len, new, repeats):
     vocab = MODELS[name][5]
     nparams = sum(p.numel() for p in hf.parameters())
     print(f"\n== model {name} ({nparams / 1e6:.1f}M params), prompt {prompt_len}, {new} new tokens, greedy ==")
-    print(f"{'batch':>5} {'minihf tok/s':>13} {'hf tok/s':>10} {'ratio':>6} {'cpu-time ratio':>15}  identical")
+    cpu = device.type == "cpu"
+    flop_cols = f" {'minihf GF/s':>11} {'hf GF/s':>8} {'linear GF/s':>11} {'ceiling':>7}" if cpu else ""
+    print(f"{'batch':>5} {'minihf tok/s':>13} {'hf tok/s':>10} {'ratio':>6} {'cpu-time ratio':>15}{flop_cols}  identical")
     params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
     rows = []
     for batch in batches:
@@ -101,7 +153,13 @@ def bench_fixed(name, path, device, dtype, batches, prompt_len, new, repeats):
                 bad = sum(a != b for a, b in zip(got, ref))
                 raise AssertionError(f"{name} batch {batch}: {bad}/{batch} sequences differ from transformers")
         tm_s, th_s = batch * new / best_m, batch * new / best_h
-        print(f"{batch:>5} {tm_s:>13.0f} {th_s:>10.0f} {tm_s / th_s:>6.2f} {cpu_h / cpu_m:>15.2f}  {same}")
+        flop_vals = ""
+        if cpu:
+            flops = generate_flops(llm.engine.model, batch, prompt_len, new)
+            lin = linear_gflops(llm.engine.model, batch)
+            flop_vals = (f" {flops / best_m / 1e9:>11.1f} {flops / best_h / 1e9:>8.1f} {lin:>11.1f}"
+                         f" {best_h / (flops / lin / 1e9):>6.2f}x")
+        print(f"{batch:>5} {tm_s:>13.0f} {th_s:>10.0f} {tm_s / th_s:>6.2f} {cpu_h / cpu_m:>15.2f}{flop_vals}  {same}")
         rows.append((name, batch, tm_s, th_s))
         if device.type == "cuda":
             report_bandwidth(llm, hf, prompts.tolist(), new, best_m)
@@ -189,6 +247,8 @@ def main():
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     print(f"device {device}, dtype {dtype}, torch {torch.__version__}, threads {torch.get_num_threads()}")
+    if device.type == "cpu":
+        print(f"fp32 mm peak (1024^3 torch.mm, {torch.get_num_threads()} threads): {mm_peak_gflops():.1f} GFLOP/s")
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:
             path = f"{tmp}/{name}"

@@ -1,8 +1,8 @@
 """The decode fast paths of minihf.models against their plain references.
 
 RopeTable (cos/sin looked up instead of recomputed) against transformers' formula,
-``decode_attention`` (one query per row, GQA by reshaping) against SDPA, and the fused
-fp32 RMSNorm against HF's op-by-op order. Whole-model parity with transformers is in
+``decode_attention`` (one query per row, GQA by reshaping) against SDPA, and the
+fp32 RMSNorm (no casts) against HF's order. Whole-model parity with transformers is in
 test_models_parity.py; these pin each piece so a regression names its culprit.
 """
 
@@ -54,7 +54,7 @@ def test_decode_attention_matches_sdpa_with_gqa_and_masks():
         torch.testing.assert_close(decode_attention(q, k, v, m), ref, atol=1e-6, rtol=0)
 
 
-def test_fused_rmsnorm_equals_hf_order():
+def test_fp32_rmsnorm_equals_hf_order():
     norm = RMSNorm(24, eps=1e-5)
     with torch.no_grad():
         norm.weight.copy_(torch.randn(24))

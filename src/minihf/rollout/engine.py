@@ -243,7 +243,7 @@ class Engine:
         sched.record_prefill(seqs, toks, logps)
 
     def _decode(self, sched: Scheduler) -> None:
-        dev = self.device
+        dev = self.cache.k.device  # the model's; cheaper than walking parameters every step
         tok_list, pos_list, seqs = sched.decode_rows()
         tokens = torch.tensor(tok_list, dtype=torch.long, device=dev)[:, None]  # [B, 1]
         positions = torch.tensor(pos_list, dtype=torch.long, device=dev)[:, None]

@@ -105,3 +105,37 @@ def test_mini_batch_rows_epochs_shuffle_and_divisibility():
     assert len({tuple(e) for e in epochs}) == 3  # reshuffled each epoch
     assert steps == mini_batch_rows(8, 4, None, epochs=3, shuffle=True, seed=7)  # same seed, same order
     assert steps != mini_batch_rows(8, 4, None, epochs=3, shuffle=True, seed=8)
+
+
+def test_rollout_logprobs_equal_compute_log_prob_path():
+    """Issue 5: the engine's sampled-token log-probs vs the trainer's own path
+    (``forward_log_probs``, packed and padded, verl batch layout), batch > 1."""
+    from minihf.rollout import LLM, SamplingParams
+
+    trainer = tiny("lm")
+    engine_model = tiny("lm")  # same seed: same weights, its own copy (the engine may re-lay it out)
+    llm = LLM(engine_model, max_num_seqs=3, cpu_column_major=True, eos_token_ids=())
+    prompts = [[5, 9, 11, 3, 7], [20, 21], [1, 2, 3, 4, 5, 6, 7, 8, 9], [40]]
+    temperature = 0.7
+    outs = llm.generate(prompts, [SamplingParams(n=2, temperature=temperature, top_k=20, max_tokens=m,
+                                                 seed=s) for s, m in enumerate([7, 3, 5, 1])])
+    pairs = [(p, c) for p, o in zip(prompts, outs) for c in o.outputs]
+    p_len, r_len = max(len(p) for p, _ in pairs), max(len(c.token_ids) for _, c in pairs)
+    ids = torch.zeros(len(pairs), p_len + r_len, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, (p, c) in enumerate(pairs):
+        ids[i, p_len - len(p):p_len] = torch.tensor(p)
+        ids[i, p_len:p_len + len(c.token_ids)] = torch.tensor(c.token_ids)
+        mask[i, p_len - len(p):p_len + len(c.token_ids)] = 1
+    mb = {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
+          "responses": ids[:, p_len:]}
+    assert len({len(c.token_ids) for _, c in pairs}) > 1  # right padding is exercised
+    worst = 0.0
+    with torch.no_grad():
+        for packed in (True, False):
+            lp = forward_log_probs(trainer, mb, use_remove_padding=packed, temperature=temperature)
+            for i, (_, c) in enumerate(pairs):
+                got = lp["log_probs"][i, :len(c.token_ids)]
+                worst = max(worst, (got - torch.tensor(c.logprobs)).abs().max().item())
+    print(f"max |engine logprob - compute_log_prob| = {worst:.2e}")
+    assert worst < 1e-5

@@ -39,3 +39,9 @@ def test_critic_shares_the_update_checks():
         load_config(CriticConfig, None, ["loss_agg_mode=mean"])
     with pytest.raises(ConfigError, match="ppo_mini_batch_size=0"):
         load_config(CriticConfig, None, ["ppo_mini_batch_size=0"])
+
+
+def test_shipped_sft_recipe_loads():
+    cfg = load_config(SFTConfig, "sft_digits")
+    assert cfg.data.response_key == "extra_info.answer" and cfg.data.max_tokens_per_micro_batch == 1024
+    assert cfg.model.path == "outputs/models/digits-tiny"

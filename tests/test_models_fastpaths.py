@@ -1,17 +1,15 @@
 """The decode fast paths of minihf.models against their plain references.
 
-RopeTable (cos/sin looked up instead of recomputed) against transformers' formula,
-``decode_attention`` (one query per row, GQA by reshaping) against SDPA, and the
+RopeTable (cos/sin looked up instead of recomputed) against transformers' formula, and the
 fp32 RMSNorm (no casts) against HF's order. Whole-model parity with transformers is in
 test_models_parity.py; these pin each piece so a regression names its culprit.
 """
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from minihf.models import ModelArgs
-from minihf.models.layers import RMSNorm, decode_attention
+from minihf.models.layers import RMSNorm
 from minihf.models.rope import RopeTable, apply_rope, inv_freq
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -40,18 +38,6 @@ def test_rope_table_matches_reference_and_grows_on_cpu(scaling):
     assert table.cos.shape[0] >= 701
     cos, _ = table(torch.zeros(1, 1, dtype=torch.long), torch.float64)  # new dtype: rebuilt
     assert cos.dtype == torch.float64 and table.key == (torch.device("cpu"), torch.float64)
-
-
-def test_decode_attention_matches_sdpa_with_gqa_and_masks():
-    B, H, KV, S, hd = 5, 8, 2, 11, 16
-    q = torch.randn(B, 1, H, hd).transpose(1, 2)
-    cache = torch.randn(2, B + 2, KV, S + 4, hd)
-    k, v = cache[0, :B, :, :S], cache[1, :B, :, :S]  # strided views, as the slot cache returns
-    lengths = torch.tensor([11, 1, 6, 9, 3])
-    mask = (torch.arange(S)[None, :] < lengths[:, None])[:, None, None, :]
-    for m in (mask, None):
-        ref = F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True)
-        torch.testing.assert_close(decode_attention(q, k, v, m), ref, atol=1e-6, rtol=0)
 
 
 def test_fp32_rmsnorm_equals_hf_order():

@@ -9,7 +9,11 @@ from minihf.controller import (
     register, register_dispatch_mode,
 )
 from minihf.controller.dispatch import collect_dp_compute, dispatch_dp_compute
-from minihf.controller.transport import BIG_TENSOR_BYTES, pack, roundtrip
+from minihf.controller.driver import _reply_into
+from minihf.controller.messages import Reply
+from minihf.controller.transport import (
+    BIG_TENSOR_BYTES, pack, receive_buffers, roundtrip, unpack, unpack_control,
+)
 from minihf.protocol import Batch
 
 
@@ -29,19 +33,20 @@ def test_dp_compute_chunks_pads_and_strips(n, ranks, tp):
     batch = _batch(n)
     plan = dispatch_dp_compute(layout, (batch, 3), {"scale": 2.0})
     dp = ranks // tp
-    assert plan.ctx == -n % dp  # pad count
+    pad = plan.ctx.pad
+    assert pad == -n % dp  # pad count
     assert plan.collect_from == list(range(0, ranks, tp))  # tp_rank 0 of each DP group
     chunk_ids = []
     for i, (args, kwargs) in enumerate(plan.calls):
         chunk, three = args
         assert three == 3 and kwargs == {"scale": 2.0}
-        assert len(chunk) == (n + plan.ctx) // dp
+        assert len(chunk) == (n + pad) // dp
         if i % tp == 0:
             chunk_ids.append(_ids(chunk))
         else:  # TP peers get the very same chunk object
             assert plan.calls[i] is plan.calls[i - 1]
     flat = sum(chunk_ids, [])
-    assert flat[:n] == list(range(n)) and len(flat) == n + plan.ctx
+    assert flat[:n] == list(range(n)) and len(flat) == n + pad
     # collect: concatenation in DP order with the padding removed equals the input
     outputs = [plan.calls[i][0][0] for i in plan.collect_from]
     out = collect_dp_compute(layout, outputs, plan.ctx)
@@ -152,3 +157,50 @@ def test_worker_group_lists_registered_methods_on_typos():
     assert "compute_values" in dir(group)
     with pytest.raises(AttributeError, match=r"no remote method 'compute_value'.*\['compute_values'\]"):
         group.compute_value
+
+
+def _received(obj, into):
+    """What a peer rebuilds from ``obj`` when receiving with destinations ``into``."""
+    packed = pack(obj, None)
+    payload, table, specs = unpack_control(packed.control)
+    buffers = receive_buffers(payload, table, specs, None, into)
+    for b, src in zip(buffers, packed.buffers):
+        b.copy_(src)
+    return unpack(payload, table, buffers, None)
+
+
+def test_dp_compute_receives_remote_results_into_the_concatenated_output():
+    layout = RoleLayout("r", (0, 1, 2), 1)
+    n = 7  # padded to 9: 3 rows per rank
+    batch = Batch({"big": torch.randn(n, 1 << 17), "ids": torch.arange(n),
+                   "a": torch.ones(n, 2), "b": torch.zeros(n, 3)},
+                  {"uid": [f"u{i}" for i in range(n)]}, {"step": 1})
+    plan = dispatch_dp_compute(layout, (batch,), {})
+    chunks = [plan.calls[i][0][0] for i in plan.collect_from]
+    # ranks 1 and 2 reply over the wire; rank 2's "a" has another shape (plain path for "a")
+    odd = Batch(dict(chunks[2].tensors, a=torch.ones(3, 5)), chunks[2].non_tensors,
+                chunks[2].meta)
+    parts = [chunks[0]] + [
+        _received(Reply(c), lambda r, k=k: _reply_into(plan.receive_into, k, r)).value
+        for k, c in ((1, chunks[1]), (2, odd))]
+    out_big = plan.ctx.out["big"]
+    assert out_big.shape == (9, 1 << 17)  # allocated from the first reply's stubs
+    assert parts[1].tensors["big"].data_ptr() == out_big[3:6].data_ptr()  # in place
+    assert parts[2].tensors["big"].data_ptr() == out_big[6:9].data_ptr()
+    assert parts[1].tensors["ids"].data_ptr() == plan.ctx.out["ids"][3:6].data_ptr()
+    parts_ok = parts[:2] + [Batch(dict(parts[2].tensors, a=torch.ones(3, 2)),
+                                  parts[2].non_tensors, parts[2].meta)]
+    out = collect_dp_compute(layout, parts_ok, plan.ctx)
+    ref = Batch.concat(chunks).unpad(2)
+    assert list(out.tensors) == list(ref.tensors)
+    for k, t in ref.tensors.items():
+        assert torch.equal(out.tensors[k], t), k
+    assert out.tensors["big"].data_ptr() == out_big.data_ptr()  # no extra full copy
+    assert list(out.non_tensors["uid"]) == list(batch.non_tensors["uid"])
+    assert out.meta == {"step": 1}
+    # a part whose shape does not fit falls back to Batch.concat and its error
+    with pytest.raises(RuntimeError, match="Sizes of tensors must match"):
+        collect_dp_compute(layout, parts, plan.ctx)
+    # a non-Batch reply or an error reply gets no destinations
+    assert _reply_into(plan.receive_into, 1, Reply({"x": 1})) == {}
+    assert plan.receive_into(1, [1, 2]) == {}

@@ -10,6 +10,11 @@ unit-tested alone. A dispatch mode is a pair of plain functions kept in one expl
 * ``collect_fn(layout, outputs, ctx) -> result``: ``outputs`` are the return values of the
   ``collect_from`` ranks, in that order.
 
+A plan may also carry ``receive_into(k, value) -> {stub index: tensor}``: given the k-th
+collected reply with a ``TensorStub`` per tensor (before its bytes arrive), destination
+tensors to receive them into. DP_COMPUTE uses it to land remote results directly in slices
+of the concatenated output (``DPOutputs``), so collecting copies only rank 0's own part.
+
 Layout convention: TP is the innermost dimension, so role rank ``i`` has
 ``dp_rank = i // tp_size`` and ``tp_rank = i % tp_size`` (the ``tp_size`` consecutive role
 ranks of one DP group hold one model replica and receive the same data).
@@ -17,8 +22,11 @@ ranks of one DP group hold one model replica and receive the same data).
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable
+
+import torch
 
 from minihf.controller.errors import ControllerError
 from minihf.protocol import Batch
@@ -72,6 +80,7 @@ class Plan:
     calls: list[Call | None]
     collect_from: list[int]
     ctx: Any = None
+    receive_into: Callable[[int, Any], dict] | None = None  # see the module docstring
 
 
 DispatchFn = Callable[[RoleLayout, tuple, dict], Plan]
@@ -154,12 +163,75 @@ def dispatch_dp_compute(layout: RoleLayout, args: tuple, kwargs: dict) -> Plan:
               for d in range(dp)]
     calls = [per_dp[layout.dp_rank(i)] for i in range(layout.size)]
     collect_from = [i for i in range(layout.size) if layout.tp_rank(i) == 0]
-    return Plan(calls, collect_from, ctx=pad)
+    ctx = DPOutputs(pad, [(lengths[0] + pad) // dp] * dp)
+    return Plan(calls, collect_from, ctx=ctx, receive_into=ctx.receive_into)
+
+
+class DPOutputs:
+    """DP_COMPUTE's collect context: the pad count and the concatenated output tensors.
+
+    A result tensor with as many rows as its rank's chunk is received straight into its rows
+    of one output tensor per key, allocated when the first such result announces its shape;
+    ``concat`` then copies only the parts that are not in place yet (rank 0's own, small
+    packed ones). Anything else (other row counts, shapes, dtypes, devices; non-Batch
+    results) takes the plain ``Batch.concat`` path.
+    """
+
+    def __init__(self, pad: int, rows: list[int]):
+        self.pad, self.rows = pad, rows
+        self.starts = [sum(rows[:k]) for k in range(len(rows))]
+        self.out: dict[str, torch.Tensor] = {}
+        self._lock = threading.Lock()  # receive_into runs on one receiver thread per rank
+
+    def _fits(self, out: torch.Tensor, t: Any, k: int) -> bool:
+        return (tuple(t.shape[:1]) == (self.rows[k],) and tuple(t.shape[1:]) == out.shape[1:]
+                and t.dtype == out.dtype and t.device == out.device)
+
+    def receive_into(self, k: int, value: Any) -> dict[int, torch.Tensor]:
+        """Destinations (rows of the outputs) for the k-th DP rank's result ``value``."""
+        if not isinstance(value, Batch) or len(self.rows) < 2:
+            return {}
+        dest = {}
+        with self._lock:
+            for key, stub in value.tensors.items():
+                if len(stub.shape) < 1 or stub.shape[0] != self.rows[k]:
+                    continue
+                out = self.out.get(key)
+                if out is None:
+                    out = self.out[key] = torch.empty((sum(self.rows), *stub.shape[1:]),
+                                                      dtype=stub.dtype, device=stub.device)
+                if self._fits(out, stub, k):
+                    dest[stub.index] = out[self.starts[k]:self.starts[k] + self.rows[k]]
+        return dest
+
+    def concat(self, parts: list[Batch]) -> Batch:
+        """``Batch.concat(parts)``, filling the preallocated outputs where every part fits."""
+        if len(parts) == 1:
+            return parts[0]
+        done: dict[str, torch.Tensor] = {}
+        for key, out in self.out.items():
+            ts = [p.tensors.get(key) for p in parts]
+            if len(ts) != len(self.rows) or not all(
+                    t is not None and self._fits(out, t, k) for k, t in enumerate(ts)):
+                continue
+            for k, t in enumerate(ts):
+                rows = out[self.starts[k]:self.starts[k] + self.rows[k]]
+                if t.data_ptr() != rows.data_ptr():  # not received in place
+                    rows.copy_(t)
+            done[key] = out
+        rest = Batch.concat([Batch({k: v for k, v in p.tensors.items() if k not in done},
+                                   p.non_tensors, p.meta) for p in parts])
+        tensors = {k: done[k] if k in done else rest.tensors[k] for k in parts[0].tensors}
+        return Batch(tensors, rest.non_tensors, rest.meta)
 
 
 def collect_dp_compute(layout: RoleLayout, outputs: list, ctx: Any) -> Any:
-    """Concatenate Batch results in DP order and strip the padding; else list per DP rank."""
+    """Concatenate Batch results in DP order and strip the padding; else list per DP rank.
+
+    ``ctx``: the ``DPOutputs`` of the dispatch (or just a pad count)."""
     if outputs and all(isinstance(o, Batch) for o in outputs):
+        if isinstance(ctx, DPOutputs):
+            return ctx.concat(outputs).unpad(ctx.pad)
         out = outputs[0] if len(outputs) == 1 else Batch.concat(outputs)
         return out.unpad(ctx or 0)
     return list(outputs)

@@ -19,6 +19,7 @@ must exceed the longest phase of a job.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -31,7 +32,7 @@ from minihf.controller.dispatch import RoleLayout, get_dispatch_mode
 from minihf.controller.errors import ControllerError, RankLostError, RemoteError
 from minihf.controller.messages import Abort, Command, Reply, Stop
 from minihf.controller.serve import execute
-from minihf.controller.transport import Channel, DecodeError, Packed, pack
+from minihf.controller.transport import Channel, DecodeError, Into, Packed, pack
 from minihf.controller.worker import MethodSpec, Worker
 
 
@@ -40,7 +41,7 @@ class _Peer:
 
     def __init__(self, rank: int, down: Channel, up: Channel, timeout_s: float):
         self.rank, self.down, self.up, self.timeout_s = rank, down, up, timeout_s
-        self._pending: deque = deque()  # (future, send works, packed, role, method)
+        self._pending: deque = deque()  # (future, send works, packed, role, method, into)
         self._cond = threading.Condition()
         self._lost: BaseException | None = None
         self._closed = False
@@ -60,7 +61,8 @@ class _Peer:
                              f"timeout_s if calls legitimately take longer).\n"
                              f"Cause: {self._lost!r}")
 
-    def send(self, packed: Packed, role: str, method: str) -> Future:
+    def send(self, packed: Packed, role: str, method: str, into: Into | None = None) -> Future:
+        """Send a command; the future gets its reply (tensors received ``into``, if given)."""
         fut: Future = Future()
         with self._cond:
             if self._lost is None:
@@ -69,7 +71,7 @@ class _Peer:
                 except Exception as e:  # noqa: BLE001 - a dead peer surfaces here too
                     self._lost = e
                 else:
-                    self._pending.append((fut, works, packed, role, method))
+                    self._pending.append((fut, works, packed, role, method, into))
                     self._cond.notify()
                     return fut
         fut.set_exception(self._lost_error(role, method))
@@ -84,10 +86,10 @@ class _Peer:
                     self._cond.wait()
                 if not self._pending:
                     return
-                fut, works, _, role, method = self._pending[0]
+                fut, works, _, role, method, into = self._pending[0]
             try:
                 try:
-                    reply = self.up.recv()
+                    reply = self.up.recv(into)
                 except DecodeError as e:
                     reply = Reply(error=RemoteError(self.rank, role, method, str(e)))
                 self.down.wait(works)  # done by now: the worker answered
@@ -96,7 +98,7 @@ class _Peer:
                     self._lost = e
                     pending = list(self._pending)
                     self._pending.clear()
-                for fut, _, _, role, method in pending:
+                for fut, _, _, role, method, _ in pending:
                     fut.set_exception(self._lost_error(role, method))
                 return
             with self._cond:
@@ -111,6 +113,13 @@ class _Peer:
             self._closed = True
             self._cond.notify()
         self._thread.join(timeout=self.timeout_s)
+
+
+def _reply_into(receive_into: Callable, k: int, reply: Any) -> dict:
+    """Destinations for a reply's tensors (``reply`` holds ``TensorStub``s); k: collect index."""
+    if not isinstance(reply, Reply) or reply.error is not None:
+        return {}
+    return receive_into(k, reply.value)
 
 
 class CallFuture:
@@ -204,6 +213,8 @@ class Driver:
             raise ControllerError(f"dispatch mode {spec.dispatch!r} collects from role ranks "
                                   f"{missing} that it does not call")
         replying = set(plan.collect_from)
+        # the mode's own collect may receive replies in place; a user's collect gets plain ones
+        receive_into = plan.receive_into if spec.collect is None else None
         parts: dict[int, Future] = {}
         memo: dict[tuple[int, bool], Packed] = {}  # one pack per distinct call object
         with self._lock:
@@ -218,7 +229,11 @@ class Driver:
                 key = (id(call), cmd.reply)
                 if key not in memo:
                     memo[key] = pack(cmd, self.cuda)
-                parts[i] = self._peers[rank].send(memo[key], layout.role, spec.name)
+                into = None
+                if receive_into is not None and cmd.reply:
+                    into = functools.partial(_reply_into, receive_into,
+                                             plan.collect_from.index(i))
+                parts[i] = self._peers[rank].send(memo[key], layout.role, spec.name, into)
         fut = CallFuture(layout, spec, plan.collect_from, plan.ctx, parts)
         # keep only calls still running or holding an unseen error (never their values)
         self._unawaited = [f for f in self._unawaited if f.failed_unseen() is not False]

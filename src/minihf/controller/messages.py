@@ -2,13 +2,16 @@
 
 Driver -> worker: ``Command`` (run ``role.method``), ``Stop`` (leave the serve loop, answer
 with an empty ``Reply``), ``Abort`` (leave it with an error, no answer). Worker -> driver:
-one ``Reply`` per ``Command`` or ``Stop``, in order.
+one ``Reply`` per ``Command`` or ``Stop``, in order. ``TensorStub`` stands in for a tensor
+whose bytes have not arrived yet (see ``transport.peek``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from minihf.controller.errors import RemoteError
 
@@ -36,3 +39,12 @@ class Abort:
 class Reply:
     value: Any = None
     error: RemoteError | None = None
+
+
+@dataclass(frozen=True)
+class TensorStub:
+    """A tensor of a message before its bytes arrive: where it goes is decided from this."""
+    index: int  # position in the message's tensor table
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device

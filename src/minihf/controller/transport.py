@@ -14,6 +14,12 @@ dtype (one copy, far fewer messages). On the wire, one message is
 
 The control record is a pickle of (payload bytes, tensor table, buffer specs).
 
+Receiving in place: ``Channel.recv(into)`` first rebuilds the object with a ``TensorStub``
+per tensor (``peek``), asks ``into(stubs_object)`` for destination tensors, and receives
+every buffer that holds exactly one such tensor straight into its destination (no copy
+later); the rest goes into new memory. The DP_COMPUTE collect uses it to receive remote
+results into slices of the concatenated output.
+
 Ordering and concurrency: each (driver, worker rank) pair has two ``Channel``s, one per
 direction, each on its own two-rank process group. Messages on one channel are matched in
 send order (torch.distributed p2p is FIFO per group and peer), so no tags are needed, and
@@ -29,10 +35,12 @@ import io
 import pickle
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+
+from minihf.controller.messages import TensorStub
 
 BIG_TENSOR_BYTES = 1 << 20
 HEADER_BYTES = 4096
@@ -134,6 +142,48 @@ def unpack(payload: bytes, table: list, buffers: list[torch.Tensor],
     return _TensorUnpickler(io.BytesIO(payload), tensors).load()
 
 
+class _StubUnpickler(pickle.Unpickler):
+    def __init__(self, file, table: list, cuda: torch.device | None):
+        super().__init__(file)
+        self.table, self.cuda = table, cuda
+
+    def persistent_load(self, pid: Any):
+        _, _, shape, dtype, on_cuda = self.table[pid]
+        device = self.cuda if on_cuda else torch.device("cpu")
+        return TensorStub(pid, tuple(shape), dtype, device)
+
+
+def peek(payload: bytes, table: list, cuda: torch.device | None) -> Any:
+    """The object with a ``TensorStub`` in place of each tensor (before any buffer arrives)."""
+    return _StubUnpickler(io.BytesIO(payload), table, cuda).load()
+
+
+Into = Callable[[Any], "dict[int, torch.Tensor]"]
+
+
+def receive_buffers(payload: bytes, table: list, specs: list, cuda: torch.device | None,
+                    into: Into | None = None) -> list[torch.Tensor]:
+    """Buffers to receive ``specs`` into: ``into``'s destinations where a buffer holds exactly
+    that one tensor (same dtype, device and size, contiguous), new memory otherwise."""
+    buffers: list[torch.Tensor | None] = [None] * len(specs)
+    if into is not None:
+        try:
+            dest = into(peek(payload, table, cuda))
+        except Exception:  # noqa: BLE001 - no destinations: the plain path still works
+            dest = {}
+        for i, t in dest.items():
+            buf_idx, offset, shape, dtype, on_cuda = table[i]
+            if buf_idx < 0 or offset or buffers[buf_idx] is not None:
+                continue
+            b_dtype, b_numel, _ = specs[buf_idx]
+            device = cuda if on_cuda else torch.device("cpu")
+            if (t.dtype == b_dtype == dtype and t.numel() == b_numel and t.device == device
+                    and tuple(t.shape) == tuple(shape) and t.is_contiguous()):
+                buffers[buf_idx] = t.view(-1)
+    fresh = iter(empty_buffers([s for s, b in zip(specs, buffers) if b is None], cuda))
+    return [b if b is not None else next(fresh) for b in buffers]
+
+
 def roundtrip(obj: Any, cuda: torch.device | None = None) -> Any:
     """pack + unpack in one process (what a peer would rebuild); used by tests."""
     packed = pack(obj, cuda)
@@ -178,7 +228,8 @@ class Channel:
     def _recv_into(self, tensor: torch.Tensor) -> None:
         dist.irecv(tensor, self.peer, group=self.group).wait(self.timeout)
 
-    def recv(self) -> Any:
+    def recv(self, into: Into | None = None) -> Any:
+        """The next message; ``into`` may name destination tensors (see the docstring)."""
         header = torch.empty(HEADER_BYTES, dtype=torch.uint8)
         self._recv_into(header)
         n = int.from_bytes(header[:8].numpy().tobytes(), "little")
@@ -188,7 +239,7 @@ class Channel:
             control = torch.empty(n, dtype=torch.uint8)
             self._recv_into(control)
         payload, table, specs = unpack_control(control)
-        buffers = empty_buffers(specs, self.cuda)
+        buffers = receive_buffers(payload, table, specs, self.cuda, into)
         works = [dist.irecv(b, self.peer, group=self.group) for b in buffers]
         for w in works:
             w.wait(self.timeout)

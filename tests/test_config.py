@@ -161,6 +161,11 @@ def test_post_init_range_checks_carry_path():
         load_config(RootConfig, None, ["controller.timeout_s=0"])
     with pytest.raises(ValueError, match="backend must be"):
         ControllerConfig(backend="mpi")
+    with pytest.raises(ConfigError, match=r"controller: idle_timeout_s must be > 0 or null"):
+        load_config(RootConfig, None, ["controller.idle_timeout_s=-1"])
+    assert load_config(RootConfig, None, []).controller.idle_timeout_s is None
+    assert load_config(RootConfig, None, ["controller.idle_timeout_s=30"]
+                       ).controller.idle_timeout_s == 30.0
     with pytest.raises(ConfigError, match=r"RootConfig: missing required keys \['x'\]"):
         @dataclass
         class Req:

@@ -3,6 +3,7 @@ errors, STOP, a DP x TP layout and a killed rank. Checks are grouped into few sp
 
 import functools
 import os
+import signal
 import time
 import weakref
 
@@ -12,7 +13,8 @@ import torch.distributed as dist
 
 from minihf.config import ControllerConfig, RoleSpec
 from minihf.controller import (
-    ControllerAborted, Dispatch, RankLostError, RemoteError, Role, Worker, register, run,
+    ControllerAborted, ControllerError, Dispatch, RankLostError, RemoteError, Role, Worker,
+    register, run,
 )
 from minihf.protocol import Batch
 from minihf.utils.spawn import SpawnError, spawn_ranks
@@ -235,9 +237,9 @@ def test_four_ranks_split_concurrency_and_dp_tp():
     (rank, method, elapsed), end0 = results[0][1]
     assert (rank, method) == (3, "nap") and 1.5 < elapsed < 6
     assert end0 == "RankLostError"  # the driver cannot STOP rank 3, so run() raises
-    # idle ranks end aborted or by their own idle timeout (the same timeout_s, so it is a
-    # race); rank 3 fails once its reply cannot be delivered
-    assert all(seen in (["ControllerAborted"], ["RuntimeError"]) for _, seen in results[1:3])
+    # idle ranks outlive timeout_s (heartbeats) and are aborted: a lost rank is never
+    # followed by a clean STOP; rank 3 fails once its reply cannot be delivered
+    assert all(seen == ["ControllerAborted"] for _, seen in results[1:3]), results
     assert results[3][1] == ["RuntimeError"]
     assert out["naps"] == ([0, 1], [2, 3])
     assert out["elapsed"] < 1.7, f"two 1 s calls on disjoint ranks took {out['elapsed']:.2f}s"
@@ -310,17 +312,82 @@ def _reference_grad_norm(world_size, ref_sums):
     return float(torch.stack([p.grad.norm() for p in model.parameters()]).norm())
 
 
+def _idle_driver(groups, pause):
+    first = groups["w"].nap(0.0).result()
+    time.sleep(pause)  # the driver works alone, longer than timeout_s
+    t0 = time.monotonic()
+    try:
+        return first, groups["w"].nap(0.0).result(), None
+    except RankLostError as e:
+        return first, None, (e.rank, time.monotonic() - t0)
+
+
 def _repeated_runs(rank, world_size):
     cfg = ControllerConfig(timeout_s=10)
-    return [run(lambda g: g["w"].grad_norm(), {"w": ShardedWorker}, cfg) for _ in range(2)]
+    fsdp = [run(lambda g: g["w"].grad_norm(), {"w": ShardedWorker}, cfg) for _ in range(2)]
+    # idle for 2.5 x timeout_s: the heartbeat keeps the worker waiting (idle_timeout_s None)
+    patient = run(functools.partial(_idle_driver, pause=2.5), {"w": EchoWorker},
+                  ControllerConfig(timeout_s=1.0))
+    seen = []
+    try:  # idle_timeout_s ends the worker; the driver's next call fails at once
+        run(lambda g: seen.append(_idle_driver(g, 1.5)), {"w": EchoWorker},
+            ControllerConfig(timeout_s=5.0, idle_timeout_s=0.5))
+    except RankLostError as e:  # the driver cannot STOP the lost rank
+        seen.append(type(e).__name__)
+    except ControllerError as e:
+        seen.append(str(e))
+    return fsdp, patient, seen
 
 
-def test_repeated_runs_in_the_same_processes_after_fsdp():
+@pytest.fixture(scope="module")
+def repeated_runs():
+    return spawn_ranks(_repeated_runs, 2, timeout_s=90)
+
+
+def test_repeated_runs_in_the_same_processes_after_fsdp(repeated_runs):
     # regression: the second run hung (worker ranks reused the first run's DTensor caches,
     # whose meshes held the first run's groups); each run must match the reference
-    runs = spawn_ranks(_repeated_runs, 2, timeout_s=60)[0]
+    runs = repeated_runs[0][0]
     assert len(runs) == 2
     for per_rank in runs:
         (n0, sums), (n1, _) = per_rank
         assert n0 == n1
         assert n0 == pytest.approx(_reference_grad_norm(2, sums), rel=1e-5)
+
+
+def test_idle_workers_outlive_timeout_but_not_idle_timeout(repeated_runs):
+    (_, patient, impatient), (_, patient1, impatient1) = repeated_runs
+    assert patient == ([0, 1], [0, 1], None) and patient1 is None
+    (first, second, (lost_rank, waited)), end0 = impatient
+    assert first == [0, 1] and second is None and lost_rank == 1 and end0 == "RankLostError"
+    assert waited < 3.0  # the worker's exit is seen at once, not after timeout_s
+    assert len(impatient1) == 1
+    assert "rank 1: no command from the driver for idle_timeout_s=0.5s" in impatient1[0]
+
+
+def _frozen_driver(groups, path):
+    groups["w"].nap(0.0).result()
+    with open(path + ".driver", "w") as f:
+        f.write(str(os.getpid()))
+    os.kill(os.getpid(), signal.SIGSTOP)  # alive but silent: no heartbeat any more
+
+
+def _frozen(rank, world_size, path):
+    t0 = time.monotonic()
+    try:
+        run(functools.partial(_frozen_driver, path=path), {"w": EchoWorker},
+            ControllerConfig(timeout_s=1.0))
+    except ControllerError as e:  # rank 1 only: rank 0 never gets here
+        with open(path, "w") as f:
+            f.write(f"{time.monotonic() - t0:.3f} {e}")
+        with open(path + ".driver") as f:
+            os.kill(int(f.read()), signal.SIGKILL)  # end the frozen driver
+
+
+def test_frozen_driver_is_detected_by_the_missing_heartbeat(tmp_path):
+    path = str(tmp_path / "worker.txt")
+    with pytest.raises(SpawnError, match=r"\{0: -9\}"):  # the worker ended the driver
+        spawn_ranks(_frozen, 2, path, timeout_s=60)
+    elapsed, msg = open(path).read().split(" ", 1)
+    assert "heard nothing from the driver (rank 0), not even its heartbeat" in msg
+    assert 0.9 < float(elapsed) < 8

@@ -347,9 +347,19 @@ def resolve_placement(placement: PlacementConfig, world_size: int,
 
 @dataclass
 class ControllerConfig:
-    """Process group and placement settings for ``minihf.controller``."""
+    """Process group and placement settings for ``minihf.controller``.
+
+    ``timeout_s`` bounds every collective and every single call, and is how long a rank
+    may go without hearing from a peer before counting it as lost (the driver sends idle
+    workers a heartbeat every ``timeout_s / 4``). ``idle_timeout_s`` bounds how long a
+    worker rank waits for the driver's next command: ``None`` waits as long as the driver
+    is alive (a long driver-side phase is fine), a number ends the job after that long
+    without a command. A driver process that dies is seen at once (its connections close);
+    one that stops answering (host gone, process frozen) within ``timeout_s``.
+    """
     backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl with CUDA, else gloo
-    timeout_s: float = 600.0  # collectives and dead-peer detection give up after this
+    timeout_s: float = 600.0  # collectives, calls and dead-peer detection give up after this
+    idle_timeout_s: float | None = None  # worker waiting for a command; None: no limit
     placement: PlacementConfig = field(default_factory=dict)
 
     def __post_init__(self):
@@ -357,3 +367,6 @@ class ControllerConfig:
             raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', got {self.backend!r}")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.idle_timeout_s is not None and not self.idle_timeout_s > 0:
+            raise ValueError(f"idle_timeout_s must be > 0 or null (no limit while the driver "
+                             f"is alive), got {self.idle_timeout_s}")

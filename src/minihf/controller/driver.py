@@ -12,9 +12,11 @@ executor thread, in order, like a worker rank's serve loop.
 
 Failure: a receive that fails (peer closed its connection: a killed rank is seen at once)
 or exceeds ``timeout_s`` marks the peer lost; its pending and later calls raise
-``RankLostError``. Like torch's collective timeout, ``timeout_s`` bounds every single wait:
-the duration of one call, and (on worker ranks) the idle time between two commands, so it
-must exceed the longest phase of a job.
+``RankLostError``. Like torch's collective timeout, ``timeout_s`` bounds every single wait,
+so it must exceed the longest single call. Idle workers are not bounded by it: a heartbeat
+thread sends a ``Ping`` every ``timeout_s / 4`` to each worker rank with no call in flight
+(under the dispatch lock, so pings never reorder commands), and a worker waits for its next
+message at most ``timeout_s``; ``idle_timeout_s`` optionally bounds the wait for a command.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch
 
 from minihf.controller.dispatch import RoleLayout, get_dispatch_mode
 from minihf.controller.errors import ControllerError, RankLostError, RemoteError
-from minihf.controller.messages import Abort, Command, Reply, Stop
+from minihf.controller.messages import Abort, Command, Ping, Reply, Stop
 from minihf.controller.serve import execute
 from minihf.controller.transport import Channel, DecodeError, Into, Packed, pack
 from minihf.controller.worker import MethodSpec, Worker
@@ -46,6 +48,7 @@ class _Peer:
         self._lost: BaseException | None = None
         self._closed = False
         self.stopped = False  # acknowledged STOP: left its serve loop
+        self.late_pings: list = []  # heartbeat sends that did not complete in time
         self._thread = threading.Thread(target=self._receive_loop, daemon=True,
                                         name=f"minihf-recv-rank{rank}")
         self._thread.start()
@@ -107,6 +110,16 @@ class _Peer:
                 fut.set_exception(reply.error)
             else:
                 fut.set_result(reply.value)
+
+    def ping(self, packed: Packed) -> list | None:
+        """Send a heartbeat if no call is in flight; the send works (or None if not sent)."""
+        with self._cond:
+            if self._lost is not None or self._pending or self.stopped:
+                return None
+            try:
+                return self.down.isend(packed)
+            except Exception:  # noqa: BLE001 - the next call finds the peer lost
+                return None
 
     def close(self) -> None:
         with self._cond:
@@ -184,6 +197,27 @@ class Driver:
         self._lock = threading.Lock()
         self._closed = False
         self._unawaited: list[CallFuture] = []  # checked at the end: no error goes unseen
+        self._ping = pack(Ping(), None)
+        self._stopping = threading.Event()
+        self._heartbeat = threading.Thread(target=self._heartbeat_loop, daemon=True,
+                                           name="minihf-heartbeat")
+        if self._peers:
+            self._heartbeat.start()
+
+    def _heartbeat_loop(self) -> None:
+        """Ping idle worker ranks every ``timeout_s / 4`` so they know the driver is alive."""
+        interval = self.timeout_s / 4
+        while not self._stopping.wait(interval):
+            with self._lock:
+                if self._closed:
+                    return
+                sent = [(p, p.ping(self._ping)) for p in self._peers.values()]
+            for peer, works in sent:  # an idle worker takes a ping at once
+                if works:
+                    try:
+                        peer.down.wait(works, timedelta(seconds=interval))
+                    except Exception:  # noqa: BLE001 - its next call finds the peer lost
+                        peer.late_pings.append(works)  # gloo may still read the buffers
 
     def _init_local_thread(self) -> None:
         if self.cuda is not None:  # the current device is per thread
@@ -249,11 +283,18 @@ class Driver:
         self._unawaited.clear()
 
     def stop(self) -> None:
-        """Send STOP to every worker rank, wait for their acknowledgements, end threads."""
+        """Send STOP to every worker rank, wait for their acknowledgements, end threads.
+
+        A rank already lost raises first, so that ``abort`` still reaches every other rank
+        (a job that lost a rank must end non-zero everywhere, not STOP cleanly)."""
         with self._lock:
+            lost = [p for p in self._peers.values() if p.lost]
+            if lost:
+                raise lost[0]._lost_error("<controller>", "stop")
             self._closed = True
             stop = pack(Stop(), self.cuda)
             acks = [(p, p.send(stop, "<controller>", "stop")) for p in self._peers.values()]
+        self._stopping.set()
         self._local.shutdown(wait=True)
         for peer, fut in acks:
             fut.result(timeout=self.timeout_s)
@@ -264,6 +305,7 @@ class Driver:
     def abort(self, reason: str, wait_s: float = 5.0) -> None:
         """Best effort: tell every reachable worker rank to exit with an error."""
         self._closed = True
+        self._stopping.set()
         self._local.shutdown(wait=False, cancel_futures=True)
         msg = pack(Abort(reason), self.cuda)
         sends = []

@@ -154,7 +154,7 @@ def run(driver_fn: DriverFn, roles: Mapping[str, Role | type[Worker]],
         groups = {n: WorkerGroup(layouts[n], roles[n].worker_cls, driver) for n in sorted(layouts)}
         result = run_driver(driver, lambda: driver_fn(groups))
     else:
-        serve(*links[0], workers, rank)
+        serve(*links[0], workers, rank, config.idle_timeout_s)
         result = None
     for g in created:  # only after a clean STOP: on errors peers may be gone
         dist.destroy_process_group(g)

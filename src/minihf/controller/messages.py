@@ -1,7 +1,8 @@
 """The few message types exchanged between the driver and a worker rank.
 
 Driver -> worker: ``Command`` (run ``role.method``), ``Stop`` (leave the serve loop, answer
-with an empty ``Reply``), ``Abort`` (leave it with an error, no answer). Worker -> driver:
+with an empty ``Reply``), ``Abort`` (leave it with an error, no answer), ``Ping`` (the
+driver is alive; sent to idle workers, no answer). Worker -> driver:
 one ``Reply`` per ``Command`` or ``Stop``, in order. ``TensorStub`` stands in for a tensor
 whose bytes have not arrived yet (see ``transport.peek``).
 """
@@ -27,6 +28,11 @@ class Command:
 
 @dataclass
 class Stop:
+    pass
+
+
+@dataclass
+class Ping:
     pass
 
 

@@ -1,7 +1,8 @@
 """Running commands on a rank's local workers: the serve loop of worker ranks.
 
 Ranks other than 0 sit in ``serve``: receive the next message from the driver, run it on
-the named role's worker, send the ``Reply`` back, strictly in order, until ``Stop``.
+the named role's worker, send the ``Reply`` back, strictly in order, until ``Stop``
+(``Ping``, the driver's heartbeat to idle workers, is skipped).
 ``execute`` is shared with the driver's own local executor, so a method behaves the same
 wherever it runs: exceptions become a ``RemoteError`` with the traceback text.
 
@@ -18,14 +19,15 @@ starts every rank with empty caches.
 
 from __future__ import annotations
 
+import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
-from minihf.controller.errors import ControllerAborted, RemoteError
-from minihf.controller.messages import Abort, Command, Reply, Stop
+from minihf.controller.errors import ControllerAborted, ControllerError, RemoteError
+from minihf.controller.messages import Abort, Command, Ping, Reply, Stop
 from minihf.controller.transport import Channel, DecodeError, pack
 from minihf.controller.worker import Worker
 
@@ -54,9 +56,13 @@ def _send_reply(up: Channel, reply: Reply, cmd: Command | None, rank: int) -> No
     up.wait(up.isend(packed))
 
 
-def serve(down: Channel, up: Channel, workers: dict[str, Worker], rank: int) -> None:
+def serve(down: Channel, up: Channel, workers: dict[str, Worker], rank: int,
+          idle_timeout_s: float | None = None) -> None:
     """Answer the driver's commands in order until ``Stop``; ``Abort`` raises.
 
+    Between commands, every message (a command or the driver's ``Ping`` heartbeat) must
+    arrive within the channel's timeout, else the driver counts as gone; with
+    ``idle_timeout_s``, a command must also come within that long of the previous reply.
     The loop runs on a new thread that ends with this call (see the module docstring).
     """
     def init_thread() -> None:
@@ -65,15 +71,45 @@ def serve(down: Channel, up: Channel, workers: dict[str, Worker], rank: int) -> 
 
     with ThreadPoolExecutor(1, thread_name_prefix="minihf-serve",
                             initializer=init_thread) as pool:
-        pool.submit(_serve_loop, down, up, workers, rank).result()
+        pool.submit(_serve_loop, down, up, workers, rank, idle_timeout_s).result()
 
 
-def _serve_loop(down: Channel, up: Channel, workers: dict[str, Worker], rank: int) -> None:
+def _next_message(down: Channel, rank: int, idle_since: float,
+                  idle_timeout_s: float | None) -> Any:
+    """The driver's next message, or a ``ControllerError`` saying why none came."""
+    wait = down.timeout.total_seconds()
+    idle_left = None
+    if idle_timeout_s is not None:
+        idle_left = idle_timeout_s - (time.monotonic() - idle_since)
+        wait = max(min(wait, idle_left), 0.001)
+    t0 = time.monotonic()
+    try:
+        return down.recv(timeout_s=wait)
+    except DecodeError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a timeout or a closed connection
+        if time.monotonic() - t0 < wait * 0.9:
+            why = f"the connection to the driver (rank 0) failed: it died or ended ({e})"
+        elif idle_left is not None and idle_left <= wait:
+            why = (f"no command from the driver for idle_timeout_s={idle_timeout_s:g}s; raise "
+                   "it (or set it to null) if the driver legitimately works longer alone")
+        else:
+            why = (f"heard nothing from the driver (rank 0), not even its heartbeat, for "
+                   f"timeout_s={wait:g}s: it hung or its host is gone")
+        raise ControllerError(f"rank {rank}: {why}") from e
+
+
+def _serve_loop(down: Channel, up: Channel, workers: dict[str, Worker], rank: int,
+                idle_timeout_s: float | None) -> None:
+    idle_since = time.monotonic()
     while True:
         try:
-            msg: Any = down.recv()
+            msg: Any = _next_message(down, rank, idle_since, idle_timeout_s)
         except DecodeError as e:
             _send_reply(up, Reply(error=RemoteError(rank, "?", "?", str(e))), None, rank)
+            idle_since = time.monotonic()
+            continue
+        if isinstance(msg, Ping):
             continue
         if isinstance(msg, Stop):
             _send_reply(up, Reply(), None, rank)
@@ -81,3 +117,4 @@ def _serve_loop(down: Channel, up: Channel, workers: dict[str, Worker], rank: in
         if isinstance(msg, Abort):
             raise ControllerAborted(f"rank {rank}: the driver aborted the job: {msg.reason}")
         _send_reply(up, execute(workers, msg, rank), msg, rank)
+        idle_since = time.monotonic()

@@ -228,10 +228,14 @@ class Channel:
     def _recv_into(self, tensor: torch.Tensor) -> None:
         dist.irecv(tensor, self.peer, group=self.group).wait(self.timeout)
 
-    def recv(self, into: Into | None = None) -> Any:
-        """The next message; ``into`` may name destination tensors (see the docstring)."""
+    def recv(self, into: Into | None = None, timeout_s: float | None = None) -> Any:
+        """The next message; ``into`` may name destination tensors (see the docstring).
+
+        ``timeout_s``: how long to wait for the message to start (default: the channel's
+        timeout, which also bounds the rest of the message)."""
         header = torch.empty(HEADER_BYTES, dtype=torch.uint8)
-        self._recv_into(header)
+        wait = self.timeout if timeout_s is None else timedelta(seconds=timeout_s)
+        dist.irecv(header, self.peer, group=self.group).wait(wait)
         n = int.from_bytes(header[:8].numpy().tobytes(), "little")
         if n <= HEADER_BYTES - 8:
             control = header[8:8 + n]

@@ -38,6 +38,11 @@ def test_rope_table_matches_reference_and_grows_on_cpu(scaling):
     assert table.cos.shape[0] >= 701
     cos, _ = table(torch.zeros(1, 1, dtype=torch.long), torch.float64)  # new dtype: rebuilt
     assert cos.dtype == torch.float64 and table.key == (torch.device("cpu"), torch.float64)
+    table.reserve(2000)
+    table._build(torch.device("cpu"), torch.float32, 1)
+    assert table.cos.shape[0] == 256  # CPU still grows on demand, from a small table
+    table._build(torch.device("meta"), torch.float32, table.min_len)
+    assert table.cos.shape[0] == 2000  # other devices: the reserved length, once
 
 
 def test_fp32_rmsnorm_equals_hf_order():

@@ -62,28 +62,35 @@ class RopeTable:
 
     ``table(positions, dtype)`` returns cos, sin [B, 1, T, head_dim] ready for
     :func:`apply_rope`. On CPU the table grows to the largest position seen (a cheap host
-    check); elsewhere it covers ``max_position_embeddings`` rows, built once, so a forward
-    never syncs with the device (positions beyond that are out of range).
+    check); elsewhere it covers ``max_position_embeddings`` rows (or what :meth:`reserve`
+    asked for), built once, so a forward never syncs with the device; positions beyond that
+    are out of range there.
     """
 
     def __init__(self, args: ModelArgs):
         self.args = args
         self.key: tuple | None = None
         self.cos = self.sin = None
+        self.min_len = args.max_position_embeddings
+
+    def reserve(self, length: int) -> None:
+        """Cover positions ``0..length-1`` on every device (e.g. a generation engine whose
+        ``max_model_len`` exceeds ``max_position_embeddings``)."""
+        self.min_len = max(self.min_len, length)
 
     def __call__(self, positions: torch.Tensor, dtype: torch.dtype):
         device = positions.device
         if device.type == "cpu":
             need = int(positions.max()) + 1 if positions.numel() else 1
         else:
-            need = self.args.max_position_embeddings
+            need = self.min_len
         if self.key != (device, dtype) or self.cos.shape[0] < need:
             self._build(device, dtype, need)
         # F.embedding is the cheapest row gather; [B, T, hd] -> [B, 1, T, hd] broadcasts over heads
         return F.embedding(positions, self.cos)[:, None], F.embedding(positions, self.sin)[:, None]
 
     def _build(self, device: torch.device, dtype: torch.dtype, need: int) -> None:
-        length = max(need, self.args.max_position_embeddings) if device.type != "cpu" \
+        length = max(need, self.min_len) if device.type != "cpu" \
             else max(256, 1 << (need - 1).bit_length())  # CPU: powers of two, grown on demand
         cos, sin = rope_cos_sin(inv_freq(self.args, device), torch.arange(length, device=device), dtype)
         half = sin.shape[-1] // 2

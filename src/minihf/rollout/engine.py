@@ -88,6 +88,9 @@ class Engine:
         args = model.args
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len or args.max_position_embeddings
+        rope = getattr(model.model, "rope", None)
+        if rope is not None:  # accelerators build the RoPE table once, at this length
+            rope.reserve(self.max_model_len)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.kv_cache_memory = kv_cache_memory
         self.gpu_memory_utilization = gpu_memory_utilization

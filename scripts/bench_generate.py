@@ -16,7 +16,7 @@ also compared with the weight-bandwidth limit (bytes of weights / measured copy 
 On CPU each row also says how hard both libraries push the machine: the model FLOPs of the
 run (matmuls and attention of the prefill and every decode step, the same count for both)
 divided by wall time, next to two rates measured in the same run at the same thread count:
-``mm peak`` (a large square fp32 ``torch.mm``, printed once) and ``linear`` (the model's own
+``mm peak`` (a large square fp32 ``torch.mm``, after each row) and ``linear`` (the model's own
 Linear layers at this batch size: the best its matmuls can do). ``ceiling`` = transformers'
 time / (FLOPs at the ``linear`` rate) is the speedup over transformers that minihf would
 reach if everything but the matmuls cost nothing; a goal above it is out of reach in fp32.
@@ -70,7 +70,7 @@ class Clock:
         self.wall, self.cpu = time.perf_counter() - self.wall, time.process_time() - self.cpu
 
 
-def mm_peak_gflops(n: int = 1024, repeats: int = 5) -> float:
+def mm_peak_gflops(n: int = 1024, repeats: int = 10) -> float:
     """fp32 matmul peak of this machine at the current thread count: best of ``repeats``
     ``torch.mm`` of two n x n matrices."""
     a, b = torch.randn(n, n), torch.randn(n, n)
@@ -136,7 +136,7 @@ def bench_fixed(name, path, device, dtype, batches, prompt_len, new, repeats):
     nparams = sum(p.numel() for p in hf.parameters())
     print(f"\n== model {name} ({nparams / 1e6:.1f}M params), prompt {prompt_len}, {new} new tokens, greedy ==")
     cpu = device.type == "cpu"
-    flop_cols = f" {'minihf GF/s':>11} {'hf GF/s':>8} {'linear GF/s':>11} {'ceiling':>7}" if cpu else ""
+    flop_cols = f" {'minihf GF/s':>11} {'hf GF/s':>8} {'linear GF/s':>11} {'mm peak':>7} {'ceiling':>7}" if cpu else ""
     print(f"{'batch':>5} {'minihf tok/s':>13} {'hf tok/s':>10} {'ratio':>6} {'cpu-time ratio':>15}{flop_cols}  identical")
     params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
     rows = []
@@ -158,7 +158,7 @@ def bench_fixed(name, path, device, dtype, batches, prompt_len, new, repeats):
             flops = generate_flops(llm.engine.model, batch, prompt_len, new)
             lin = linear_gflops(llm.engine.model, batch)
             flop_vals = (f" {flops / best_m / 1e9:>11.1f} {flops / best_h / 1e9:>8.1f} {lin:>11.1f}"
-                         f" {best_h / (flops / lin / 1e9):>6.2f}x")
+                         f" {mm_peak_gflops():>7.1f} {best_h / (flops / lin / 1e9):>6.2f}x")
         print(f"{batch:>5} {tm_s:>13.0f} {th_s:>10.0f} {tm_s / th_s:>6.2f} {cpu_h / cpu_m:>15.2f}{flop_vals}  {same}")
         rows.append((name, batch, tm_s, th_s))
         if device.type == "cuda":
@@ -248,7 +248,9 @@ def main():
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     print(f"device {device}, dtype {dtype}, torch {torch.__version__}, threads {torch.get_num_threads()}")
     if device.type == "cpu":
-        print(f"fp32 mm peak (1024^3 torch.mm, {torch.get_num_threads()} threads): {mm_peak_gflops():.1f} GFLOP/s")
+        print("GF/s: model GFLOP/s (same FLOP count for both libraries); linear: the model's Linear layers alone at\n"
+              "this batch; mm peak: 1024^3 fp32 torch.mm, same threads, measured after each row (a shared machine\n"
+              "drifts); ceiling: speedup over transformers if only the matmuls took time, at the linear rate")
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:
             path = f"{tmp}/{name}"

@@ -288,6 +288,14 @@ def test_killed_rank_raises_on_driver_within_timeout(tmp_path):
 class ShardedWorker(Worker):
     """FSDP2 on the role group: all-gathers and reduce-scatters, then DTensor ops."""
 
+    def __init__(self):
+        from torch.distributed.tensor import DeviceMesh, Shard, distribute_tensor
+
+        super().__init__()  # a DTensor op while the worker is built, too
+        x = distribute_tensor(torch.arange(8.0).view(4, 2),
+                              DeviceMesh.from_group(self.group, "cpu"), [Shard(0)])
+        self.built_sum = float((x * 2).sum().full_tensor())
+
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def grad_norm(self):
         from torch.distributed.fsdp import fully_shard
@@ -300,7 +308,7 @@ class ShardedWorker(Worker):
         x = torch.arange(12.0).view(3, 4) * (self.rank + 1)
         model(x).sum().backward()
         norm = torch.stack([p.grad.norm() for p in model.parameters()]).norm()
-        return float(norm.full_tensor()), [r.sum().item() for r in ref]
+        return float(norm.full_tensor()), [r.sum().item() for r in ref], self.built_sum
 
 
 def _reference_grad_norm(world_size, ref_sums):
@@ -346,12 +354,13 @@ def repeated_runs():
 
 def test_repeated_runs_in_the_same_processes_after_fsdp(repeated_runs):
     # regression: the second run hung (worker ranks reused the first run's DTensor caches,
-    # whose meshes held the first run's groups); each run must match the reference
+    # whose meshes held the first run's groups; DTensor ops in a worker's __init__ failed
+    # on every rank); each run must match the reference
     runs = repeated_runs[0][0]
     assert len(runs) == 2
     for per_rank in runs:
-        (n0, sums), (n1, _) = per_rank
-        assert n0 == n1
+        (n0, sums, built0), (n1, _, built1) = per_rank
+        assert n0 == n1 and built0 == built1 == 56.0
         assert n0 == pytest.approx(_reference_grad_norm(2, sums), rel=1e-5)
 
 

@@ -185,15 +185,18 @@ class CallFuture:
 
 
 class Driver:
-    """Rank 0's runtime: peers for the other ranks, a local executor for its own workers."""
+    """Rank 0's runtime: peers for the other ranks, a local executor for its own workers.
+
+    ``local``: a one-thread executor owned by this run (see ``launch``); the driver shuts it
+    down when it stops or aborts."""
 
     def __init__(self, rank: int, links: dict[int, tuple[Channel, Channel]],
-                 local_workers: dict[str, Worker], cuda: torch.device | None, timeout_s: float):
+                 local_workers: dict[str, Worker], cuda: torch.device | None, timeout_s: float,
+                 local: ThreadPoolExecutor):
         self.rank, self.cuda, self.timeout_s = rank, cuda, timeout_s  # cuda: None without NCCL
         self._peers = {r: _Peer(r, down, up, timeout_s) for r, (down, up) in links.items()}
         self._local_workers = local_workers
-        self._local = ThreadPoolExecutor(1, thread_name_prefix="minihf-local-worker",
-                                         initializer=self._init_local_thread)
+        self._local = local
         self._lock = threading.Lock()
         self._closed = False
         self._unawaited: list[CallFuture] = []  # checked at the end: no error goes unseen
@@ -218,10 +221,6 @@ class Driver:
                         peer.down.wait(works, timedelta(seconds=interval))
                     except Exception:  # noqa: BLE001 - its next call finds the peer lost
                         peer.late_pings.append(works)  # gloo may still read the buffers
-
-    def _init_local_thread(self) -> None:
-        if self.cuda is not None:  # the current device is per thread
-            torch.cuda.set_device(self.cuda)
 
     def _run_local(self, cmd: Command) -> Any:
         reply = execute(self._local_workers, cmd, self.rank)

@@ -8,8 +8,17 @@ never leaves a job hanging. ``run`` is the same job on an already initialised de
 process group (used by ``launch`` and by multi-process tests); it raises instead of exiting.
 
 Groups: per role, one over its ranks (colocated roles get separate groups) plus its DP and
-TP groups; and two per worker rank r (driver->r, r->driver; see ``transport``). With CUDA the backend is "cpu:gloo,cuda:nccl": pickled control records go
-over gloo, tensors over NCCL.
+TP groups; and two per worker rank r (driver->r, r->driver; see ``transport``). With CUDA
+the backend is "cpu:gloo,cuda:nccl": pickled control records go over gloo, tensors over NCCL.
+
+Threads: on every rank, workers are built and their methods run on one thread owned by the
+run (rank 0's local executor, the serve loop elsewhere), never on the caller's long-lived
+thread. torch keeps per-thread caches keyed by objects that compare equal across runs:
+DTensor's sharding cache hands back output specs holding the ``DeviceMesh`` current when an
+entry was made, and meshes over the same ranks built on the same thread are equal even
+when their process groups differ. A second ``run`` in the same processes would otherwise
+send FSDP's collectives over the previous run's destroyed groups (a hang, or "could not
+resolve the process group"). A fresh thread per run starts every rank with empty caches.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ from __future__ import annotations
 import os
 import sys
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, Mapping
@@ -148,14 +158,21 @@ def run(driver_fn: DriverFn, roles: Mapping[str, Role | type[Worker]],
 
     contexts, links, created = _make_groups(rank, world, layouts, cuda, device,
                                             config.timeout_s)
-    workers = _build_workers(roles, contexts)
-    if rank == 0:
-        driver = Driver(rank, links, workers, cuda, config.timeout_s)
-        groups = {n: WorkerGroup(layouts[n], roles[n].worker_cls, driver) for n in sorted(layouts)}
-        result = run_driver(driver, lambda: driver_fn(groups))
-    else:
-        serve(*links[0], workers, rank, config.idle_timeout_s)
-        result = None
+    # this run's worker thread (see the module docstring); the current device is per thread
+    pool = ThreadPoolExecutor(1, thread_name_prefix="minihf-worker", initializer=(
+        (lambda: torch.cuda.set_device(cuda)) if cuda is not None else None))
+    try:
+        workers = pool.submit(_build_workers, roles, contexts).result()
+        if rank == 0:
+            driver = Driver(rank, links, workers, cuda, config.timeout_s, pool)
+            groups = {n: WorkerGroup(layouts[n], roles[n].worker_cls, driver)
+                      for n in sorted(layouts)}
+            result = run_driver(driver, lambda: driver_fn(groups))
+        else:
+            serve(*links[0], workers, rank, config.idle_timeout_s, pool)
+            result = None
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
     for g in created:  # only after a clean STOP: on errors peers may be gone
         dist.destroy_process_group(g)
     return result

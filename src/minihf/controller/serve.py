@@ -6,15 +6,7 @@ the named role's worker, send the ``Reply`` back, strictly in order, until ``Sto
 ``execute`` is shared with the driver's own local executor, so a method behaves the same
 wherever it runs: exceptions become a ``RemoteError`` with the traceback text.
 
-Threads: worker methods run on a thread owned by one ``serve`` call (rank 0's executor
-thread is likewise owned by one ``Driver``), never on the caller's long-lived thread. torch
-keeps per-thread caches keyed by objects that compare equal across runs: DTensor's sharding
-cache hands back output specs holding the ``DeviceMesh`` that was current when an entry was
-made, and meshes over the same ranks built on the same thread are equal even when their
-process groups differ. A second ``run`` in the same processes on the caller's thread would
-therefore send FSDP's collectives over the previous run's (destroyed) groups on worker
-ranks only, while rank 0 (fresh thread) used the new ones: a hang. A fresh thread per run
-starts every rank with empty caches.
+Threads: ``serve`` runs the loop on the run's worker thread (``launch`` explains why).
 """
 
 from __future__ import annotations
@@ -23,8 +15,6 @@ import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
-
-import torch
 
 from minihf.controller.errors import ControllerAborted, ControllerError, RemoteError
 from minihf.controller.messages import Abort, Command, Ping, Reply, Stop
@@ -57,21 +47,15 @@ def _send_reply(up: Channel, reply: Reply, cmd: Command | None, rank: int) -> No
 
 
 def serve(down: Channel, up: Channel, workers: dict[str, Worker], rank: int,
-          idle_timeout_s: float | None = None) -> None:
+          idle_timeout_s: float | None, pool: ThreadPoolExecutor) -> None:
     """Answer the driver's commands in order until ``Stop``; ``Abort`` raises.
 
     Between commands, every message (a command or the driver's ``Ping`` heartbeat) must
     arrive within the channel's timeout, else the driver counts as gone; with
     ``idle_timeout_s``, a command must also come within that long of the previous reply.
-    The loop runs on a new thread that ends with this call (see the module docstring).
+    The loop runs on ``pool``'s thread, the run's worker thread.
     """
-    def init_thread() -> None:
-        if down.cuda is not None:  # the current device is per thread
-            torch.cuda.set_device(down.cuda)
-
-    with ThreadPoolExecutor(1, thread_name_prefix="minihf-serve",
-                            initializer=init_thread) as pool:
-        pool.submit(_serve_loop, down, up, workers, rank, idle_timeout_s).result()
+    pool.submit(_serve_loop, down, up, workers, rank, idle_timeout_s).result()
 
 
 def _next_message(down: Channel, rank: int, idle_since: float,

@@ -204,3 +204,5 @@ def test_dp_compute_receives_remote_results_into_the_concatenated_output():
     # a non-Batch reply or an error reply gets no destinations
     assert _reply_into(plan.receive_into, 1, Reply({"x": 1})) == {}
     assert plan.receive_into(1, [1, 2]) == {}
+    # one DP rank: its result is the output as it is, nothing to receive into
+    assert dispatch_dp_compute(RoleLayout("r", (0, 1), 2), (batch,), {}).receive_into is None

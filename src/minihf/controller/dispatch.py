@@ -164,7 +164,7 @@ def dispatch_dp_compute(layout: RoleLayout, args: tuple, kwargs: dict) -> Plan:
     calls = [per_dp[layout.dp_rank(i)] for i in range(layout.size)]
     collect_from = [i for i in range(layout.size) if layout.tp_rank(i) == 0]
     ctx = DPOutputs(pad, [(lengths[0] + pad) // dp] * dp)
-    return Plan(calls, collect_from, ctx=ctx, receive_into=ctx.receive_into)
+    return Plan(calls, collect_from, ctx=ctx, receive_into=ctx.receive_into if dp > 1 else None)
 
 
 class DPOutputs:
@@ -189,7 +189,7 @@ class DPOutputs:
 
     def receive_into(self, k: int, value: Any) -> dict[int, torch.Tensor]:
         """Destinations (rows of the outputs) for the k-th DP rank's result ``value``."""
-        if not isinstance(value, Batch) or len(self.rows) < 2:
+        if not isinstance(value, Batch):
             return {}
         dest = {}
         with self._lock:

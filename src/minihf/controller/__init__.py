@@ -3,7 +3,8 @@
 Rank 0 runs the driver (a plain sequential program) and calls role worker groups as if
 they were local objects; every other rank serves commands until STOP. See ``launch`` (entry
 and groups), ``worker`` (``Worker``, ``@register``), ``dispatch`` (the dispatch/collect
-table), ``group`` (``WorkerGroup``), ``driver`` (futures and ordering), ``transport`` (wire
+table), ``group`` (``WorkerGroup``), ``driver`` (futures, ordering, heartbeat), ``peer`` (rank 0's link to one worker rank),
+``transport`` (wire
 format) and ``serve`` (the worker-side loop).
 """
 

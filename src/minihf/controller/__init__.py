@@ -1,11 +1,11 @@
 """minihf.controller: the single controller over torch.distributed.
 
 Rank 0 runs the driver (a plain sequential program) and calls role worker groups as if
-they were local objects; every other rank serves commands until STOP. See ``launch`` (entry
-and groups), ``worker`` (``Worker``, ``@register``), ``dispatch`` (the dispatch/collect
-table), ``group`` (``WorkerGroup``), ``driver`` (futures, ordering, heartbeat), ``peer`` (rank 0's link to one worker rank),
-``transport`` (wire
-format) and ``serve`` (the worker-side loop).
+they were local objects; every other rank serves commands until STOP. See ``launch`` (entry,
+groups, threads), ``worker`` (``Worker``, ``@register``), ``dispatch`` (the dispatch/collect
+table), ``group`` (``WorkerGroup``), ``driver`` (futures, ordering, heartbeat), ``peer``
+(rank 0's link to one worker rank), ``transport`` (wire format) and ``serve`` (the
+worker-side loop).
 """
 
 from minihf.controller.dispatch import (

@@ -154,6 +154,31 @@ def test_dtype_checkpoint_errors_and_sliding_window_warning(tmp_path):
         load_hf(tmp_path / "mistral")
 
 
+def test_model_dir_errors_say_what_the_dir_is(tmp_path):
+    from minihf.models import load_args
+
+    with pytest.raises(FileNotFoundError, match=r"model dir \S*nope does not exist"):
+        load_args(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"empty has no config.json \(expected a Hugging Face") as e:
+        load_args(tmp_path / "empty")
+    assert "export" not in str(e.value) and "bin" not in str(e.value)
+    for marker in ("meta.json", ".metadata", "model/.metadata"):  # minihf ckpt, bare DCP, DCP inside
+        ckpt = tmp_path / marker.replace("/", "_").strip(".")
+        (ckpt / marker).parent.mkdir(parents=True)
+        (ckpt / marker).write_text("{}")
+        with pytest.raises(FileNotFoundError, match="has no config.json.*training checkpoint.*minihf export"):
+            load_args(ckpt)
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match="no config.json.*pytorch_model.bin.*safetensors"):
+        load_args(tmp_path / "bin")
+    save_hf(init_weights(build_model(_tiny_args()), seed=0), tmp_path / "bin")  # config + weights
+    (tmp_path / "bin" / "model.safetensors").unlink()  # now config.json + pytorch_model.bin only
+    with pytest.raises(FileNotFoundError, match="found pytorch_model.bin.*safetensors"):
+        load_hf(tmp_path / "bin")
+
+
 def test_flash_varlen_path_plumbing_with_a_reference_kernel(monkeypatch):
     """The CUDA flash-attn branch cannot run here; drive it with a reference kernel that
     has flash_attn_varlen_func's signature and check it against the SDPA mask path."""

@@ -87,8 +87,11 @@ class ModelArgs:
             path = Path(config)
             if path.is_dir():
                 path = path / "config.json"
-            if not path.exists():
-                raise FileNotFoundError(f"no config.json at {path}: pass an HF checkpoint dir")
+                if not path.exists():
+                    raise FileNotFoundError(_no_config_message(path.parent))
+            elif not path.exists():
+                raise FileNotFoundError(f"model dir {path} does not exist; pass a Hugging Face model "
+                                        "dir (config.json + model.safetensors)")
             cfg = json.loads(path.read_text())
         elif isinstance(config, dict):
             cfg = copy.deepcopy(config)
@@ -141,6 +144,19 @@ class ModelArgs:
             if "torch_dtype" in cfg:
                 cfg["torch_dtype"] = dtype
         return cfg
+
+
+def _no_config_message(path: Path) -> str:
+    """Why ``path`` (an existing dir without config.json) is not a model dir, and what to do."""
+    msg = f"{path} has no config.json (expected a Hugging Face model dir)"
+    if (path / "meta.json").exists() or (path / ".metadata").exists() or (path / "model" / ".metadata").exists():
+        return (msg + "; this looks like a training checkpoint; run `minihf export CKPT OUT` first "
+                f"(e.g. `minihf export {path} {path}-hf`) and pass OUT")
+    if any(path.glob("pytorch_model*.bin")):
+        return (msg + "; it holds pytorch_model.bin weights, which minihf does not read: convert with "
+                "transformers (`AutoModelForCausalLM.from_pretrained(dir).save_pretrained(out)` "
+                "writes config.json and model.safetensors)")
+    return msg
 
 
 def _parse(cfg: dict) -> dict:

@@ -91,9 +91,11 @@ def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
     elif (path / SINGLE).exists():
         files = [SINGLE]
     else:
-        raise FileNotFoundError(f"no {SINGLE} or {INDEX} in {path}: minihf reads safetensors "
-                                "checkpoints only (convert .bin files with transformers' "
-                                "save_pretrained(safe_serialization=True))")
+        found = sorted(p.name for p in path.glob("pytorch_model*.bin"))
+        hint = f"found {found[0]}, a PyTorch pickle; " if found else ""
+        raise FileNotFoundError(f"no {SINGLE} or {INDEX} in {path}: {hint}minihf reads safetensors "
+                                "checkpoints only (convert .bin files with transformers: "
+                                "from_pretrained(dir).save_pretrained(out) writes safetensors)")
     state = {}
     for f in files:
         with safe_open(str(path / f), framework="pt") as fh:

@@ -90,6 +90,22 @@ def test_continuous_batching_equals_alone(tiny_dirs):
     assert {o.outputs[0].finish_reason for o in together} <= {"stop", "length"}
 
 
+def test_eos_ids_from_config_dicts_and_dirs(tmp_path):
+    import json
+
+    from minihf.rollout.llm import eos_ids, eos_ids_from_dir
+
+    assert eos_ids({}) == () and eos_ids({"eos_token_id": None}) == ()
+    assert eos_ids({"eos_token_id": 2}) == (2,)
+    assert eos_ids({"eos_token_id": 2}, {"eos_token_id": [2, 7]}) == (2, 7)  # generation config wins
+    assert eos_ids({"eos_token_id": 2}, {"do_sample": True}) == (2,)  # ... only when it sets one
+    assert eos_ids_from_dir(tmp_path, {"eos_token_id": 3}) == (3,)  # no generation_config.json
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [4, 5]}))
+    assert eos_ids_from_dir(tmp_path, {"eos_token_id": 3}) == (4, 5)
+    with pytest.raises(FileNotFoundError, match="has no config.json"):  # LLM defers to load_args
+        LLM(str(tmp_path))
+
+
 def test_seeds_and_n_samples(tiny_dirs):
     path, _ = tiny_dirs["mistral"]
     llm = LLM(str(path), max_num_seqs=8)

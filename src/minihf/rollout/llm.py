@@ -44,15 +44,22 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
 
 
-def eos_ids_from_dir(path: Path, hf_config: dict) -> tuple[int, ...]:
-    """EOS ids from generation_config.json (preferred, as transformers does) or config.json."""
+def eos_ids(hf_config: dict, generation_config: dict | None = None) -> tuple[int, ...]:
+    """EOS ids from the generation config (preferred, as transformers does) or the model config.
+
+    ``eos_token_id`` may be an int or a list in either; absent in both gives ``()``."""
     ids = hf_config.get("eos_token_id")
-    gen = path / "generation_config.json"
-    if gen.exists():
-        ids = json.loads(gen.read_text()).get("eos_token_id", ids)
+    if generation_config is not None:
+        ids = generation_config.get("eos_token_id", ids)
     if ids is None:
         return ()
-    return tuple(ids) if isinstance(ids, list) else (int(ids),)
+    return tuple(int(i) for i in ids) if isinstance(ids, list) else (int(ids),)
+
+
+def eos_ids_from_dir(path: Path, hf_config: dict) -> tuple[int, ...]:
+    """:func:`eos_ids` with ``path/generation_config.json`` read when the dir has one."""
+    gen = Path(path) / "generation_config.json"
+    return eos_ids(hf_config, json.loads(gen.read_text()) if gen.exists() else None)
 
 
 class LLM:
@@ -82,15 +89,13 @@ class LLM:
         if isinstance(model, (str, Path)):
             from minihf.models import load_hf
 
-            path = Path(model)
-            if not (path / "config.json").exists():
-                raise FileNotFoundError(f"{path} has no config.json; pass a Hugging Face checkpoint dir or a minihf model")
+            path = Path(model)  # load_hf says what is wrong with a dir that is not a model dir
             model = load_hf(path, dtype=dtype, device=device)
             default_eos = eos_ids_from_dir(path, model.args.hf_config)
             owned = True
         else:
             owned = False
-            default_eos = eos_ids_from_dir(Path("/nonexistent"), getattr(model.args, "hf_config", None) or {})
+            default_eos = eos_ids(getattr(model.args, "hf_config", None) or {})
         if tp_group is not None:
             from minihf.parallel.tp import apply_tp
 

@@ -79,15 +79,30 @@ def test_logprobs_match_training_forward(tiny_dirs):
 def test_continuous_batching_equals_alone(tiny_dirs):
     path, _ = tiny_dirs["llama"]
     llm = LLM(str(path), max_num_seqs=2)
-    params = [SamplingParams(temperature=1.0, max_tokens=m, seed=s, stop_token_ids=[5])
-              for m, s in zip([3, 17, 6, 12, 1, 9], range(6))]
+    lengths, seeds = [3, 17, 6, 12, 1, 9], range(6)
+    # the stop id is a token request 1 is known to sample (its 5th token, unstopped run), so at
+    # least one request certainly finishes with "stop" and the stop path is exercised
+    free = llm.generate([PROMPTS[1]], SamplingParams(temperature=1.0, max_tokens=17, seed=1))[0].outputs[0]
+    stop = free.token_ids[4]
+    params = [SamplingParams(temperature=1.0, max_tokens=m, seed=s, stop_token_ids=[stop])
+              for m, s in zip(lengths, seeds)]
     together = llm.generate(PROMPTS, params)
     for prompt, sp, out in zip(PROMPTS, params, together):
         alone = llm.generate([prompt], sp)[0].outputs[0]
         assert out.outputs[0].token_ids == alone.token_ids
         assert out.outputs[0].finish_reason == alone.finish_reason
         torch.testing.assert_close(torch.tensor(out.outputs[0].logprobs), torch.tensor(alone.logprobs), atol=1e-5, rtol=0)
-    assert {o.outputs[0].finish_reason for o in together} <= {"stop", "length"}
+    # vLLM semantics: output ends at the first stop token, which is kept in token_ids
+    got = together[1].outputs[0]
+    cut = free.token_ids.index(stop) + 1
+    assert got.token_ids == free.token_ids[:cut] and got.finish_reason == "stop"
+    for out, m in zip(together, lengths):
+        c = out.outputs[0]
+        if c.finish_reason == "stop":
+            assert c.token_ids[-1] == stop and stop not in c.token_ids[:-1] and len(c.token_ids) <= m
+        else:
+            assert c.finish_reason == "length" and len(c.token_ids) == m and stop not in c.token_ids
+    assert {o.outputs[0].finish_reason for o in together} == {"stop", "length"}
 
 
 def test_eos_ids_from_config_dicts_and_dirs(tmp_path):

@@ -190,6 +190,10 @@ def test_dp_compute_receives_remote_results_into_the_concatenated_output():
     assert parts[1].tensors["ids"].data_ptr() == plan.ctx.out["ids"][3:6].data_ptr()
     parts_ok = parts[:2] + [Batch(dict(parts[2].tensors, a=torch.ones(3, 2)),
                                   parts[2].non_tensors, parts[2].meta)]
+    local = plan.place_local(0, parts_ok[0])  # rank 0's own part, copied in right away
+    assert local.tensors["big"].data_ptr() == out_big.data_ptr()
+    assert torch.equal(local.tensors["big"], chunks[0].tensors["big"])
+    parts_ok[0] = local
     out = collect_dp_compute(layout, parts_ok, plan.ctx)
     ref = Batch.concat(chunks).unpad(2)
     assert list(out.tensors) == list(ref.tensors)
@@ -205,4 +209,6 @@ def test_dp_compute_receives_remote_results_into_the_concatenated_output():
     assert _reply_into(plan.receive_into, 1, Reply({"x": 1})) == {}
     assert plan.receive_into(1, [1, 2]) == {}
     # one DP rank: its result is the output as it is, nothing to receive into
-    assert dispatch_dp_compute(RoleLayout("r", (0, 1), 2), (batch,), {}).receive_into is None
+    single = dispatch_dp_compute(RoleLayout("r", (0, 1), 2), (batch,), {})
+    assert single.receive_into is None and single.place_local is None
+    assert plan.place_local(0, [1]) == [1]

@@ -12,8 +12,10 @@ unit-tested alone. A dispatch mode is a pair of plain functions kept in one expl
 
 A plan may also carry ``receive_into(k, value) -> {stub index: tensor}``: given the k-th
 collected reply with a ``TensorStub`` per tensor (before its bytes arrive), destination
-tensors to receive them into. DP_COMPUTE uses it to land remote results directly in slices
-of the concatenated output (``DPOutputs``), so collecting copies only rank 0's own part.
+tensors to receive them into, and ``place_local(k, value) -> value``, run on rank 0's
+worker thread right after its own part. DP_COMPUTE uses them to land remote results
+directly in slices of the concatenated output (``DPOutputs``) and to copy rank 0's part
+there while the remote ones are still in flight, so collecting copies nothing more.
 
 Layout convention: TP is the innermost dimension, so role rank ``i`` has
 ``dp_rank = i // tp_size`` and ``tp_rank = i % tp_size`` (the ``tp_size`` consecutive role
@@ -81,6 +83,7 @@ class Plan:
     collect_from: list[int]
     ctx: Any = None
     receive_into: Callable[[int, Any], dict] | None = None  # see the module docstring
+    place_local: Callable[[int, Any], Any] | None = None  # same, for rank 0's own results
 
 
 DispatchFn = Callable[[RoleLayout, tuple, dict], Plan]
@@ -164,7 +167,10 @@ def dispatch_dp_compute(layout: RoleLayout, args: tuple, kwargs: dict) -> Plan:
     calls = [per_dp[layout.dp_rank(i)] for i in range(layout.size)]
     collect_from = [i for i in range(layout.size) if layout.tp_rank(i) == 0]
     ctx = DPOutputs(pad, [(lengths[0] + pad) // dp] * dp)
-    return Plan(calls, collect_from, ctx=ctx, receive_into=ctx.receive_into if dp > 1 else None)
+    if dp == 1:  # its result is the output as it is
+        return Plan(calls, collect_from, ctx=ctx)
+    return Plan(calls, collect_from, ctx=ctx, receive_into=ctx.receive_into,
+                place_local=ctx.place_local)
 
 
 class DPOutputs:
@@ -187,22 +193,37 @@ class DPOutputs:
         return (tuple(t.shape[:1]) == (self.rows[k],) and tuple(t.shape[1:]) == out.shape[1:]
                 and t.dtype == out.dtype and t.device == out.device)
 
+    def _rows(self, k: int, key: str, t: Any) -> torch.Tensor | None:
+        """The k-th DP rank's rows of output ``key`` for a tensor (or stub) ``t`` that fits,
+        allocating the output on first use; None if ``t`` does not fit. Hold the lock."""
+        if len(t.shape) < 1 or t.shape[0] != self.rows[k]:
+            return None
+        out = self.out.get(key)
+        if out is None:
+            out = self.out[key] = torch.empty((sum(self.rows), *t.shape[1:]), dtype=t.dtype,
+                                              device=t.device)
+        return out[self.starts[k]:self.starts[k] + self.rows[k]] if self._fits(out, t, k) else None
+
     def receive_into(self, k: int, value: Any) -> dict[int, torch.Tensor]:
         """Destinations (rows of the outputs) for the k-th DP rank's result ``value``."""
         if not isinstance(value, Batch):
             return {}
-        dest = {}
         with self._lock:
-            for key, stub in value.tensors.items():
-                if len(stub.shape) < 1 or stub.shape[0] != self.rows[k]:
-                    continue
-                out = self.out.get(key)
-                if out is None:
-                    out = self.out[key] = torch.empty((sum(self.rows), *stub.shape[1:]),
-                                                      dtype=stub.dtype, device=stub.device)
-                if self._fits(out, stub, k):
-                    dest[stub.index] = out[self.starts[k]:self.starts[k] + self.rows[k]]
-        return dest
+            dest = {stub.index: self._rows(k, key, stub) for key, stub in value.tensors.items()}
+        return {i: t for i, t in dest.items() if t is not None}
+
+    def place_local(self, k: int, value: Any) -> Any:
+        """Copy rank 0's own (k-th) result into its rows as soon as it exists, on its worker
+        thread while remote results are still in flight; returns it with those rows."""
+        if not isinstance(value, Batch):
+            return value
+        with self._lock:
+            rows = {key: self._rows(k, key, t) for key, t in value.tensors.items()}
+        for key, r in rows.items():
+            if r is not None:
+                r.copy_(value.tensors[key])
+        return Batch({key: t if rows[key] is None else rows[key]
+                      for key, t in value.tensors.items()}, value.non_tensors, value.meta)
 
     def concat(self, parts: list[Batch]) -> Batch:
         """``Batch.concat(parts)``, filling the preallocated outputs where every part fits."""

@@ -132,11 +132,11 @@ class Driver:
                     except Exception:  # noqa: BLE001 - its next call finds the peer lost
                         peer.late_pings.append(works)  # gloo may still read the buffers
 
-    def _run_local(self, cmd: Command) -> Any:
+    def _run_local(self, cmd: Command, place: Callable[[Any], Any] | None = None) -> Any:
         reply = execute(self._local_workers, cmd, self.rank)
         if reply.error is not None:
             raise reply.error
-        return reply.value
+        return reply.value if place is None else place(reply.value)
 
     def call(self, layout: RoleLayout, spec: MethodSpec, args: tuple, kwargs: dict,
              track: bool = True) -> CallFuture:
@@ -157,7 +157,9 @@ class Driver:
                                   f"{missing} that it does not call")
         replying = set(plan.collect_from)
         # the mode's own collect may receive replies in place; a user's collect gets plain ones
-        receive_into = plan.receive_into if spec.collect is None else None
+        own_collect = spec.collect is None
+        receive_into = plan.receive_into if own_collect else None
+        place_local = plan.place_local if own_collect else None
         parts: dict[int, Future] = {}
         memo: dict[tuple[int, bool], Packed] = {}  # one pack per distinct call object
         with self._lock:
@@ -167,7 +169,10 @@ class Driver:
                 cmd = Command(layout.role, spec.name, call[0], call[1], i in replying)
                 rank = layout.ranks[i]
                 if rank == self.rank:
-                    parts[i] = self._local.submit(self._run_local, cmd)
+                    place = None
+                    if place_local is not None and cmd.reply:
+                        place = functools.partial(place_local, plan.collect_from.index(i))
+                    parts[i] = self._local.submit(self._run_local, cmd, place)
                     continue
                 key = (id(call), cmd.reply)
                 if key not in memo:

@@ -106,6 +106,24 @@ class VocabParallelLMHead(nn.Module):
         return torch.cat(parts, dim=-1)
 
 
+def tp_head_counts(num_heads: int, num_kv_heads: int, tp_size: int, where: str = "attention") -> tuple[int, int]:
+    """Per-rank (query heads, KV heads) when ``tp_size`` ranks split the heads.
+
+    Both counts must divide by ``tp_size``: KV heads are split, never replicated (as vLLM does
+    when ``num_kv_heads < tp_size``), so e.g. 2 KV heads allow TP 1 or 2 only.
+
+    >>> tp_head_counts(8, 4, 2)
+    (4, 2)
+    """
+    if num_heads % tp_size or num_kv_heads % tp_size:
+        ok = [d for d in range(1, num_kv_heads + 1) if num_kv_heads % d == 0 and num_heads % d == 0]
+        raise ValueError(
+            f"{where}: num_heads={num_heads} and num_kv_heads={num_kv_heads} must both divide by the "
+            f"TP size {tp_size} (KV-head replication is not implemented); use a TP size in {ok}"
+        )
+    return num_heads // tp_size, num_kv_heads // tp_size
+
+
 def _set_submodule(root: nn.Module, name: str, new: nn.Module) -> None:
     parent_name, _, leaf = name.rpartition(".")
     setattr(root.get_submodule(parent_name) if parent_name else root, leaf, new)
@@ -122,16 +140,10 @@ def apply_tp(model: nn.Module, tp_group=None, vocab_parallel: bool | None = None
     if tp_group is None or world == 1:
         return model
     rank = dist.get_rank(tp_group)
-    for name, module in list(model.named_modules()):
-        if hasattr(module, "num_heads") and hasattr(module, "num_kv_heads"):
-            for attr in ("num_heads", "num_kv_heads"):
-                count = getattr(module, attr)
-                if count % world:
-                    raise ValueError(
-                        f"{name}.{attr}={count} is not divisible by the TP size {world}; "
-                        f"use a TP size that divides both head counts"
-                    )
-                setattr(module, attr, count // world)
+    attns = [(n, m) for n, m in model.named_modules() if hasattr(m, "num_heads") and hasattr(m, "num_kv_heads")]
+    local = [tp_head_counts(m.num_heads, m.num_kv_heads, world, n) for n, m in attns]  # all checked first
+    for (_, module), (heads, kv_heads) in zip(attns, local):
+        module.num_heads, module.num_kv_heads = heads, kv_heads
     lm_head = getattr(model, "lm_head", None)
     if vocab_parallel is None:
         vocab_parallel = isinstance(lm_head, nn.Linear) and lm_head.out_features % world == 0

@@ -171,9 +171,20 @@ def test_value_and_score_models_from_causal_checkpoint(checkpoints, tmp_path):
             if head == "value":
                 ref = hf(tokens).logits[..., 0]
                 assert (ref - vals).abs().max() <= TOL
-            else:  # HF pools the last token; batch 1 needs no pad token
-                ref = hf(tokens[:1]).logits[0, 0]
+            else:  # HF pools at each row's rightmost token != pad_token_id (transformers 5)
+                ref = hf(tokens[:1]).logits[0, 0]  # batch 1: no pad token needed
                 assert (ref - vals[0, -1]).abs() <= TOL
+                # a right-padded batch of 3 lengths; pad id 99 never occurs among the real tokens
+                hf.config.pad_token_id = 99
+                lengths = torch.tensor([6, 3, 5])
+                mask = (torch.arange(6) < lengths[:, None]).long()
+                real = torch.randint(0, 99, (3, 6), generator=torch.Generator().manual_seed(5))
+                padded = torch.where(mask.bool(), real, 99)
+                ref = hf(padded, attention_mask=mask).logits[:, 0]
+                ours = m(padded, attention_mask=mask)[torch.arange(3), lengths - 1]
+                assert ref.shape == (3,) and (ref - ours).abs().max() <= TOL
+                alone = torch.stack([m(real[i:i + 1, :n])[0, -1] for i, n in enumerate(lengths.tolist())])
+                assert (alone - ours).abs().max() <= TOL  # padding changes nothing
         reloaded = load_hf(out, head=head)  # same head: no fresh init, identical values
         with torch.no_grad():
             assert torch.equal(reloaded(tokens), vals)

@@ -56,6 +56,11 @@ class EchoWorker(Worker):
         t["who"] = torch.full((len(batch),), self.rank)
         return Batch(t, batch.non_tensors, batch.meta)
 
+    @register(dispatch=Dispatch.DP_COMPUTE_EXACT, collect=Dispatch.ONE_TO_ALL)
+    def count_rows(self, batch):  # an "update": a repeated row would be counted twice
+        self.seen = batch.tensors["ids"].tolist()
+        return len(batch)
+
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def last_seen(self):
         return self.seen
@@ -113,6 +118,12 @@ def _two_ranks_driver(groups):
     out["res_who"] = res.tensors["who"].tolist()
     out["meta"] = res.meta
     out["seen"] = a.last_seen()
+    try:  # refused on the driver: no rank runs it (a.last_seen() is unchanged below)
+        a.count_rows(_data(5))
+    except ControllerError as e:
+        out["exact_error"] = str(e)
+    out["seen_after_refusal"] = a.last_seen()
+    out["exact_rows"], out["exact_seen"] = a.count_rows(_data(4)), a.last_seen()
     # the controller keeps no reference to results once the driver drops them
     blocking_ref = weakref.ref(a.scale_batch(data).tensors["y"])
     fut = a.scale_batch.future(data)
@@ -180,6 +191,11 @@ def test_two_ranks_colocated_modes_errors_and_stop():
     assert first["meta"] == {"temperature": 0.7}
     assert first["leaked"] == [False, False]
     assert first["seen"] == [[0, 1, 2], [3, 4, 0]]  # rank 1's chunk ends with the pad row
+    assert first["exact_error"].startswith("a.count_rows: DP_COMPUTE_EXACT on role 'a': "
+                                           "len(batch)=5 does not split evenly over the 2 DP")
+    assert "make the batch size a multiple of 2, e.g. ppo_mini_batch_size" in first["exact_error"]
+    assert first["seen_after_refusal"] == first["seen"]
+    assert first["exact_rows"] == [2, 2] and first["exact_seen"] == [[0, 1], [2, 3]]
     assert first["sum_a"] == [3.0, 3.0] and first["sum_b"] == [30.0, 30.0]
     assert first["first"] == 0 and first["each"] == [(0, "x"), (1, "y" * 10_000)]
     name, rank, role, method, tb = first["error"]

@@ -212,3 +212,13 @@ def test_dp_compute_receives_remote_results_into_the_concatenated_output():
     single = dispatch_dp_compute(RoleLayout("r", (0, 1), 2), (batch,), {})
     assert single.receive_into is None and single.place_local is None
     assert plan.place_local(0, [1]) == [1]
+
+
+def test_dp_compute_exact_refuses_padding():
+    layout = RoleLayout("actor", (0, 1, 2, 3), 2)  # dp_size 2
+    plan = get_dispatch_mode(Dispatch.DP_COMPUTE_EXACT).dispatch_fn(layout, (_batch(4),), {})
+    assert plan.ctx.pad == 0 and [_ids(c[0][0]) for c in plan.calls] == [[0, 1]] * 2 + [[2, 3]] * 2
+    assert get_dispatch_mode(Dispatch.DP_COMPUTE_EXACT).collect_fn is collect_dp_compute
+    with pytest.raises(ControllerError, match=r"len\(batch\)=5 .* 2 DP ranks.* multiple of 2, "
+                                              r"e\.g\. ppo_mini_batch_size"):
+        get_dispatch_mode(Dispatch.DP_COMPUTE_EXACT).dispatch_fn(layout, (_batch(5),), {})

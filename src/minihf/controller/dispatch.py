@@ -101,6 +101,7 @@ class Dispatch:
     """Names of the built-in modes (plain strings: user modes are strings too)."""
     ONE_TO_ALL = "one_to_all"    # same arguments on every rank; list of all results
     DP_COMPUTE = "dp_compute"    # Batch args chunked over DP ranks; results concatenated
+    DP_COMPUTE_EXACT = "dp_compute_exact"  # DP_COMPUTE that refuses to pad (for updates)
     RANK_ZERO = "rank_zero"      # only role rank 0 runs; its result
     ALL_TO_ALL = "all_to_all"    # each argument is a list with one entry per rank; list of results
 
@@ -171,6 +172,21 @@ def dispatch_dp_compute(layout: RoleLayout, args: tuple, kwargs: dict) -> Plan:
         return Plan(calls, collect_from, ctx=ctx)
     return Plan(calls, collect_from, ctx=ctx, receive_into=ctx.receive_into,
                 place_local=ctx.place_local)
+
+
+def dispatch_dp_compute_exact(layout: RoleLayout, args: tuple, kwargs: dict) -> Plan:
+    """DP_COMPUTE that refuses uneven batches (on the driver, before sending): padding
+    repeats rows, which inference strips from its results but an update counts twice."""
+    dp = layout.dp_size
+    lengths = sorted({len(v) for v in (*args, *kwargs.values()) if isinstance(v, Batch)})
+    uneven = [n for n in lengths if n % dp]
+    if uneven:
+        raise ControllerError(
+            f"DP_COMPUTE_EXACT on role {layout.role!r}: len(batch)={uneven[0]} does not split "
+            f"evenly over the {dp} DP ranks, and this method does not pad (repeated rows "
+            f"would count twice in an update); make the batch size a multiple of {dp}, e.g. "
+            "ppo_mini_batch_size (or the SFT batch size)")
+    return dispatch_dp_compute(layout, args, kwargs)
 
 
 class DPOutputs:
@@ -264,6 +280,7 @@ DISPATCH_MODES: dict[str, DispatchMode] = {
     m.name: m for m in (
         DispatchMode(Dispatch.ONE_TO_ALL, dispatch_one_to_all, collect_all),
         DispatchMode(Dispatch.DP_COMPUTE, dispatch_dp_compute, collect_dp_compute),
+        DispatchMode(Dispatch.DP_COMPUTE_EXACT, dispatch_dp_compute_exact, collect_dp_compute),
         DispatchMode(Dispatch.RANK_ZERO, dispatch_rank_zero, collect_first),
         DispatchMode(Dispatch.ALL_TO_ALL, dispatch_all_to_all, collect_all),
     )

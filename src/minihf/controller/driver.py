@@ -147,7 +147,10 @@ class Driver:
         """
         if self._closed:
             raise ControllerError(f"{layout.role}.{spec.name}: the controller is stopped")
-        plan = get_dispatch_mode(spec.dispatch).dispatch_fn(layout, args, kwargs)
+        try:
+            plan = get_dispatch_mode(spec.dispatch).dispatch_fn(layout, args, kwargs)
+        except ControllerError as e:  # name the method: the mode only knows the role
+            raise ControllerError(f"{layout.role}.{spec.name}: {e}") from None
         if len(plan.calls) != layout.size:
             raise ControllerError(f"dispatch mode {spec.dispatch!r} planned {len(plan.calls)} "
                                   f"calls for role {layout.role!r} of {layout.size} ranks")

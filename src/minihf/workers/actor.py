@@ -5,7 +5,7 @@ Methods the driver calls (dispatch ``DP_COMPUTE`` unless noted):
 * ``init_model`` (ONE_TO_ALL): load and shard the actor (+ optimizer) and the reference.
 * ``compute_log_prob(batch) -> Batch{old_log_probs[, entropys]}``
 * ``compute_ref_log_prob(batch) -> Batch{ref_log_prob}``
-* ``update_actor(batch) -> metrics`` (``actor/pg_loss``, ``actor/pg_clipfrac``,
+* ``update_actor(batch) -> metrics`` (DP_COMPUTE_EXACT) (``actor/pg_loss``, ``actor/pg_clipfrac``,
   ``actor/ppo_kl``, ``actor/entropy``, ``actor/kl_loss``, ``actor/grad_norm``,
   ``actor/lr``), reduced over ranks, from DP rank 0.
 * ``save_checkpoint(path, extra)`` / ``load_checkpoint(path)`` (ONE_TO_ALL).
@@ -15,8 +15,9 @@ The rollout and resharding issues add the generation methods. Log-probs are comp
 The reference may keep its shards on the host (``ref.fsdp.param_offload``); FSDP then
 moves each block to the device only while it runs.
 
-Update batches should hold a multiple of the DP size rows: the controller pads uneven
-batches by repeating rows, which an update would count twice. Training shards over all
+Update batches must hold a multiple of the DP size rows: DP_COMPUTE would pad uneven
+batches by repeating rows, which an update counts twice, so DP_COMPUTE_EXACT refuses
+them on the driver. Training shards over all
 the role's ranks; with a generation TP size t > 1 the TP peers receive the same rows, so
 a mini-batch holds ``ppo_mini_batch_size / t`` distinct rows (each counted t times in both
 the loss sum and its normaliser, which leaves the update unchanged).
@@ -128,7 +129,7 @@ class ActorRolloutRefWorker(Worker):
             return loss, stats
         return loss_fn
 
-    @register(dispatch=Dispatch.DP_COMPUTE, collect=Dispatch.RANK_ZERO)
+    @register(dispatch=Dispatch.DP_COMPUTE_EXACT, collect=Dispatch.RANK_ZERO)
     def update_actor(self, batch: Batch) -> dict[str, float]:
         """PPO update: ``ppo_epochs`` x mini-batches x micro-batches; returns metrics."""
         a = self.config.actor

@@ -2,7 +2,7 @@
 value loss.
 
 * ``init_model`` (ONE_TO_ALL); ``compute_values(batch) -> Batch{values}`` (DP_COMPUTE);
-* ``update_critic(batch) -> metrics`` (``critic/vf_loss``, ``critic/vf_clipfrac``,
+* ``update_critic(batch) -> metrics`` (DP_COMPUTE_EXACT: no padded rows) (``critic/vf_loss``, ``critic/vf_clipfrac``,
   ``critic/vpred_mean``, ``critic/grad_norm``, ``critic/lr``), needs ``values`` (old) and
   ``returns``;
 * ``save_checkpoint`` / ``load_checkpoint`` (ONE_TO_ALL).
@@ -72,7 +72,7 @@ class CriticWorker(Worker):
                              "vpred_mean": masked_mean(vpreds, mask) * share}
         return loss_fn
 
-    @register(dispatch=Dispatch.DP_COMPUTE, collect=Dispatch.RANK_ZERO)
+    @register(dispatch=Dispatch.DP_COMPUTE_EXACT, collect=Dispatch.RANK_ZERO)
     def update_critic(self, batch: Batch) -> dict[str, float]:
         """Clipped value-loss update: ``ppo_epochs`` x mini-batches x micro-batches."""
         c = self.config

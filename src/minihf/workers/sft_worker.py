@@ -1,9 +1,10 @@
 """``SFTWorker``: supervised fine-tuning of a causal LM on FSDP2 (loss on response tokens).
 
 The driver (``minihf.trainer.sft``) owns the data and the loop; this worker runs
-``train_step`` (one optimizer step on a global batch, DP_COMPUTE, exact token-mean over
-every rank's response tokens), ``eval_step`` (summed NLL and token count, so the driver
-can form the exact validation mean) and checkpoints.
+``train_step`` (one optimizer step on a global batch, exact token-mean over every rank's
+response tokens), ``eval_step`` (summed NLL and token count, so the driver can form the
+exact validation mean; it pads with loss-free rows) and checkpoints. Both dispatch
+DP_COMPUTE_EXACT: a batch must split evenly over the DP ranks, no row is repeated.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class SFTWorker(Worker):
         return plan_micro_batches(data["attention_mask"], micro_batch_size=self.micro,
                                   max_tokens=self.max_tokens, group=self.group)
 
-    @register(dispatch=Dispatch.DP_COMPUTE, collect=Dispatch.RANK_ZERO)
+    @register(dispatch=Dispatch.DP_COMPUTE_EXACT, collect=Dispatch.RANK_ZERO)
     def train_step(self, batch: Batch) -> dict[str, float]:
         """One optimizer step on the whole (global) batch; ``train/loss`` is its token-mean NLL."""
         data = self._data(batch)
@@ -66,7 +67,7 @@ class SFTWorker(Worker):
                                 clip_grad=self.optim_cfg.clip_grad, group=self.group)
         return prefixed(stats, "train")
 
-    @register(dispatch=Dispatch.DP_COMPUTE, collect=Dispatch.RANK_ZERO)
+    @register(dispatch=Dispatch.DP_COMPUTE_EXACT, collect=Dispatch.RANK_ZERO)
     def eval_step(self, batch: Batch) -> dict[str, float]:
         """Summed response-token NLL and token count of the batch, over all ranks."""
         data = self._data(batch)

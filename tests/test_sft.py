@@ -24,13 +24,15 @@ def config(model, data, out, steps, **trainer):
         trainer=SFTTrainerConfig(total_training_steps=steps, default_local_dir=out, **trainer))
 
 
+def _fit(cfg, stop_after):
+    return lambda groups: SFTDriver(cfg, groups["sft"]).fit(stop_after=stop_after)
+
+
 def _job(rank, world, cfgs):
-    # one controller job, three runs of the SFT driver on the same worker group: each
-    # fit() rebuilds the model and optimizer from the checkpoint dir (a fresh start)
-    def drive(groups):
-        return [SFTDriver(c, groups["sft"]).fit(stop_after=stop)
-                for c, stop in zip(cfgs, [None, 3, None])]
-    return run(drive, sft_roles(cfgs[0]), cfgs[0].controller)
+    # three jobs in a row in the same processes, as separate launches would be: the full
+    # run, the split run stopped after step 3, its resumption from the checkpoint dir
+    return [run(_fit(c, stop), sft_roles(c), c.controller)
+            for c, stop in zip(cfgs, [None, 3, None])]
 
 
 def test_sft_two_ranks_loss_decreases_resume_matches_export_loads(tmp_path):
@@ -46,6 +48,7 @@ def test_sft_two_ranks_loss_decreases_resume_matches_export_loads(tmp_path):
     first = config(model, data, str(tmp_path / "split"), 8, save_freq=3)  # stops after 3
     second = config(model, data, str(tmp_path / "split"), 8, save_freq=3)
     hist_full, hist_a, hist_b = spawn_ranks(_job, 2, [full, first, second], timeout_s=240)[0]
+    assert [m["step"] for m in hist_a] == [1, 2, 3]
 
     losses = [m["train/loss"] for m in hist_full]
     assert len(losses) == 8

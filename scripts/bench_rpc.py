@@ -34,7 +34,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from minihf.config import ControllerConfig, RoleSpec
+from minihf.controller.config import ControllerConfig, RoleSpec
 from minihf.controller import Dispatch, Worker, launch, register, run
 from minihf.protocol import Batch
 

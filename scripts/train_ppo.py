@@ -19,8 +19,9 @@ import sys
 import torch
 import torch.distributed as dist
 
-from minihf.config import ControllerConfig, load_config
+from minihf.config import load_config
 from minihf.controller import Dispatch, Worker, launch, register
+from minihf.controller.config import ControllerConfig
 from minihf.protocol import Batch
 
 

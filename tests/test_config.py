@@ -5,9 +5,9 @@ from typing import Literal, Optional
 
 import pytest
 
-from minihf.config import (ConfigError, ControllerConfig, RolePlacement, RoleSpec, apply_override,
-                           dump_yaml, find_recipe, from_dict, load_config, parse_value,
-                           resolve_placement, split_cli_args, to_dict)
+from minihf.config import (ConfigError, apply_override, dump_yaml, find_recipe, from_dict,
+                           load_config, parse_value, split_cli_args, to_dict)
+from minihf.controller.config import ControllerConfig, RolePlacement, RoleSpec, resolve_placement
 
 
 # A small tree composed the way job configs are: sections declared separately, nested.

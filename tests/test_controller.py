@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minihf.config import ControllerConfig, RoleSpec
+from minihf.controller.config import ControllerConfig, RoleSpec
 from minihf.controller import (
     ControllerAborted, ControllerError, Dispatch, RankLostError, RemoteError, Role, Worker,
     register, run,

@@ -3,7 +3,7 @@ unsharded process; checkpoint save -> fresh worker load -> identical next step; 
 
 import torch
 
-from minihf.config import ControllerConfig
+from minihf.controller.config import ControllerConfig
 from torch.distributed.tensor import DTensor
 
 from minihf.controller import (Dispatch, Role, RoleLayout, WorkerContext, create_worker,

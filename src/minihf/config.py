@@ -1,7 +1,8 @@
 """Configuration: validated dataclasses, YAML recipes, dotted command-line overrides.
 
 A config is a tree of dataclasses; each module declares its own section next to the code
-that uses it (``ControllerConfig`` here, the trainer's sections in ``trainer/``) and a job
+that uses it (``ControllerConfig`` in ``controller/config.py``, the trainer's sections in
+``trainer/``) and a job
 composes them as fields of one root dataclass. ``load_config(Root, recipe, overrides)``
 layers, in increasing precedence: the dataclass defaults, the recipe file
 (``recipes/<name>/config.yaml``), and ``key.sub.key=value`` overrides whose values are
@@ -21,7 +22,6 @@ import difflib
 import re
 import types
 import typing
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union
 
@@ -53,7 +53,7 @@ def parse_value(text: str) -> Any:
         raise ConfigError(f"cannot parse value {text!r} as YAML: {e}") from None
 
 
-def _suggest(key: str, valid: list[str]) -> str:
+def suggest(key: str, valid: list[str]) -> str:
     close = difflib.get_close_matches(key, valid, n=1)
     return f"did you mean {close[0]!r}? " if close else ""
 
@@ -80,7 +80,7 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         if any(value == a and type(value) is type(a) for a in args):
             return value
         names = [a for a in args if isinstance(a, str)]
-        hint = _suggest(value, names) if isinstance(value, str) else ""
+        hint = suggest(value, names) if isinstance(value, str) else ""
         allowed = ", ".join(map(repr, args))
         raise ConfigError(f"{path}: {value!r} is not one of {allowed}; {hint}".rstrip("; "))
     if origin in (Union, types.UnionType):
@@ -146,7 +146,7 @@ def from_dict(cls: type[T], data: dict, path: str = "") -> T:
     where = path or cls.__name__
     for key in data:
         if key not in valid:
-            raise ConfigError(f"unknown key {_join(path, str(key))!r}; {_suggest(str(key), valid)}"
+            raise ConfigError(f"unknown key {_join(path, str(key))!r}; {suggest(str(key), valid)}"
                               f"valid keys in {where}: {', '.join(valid)}")
     kwargs = {k: _coerce(v, hints[k], _join(path, k)) for k, v in data.items()}
     missing = [f.name for f in dataclasses.fields(cls) if f.init and f.name not in kwargs
@@ -231,7 +231,7 @@ def apply_override(data: dict, override: str) -> None:
     if delete:
         if last not in node:
             raise ConfigError(f"override {override!r}: nothing to delete; "
-                              f"{_suggest(last, list(node))}keys there: "
+                              f"{suggest(last, list(node))}keys there: "
                               f"{', '.join(map(str, node))}")
         del node[last]
     else:
@@ -251,7 +251,7 @@ def find_recipe(recipe: str | Path, recipes_dir: str | Path | None = None) -> Pa
         return named
     names = sorted(p.parent.name for p in root.glob("*/config.yaml"))
     raise ConfigError(f"recipe {str(recipe)!r} not found (no such file, and no {named}); "
-                      f"{_suggest(str(recipe), names)}recipes in {root}: "
+                      f"{suggest(str(recipe), names)}recipes in {root}: "
                       f"{', '.join(names) or 'none'}")
 
 
@@ -280,93 +280,3 @@ def split_cli_args(args: list[str]) -> tuple[str | None, list[str]]:
     if len(recipes) > 1:
         raise ConfigError(f"recipe given {len(recipes)} times: {recipes}")
     return (recipes[0] if recipes else None), [a for a in args if not a.startswith("recipe=")]
-
-
-# ---- controller section ----------------------------------------------------------------
-
-@dataclass
-class RoleSpec:
-    """Where one role runs: ``ranks`` ("all" or a list of global ranks) and its TP size."""
-    ranks: Union[Literal["all"], list[int]] = "all"
-    tp_size: int = 1
-
-    def __post_init__(self):
-        if self.tp_size < 1:
-            raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
-        if self.ranks != "all":
-            if not self.ranks:
-                raise ValueError("ranks is empty; give at least one rank or 'all'")
-            if len(set(self.ranks)) != len(self.ranks):
-                raise ValueError(f"ranks {self.ranks} contain duplicates")
-
-
-PlacementConfig = dict[str, RoleSpec]  # role name -> RoleSpec
-
-
-@dataclass(frozen=True)
-class RolePlacement:
-    """A role's placement resolved against the world size: sorted global ranks + TP size."""
-    ranks: list[int]
-    tp_size: int
-
-    @property
-    def dp_size(self) -> int:
-        return len(self.ranks) // self.tp_size
-
-
-def resolve_placement(placement: PlacementConfig, world_size: int,
-                      roles: list[str] | None = None) -> dict[str, RolePlacement]:
-    """Resolve ``placement`` for ``world_size`` ranks.
-
-    With ``roles`` (the roles the job builds), roles not named in ``placement`` run on all
-    ranks with TP 1, and placement entries for roles that do not exist are errors.
-    """
-    if world_size < 1:
-        raise ConfigError(f"world_size must be >= 1, got {world_size}")
-    placement = {k: v if isinstance(v, RoleSpec) else from_dict(RoleSpec, v, f"placement.{k}")
-                 for k, v in placement.items()}
-    if roles is not None:
-        for name in placement:
-            if name not in roles:
-                raise ConfigError(f"placement names unknown role {name!r}; "
-                                  f"{_suggest(name, list(roles))}roles: {', '.join(roles)}")
-        placement = {r: placement.get(r, RoleSpec()) for r in roles}
-    out = {}
-    for name, spec in placement.items():
-        ranks = list(range(world_size)) if spec.ranks == "all" else sorted(spec.ranks)
-        bad = [r for r in ranks if not 0 <= r < world_size]
-        if bad:
-            raise ConfigError(f"placement.{name}.ranks: {bad} out of range for world size "
-                              f"{world_size} (valid ranks 0..{world_size - 1})")
-        if len(ranks) % spec.tp_size:
-            raise ConfigError(f"placement.{name}.tp_size={spec.tp_size} does not divide the "
-                              f"role's {len(ranks)} ranks {ranks}")
-        out[name] = RolePlacement(ranks, spec.tp_size)
-    return out
-
-
-@dataclass
-class ControllerConfig:
-    """Process group and placement settings for ``minihf.controller``.
-
-    ``timeout_s`` bounds every collective and every single call, and is how long a rank
-    may go without hearing from a peer before counting it as lost (the driver sends idle
-    workers a heartbeat every ``timeout_s / 4``). ``idle_timeout_s`` bounds how long a
-    worker rank waits for the driver's next command: ``None`` waits as long as the driver
-    is alive (a long driver-side phase is fine), a number ends the job after that long
-    without a command. A driver process that dies is seen at once (its connections close);
-    one that stops answering (host gone, process frozen) within ``timeout_s``.
-    """
-    backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl with CUDA, else gloo
-    timeout_s: float = 600.0  # collectives, calls and dead-peer detection give up after this
-    idle_timeout_s: float | None = None  # worker waiting for a command; None: no limit
-    placement: PlacementConfig = field(default_factory=dict)
-
-    def __post_init__(self):
-        if self.backend not in ("auto", "gloo", "nccl"):
-            raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', got {self.backend!r}")
-        if not self.timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
-        if self.idle_timeout_s is not None and not self.idle_timeout_s > 0:
-            raise ValueError(f"idle_timeout_s must be > 0 or null (no limit while the driver "
-                             f"is alive), got {self.idle_timeout_s}")

@@ -4,8 +4,8 @@ Rank 0 runs the driver (a plain sequential program) and calls role worker groups
 they were local objects; every other rank serves commands until STOP. See ``launch`` (entry,
 groups, threads), ``worker`` (``Worker``, ``@register``), ``dispatch`` (the dispatch/collect
 table), ``group`` (``WorkerGroup``), ``driver`` (futures, ordering, heartbeat), ``peer``
-(rank 0's link to one worker rank), ``transport`` (wire format) and ``serve`` (the
-worker-side loop).
+(rank 0's link to one worker rank), ``transport`` (wire format), ``serve`` (the
+worker-side loop) and ``config`` (``ControllerConfig``, role placement).
 """
 
 from minihf.controller.dispatch import (

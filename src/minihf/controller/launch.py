@@ -34,7 +34,7 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.distributed as dist
 
-from minihf.config import ControllerConfig, resolve_placement
+from minihf.controller.config import ControllerConfig, resolve_placement
 from minihf.controller.dispatch import RoleLayout
 from minihf.controller.driver import Driver, run_driver
 from minihf.controller.errors import ControllerAborted, ControllerError

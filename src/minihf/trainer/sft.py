@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional, Union
 
-from minihf.config import ControllerConfig
+from minihf.controller.config import ControllerConfig
 from minihf.trainer.optim import OptimConfig
 from minihf.workers.config import FSDPConfig, ModelConfig
 

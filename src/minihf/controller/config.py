@@ -1,0 +1,101 @@
+"""The controller's config section: role placement and process-group settings.
+
+``ControllerConfig`` is a field of every job's root config (``controller.*`` keys);
+``resolve_placement`` turns its ``placement`` (role name -> ``RoleSpec``) into each role's
+global ranks and TP size for a given world size. Pure data: no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Union
+
+from minihf.config import ConfigError, from_dict, suggest
+
+
+@dataclass
+class RoleSpec:
+    """Where one role runs: ``ranks`` ("all" or a list of global ranks) and its TP size."""
+    ranks: Union[Literal["all"], list[int]] = "all"
+    tp_size: int = 1
+
+    def __post_init__(self):
+        if self.tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
+        if self.ranks != "all":
+            if not self.ranks:
+                raise ValueError("ranks is empty; give at least one rank or 'all'")
+            if len(set(self.ranks)) != len(self.ranks):
+                raise ValueError(f"ranks {self.ranks} contain duplicates")
+
+
+PlacementConfig = dict[str, RoleSpec]  # role name -> RoleSpec
+
+
+@dataclass(frozen=True)
+class RolePlacement:
+    """A role's placement resolved against the world size: sorted global ranks + TP size."""
+    ranks: list[int]
+    tp_size: int
+
+    @property
+    def dp_size(self) -> int:
+        return len(self.ranks) // self.tp_size
+
+
+def resolve_placement(placement: PlacementConfig, world_size: int,
+                      roles: list[str] | None = None) -> dict[str, RolePlacement]:
+    """Resolve ``placement`` for ``world_size`` ranks.
+
+    With ``roles`` (the roles the job builds), roles not named in ``placement`` run on all
+    ranks with TP 1, and placement entries for roles that do not exist are errors.
+    """
+    if world_size < 1:
+        raise ConfigError(f"world_size must be >= 1, got {world_size}")
+    placement = {k: v if isinstance(v, RoleSpec) else from_dict(RoleSpec, v, f"placement.{k}")
+                 for k, v in placement.items()}
+    if roles is not None:
+        for name in placement:
+            if name not in roles:
+                raise ConfigError(f"placement names unknown role {name!r}; "
+                                  f"{suggest(name, list(roles))}roles: {', '.join(roles)}")
+        placement = {r: placement.get(r, RoleSpec()) for r in roles}
+    out = {}
+    for name, spec in placement.items():
+        ranks = list(range(world_size)) if spec.ranks == "all" else sorted(spec.ranks)
+        bad = [r for r in ranks if not 0 <= r < world_size]
+        if bad:
+            raise ConfigError(f"placement.{name}.ranks: {bad} out of range for world size "
+                              f"{world_size} (valid ranks 0..{world_size - 1})")
+        if len(ranks) % spec.tp_size:
+            raise ConfigError(f"placement.{name}.tp_size={spec.tp_size} does not divide the "
+                              f"role's {len(ranks)} ranks {ranks}")
+        out[name] = RolePlacement(ranks, spec.tp_size)
+    return out
+
+
+@dataclass
+class ControllerConfig:
+    """Process group and placement settings for ``minihf.controller``.
+
+    ``timeout_s`` bounds every collective and every single call, and is how long a rank
+    may go without hearing from a peer before counting it as lost (the driver sends idle
+    workers a heartbeat every ``timeout_s / 4``). ``idle_timeout_s`` bounds how long a
+    worker rank waits for the driver's next command: ``None`` waits as long as the driver
+    is alive (a long driver-side phase is fine), a number ends the job after that long
+    without a command. A driver process that dies is seen at once (its connections close);
+    one that stops answering (host gone, process frozen) within ``timeout_s``.
+    """
+    backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl with CUDA, else gloo
+    timeout_s: float = 600.0  # collectives, calls and dead-peer detection give up after this
+    idle_timeout_s: float | None = None  # worker waiting for a command; None: no limit
+    placement: PlacementConfig = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.backend not in ("auto", "gloo", "nccl"):
+            raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', got {self.backend!r}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.idle_timeout_s is not None and not self.idle_timeout_s > 0:
+            raise ValueError(f"idle_timeout_s must be > 0 or null (no limit while the driver "
+                             f"is alive), got {self.idle_timeout_s}")

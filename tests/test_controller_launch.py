@@ -1,42 +1,70 @@
-"""The launch helper as scripts use it: `python` (one process) and real torchrun jobs."""
+"""The launch helper as scripts use it: `python` (one process) and real torchrun jobs.
+
+torchrun runs ``--standalone``: its rendezvous store binds a port the OS picks, so no port
+chosen in advance can be taken by another process before the job binds it. Each job gets
+a generous deadline (CI is a loaded 2-core box: a job takes ~4 s idle, ~15 s loaded); on
+a failure or a timeout the assertion shows the job's full stdout and stderr.
+"""
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
 import time
 from pathlib import Path
 
-from minihf.utils.spawn import free_port
-
 ROOT = Path(__file__).resolve().parents[1]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            "--local-addr=127.0.0.1", "--nproc_per_node=2"]
 
 
-def _torchrun():
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-            "--master_addr=127.0.0.1", f"--master_port={free_port()}"]
+class Job:
+    """A finished job: return code, output, wall time; ``str`` is everything, for asserts."""
+
+    def __init__(self, cmd, returncode, stdout, stderr, elapsed):
+        self.cmd, self.returncode, self.stdout, self.stderr = cmd, returncode, stdout, stderr
+        self.elapsed = elapsed
+
+    def __str__(self):
+        return (f"job {' '.join(map(str, self.cmd))}\nexit {self.returncode} after "
+                f"{self.elapsed:.1f}s\n--- stdout ---\n{self.stdout}\n--- stderr ---\n{self.stderr}")
 
 
-def _run(cmd, timeout=60):
+def _run(cmd, timeout=300) -> Job:
+    """Run ``cmd``; past ``timeout`` stop it (torchrun's workers too, not only the agent)
+    and return what it printed, with returncode None."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    return proc, time.monotonic() - t0
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        proc.terminate()  # torchrun passes SIGTERM on to its workers (own sessions)
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate(timeout=30)
+        code, err = None, err + f"\n[test] stopped after the {timeout}s deadline"
+    return Job(cmd, code, out, err, time.monotonic() - t0)
 
 
 def test_train_ppo_smoke_one_process():
-    proc, _ = _run([sys.executable, "scripts/train_ppo.py"])
-    assert proc.returncode == 0, proc.stderr
-    assert "row sums: [6.0, 24.0, 42.0, 60.0, 78.0]" in proc.stdout
-    assert "controller smoke job OK" in proc.stdout
+    job = _run([sys.executable, "scripts/train_ppo.py"])
+    assert job.returncode == 0, job
+    assert "row sums: [6.0, 24.0, 42.0, 60.0, 78.0]" in job.stdout, job
+    assert "controller smoke job OK" in job.stdout, job
 
 
 def test_train_ppo_smoke_torchrun_two_ranks():
-    proc, _ = _run(_torchrun() + ["scripts/train_ppo.py"])
-    assert proc.returncode == 0, proc.stderr
-    assert "double rank 1 (role rank 1/2, dp 1/2" in proc.stdout
-    assert "group totals over 2 rank(s): [3.0, 3.0]" in proc.stdout
-    assert "controller smoke job OK" in proc.stdout
+    job = _run(TORCHRUN + ["scripts/train_ppo.py"])
+    assert job.returncode == 0, job
+    assert "double rank 1 (role rank 1/2, dp 1/2" in job.stdout, job
+    assert "group totals over 2 rank(s): [3.0, 3.0]" in job.stdout, job
+    assert "controller smoke job OK" in job.stdout, job
 
 
 FAILING_JOB = """
@@ -60,9 +88,9 @@ print("launch returned")  # must not be reached on any rank
 def test_worker_error_ends_torchrun_job_non_zero(tmp_path):
     script = tmp_path / "failing_job.py"
     script.write_text(textwrap.dedent(FAILING_JOB))
-    proc, elapsed = _run(_torchrun() + [str(script)])
-    assert proc.returncode != 0
-    assert "launch returned" not in proc.stdout
-    assert "RemoteError: bad.boom failed on rank 1" in proc.stderr
-    assert "KeyError: 'broken on purpose'" in proc.stderr
-    assert elapsed < 60
+    job = _run(TORCHRUN + [str(script)])
+    assert job.returncode not in (0, None), job
+    assert "launch returned" not in job.stdout, job
+    assert "RemoteError: bad.boom failed on rank 1" in job.stderr, job
+    assert "KeyError: 'broken on purpose'" in job.stderr, job
+    assert job.elapsed < 200, job  # ends at once, not after the 600 s default timeout_s

@@ -20,13 +20,15 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone",
 
 
 class Job:
-    """A finished job: return code, output, wall time; ``str`` is everything, for asserts."""
+    """A finished job: return code, output, wall time; ``log`` (all of it) for assert messages
+    (a str: pytest would shorten any other object's repr)."""
 
     def __init__(self, cmd, returncode, stdout, stderr, elapsed):
         self.cmd, self.returncode, self.stdout, self.stderr = cmd, returncode, stdout, stderr
         self.elapsed = elapsed
 
-    def __str__(self):
+    @property
+    def log(self) -> str:
         return (f"job {' '.join(map(str, self.cmd))}\nexit {self.returncode} after "
                 f"{self.elapsed:.1f}s\n--- stdout ---\n{self.stdout}\n--- stderr ---\n{self.stderr}")
 
@@ -54,17 +56,17 @@ def _run(cmd, timeout=300) -> Job:
 
 def test_train_ppo_smoke_one_process():
     job = _run([sys.executable, "scripts/train_ppo.py"])
-    assert job.returncode == 0, job
-    assert "row sums: [6.0, 24.0, 42.0, 60.0, 78.0]" in job.stdout, job
-    assert "controller smoke job OK" in job.stdout, job
+    assert job.returncode == 0, job.log
+    assert "row sums: [6.0, 24.0, 42.0, 60.0, 78.0]" in job.stdout, job.log
+    assert "controller smoke job OK" in job.stdout, job.log
 
 
 def test_train_ppo_smoke_torchrun_two_ranks():
     job = _run(TORCHRUN + ["scripts/train_ppo.py"])
-    assert job.returncode == 0, job
-    assert "double rank 1 (role rank 1/2, dp 1/2" in job.stdout, job
-    assert "group totals over 2 rank(s): [3.0, 3.0]" in job.stdout, job
-    assert "controller smoke job OK" in job.stdout, job
+    assert job.returncode == 0, job.log
+    assert "double rank 1 (role rank 1/2, dp 1/2" in job.stdout, job.log
+    assert "group totals over 2 rank(s): [3.0, 3.0]" in job.stdout, job.log
+    assert "controller smoke job OK" in job.stdout, job.log
 
 
 FAILING_JOB = """
@@ -89,8 +91,8 @@ def test_worker_error_ends_torchrun_job_non_zero(tmp_path):
     script = tmp_path / "failing_job.py"
     script.write_text(textwrap.dedent(FAILING_JOB))
     job = _run(TORCHRUN + [str(script)])
-    assert job.returncode not in (0, None), job
-    assert "launch returned" not in job.stdout, job
-    assert "RemoteError: bad.boom failed on rank 1" in job.stderr, job
-    assert "KeyError: 'broken on purpose'" in job.stderr, job
+    assert job.returncode not in (0, None), job.log
+    assert "launch returned" not in job.stdout, job.log
+    assert "RemoteError: bad.boom failed on rank 1" in job.stderr, job.log
+    assert "KeyError: 'broken on purpose'" in job.stderr, job.log
     assert job.elapsed < 200, job  # ends at once, not after the 600 s default timeout_s

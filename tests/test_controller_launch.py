@@ -96,3 +96,27 @@ def test_worker_error_ends_torchrun_job_non_zero(tmp_path):
     assert "RemoteError: bad.boom failed on rank 1" in job.stderr, job.log
     assert "KeyError: 'broken on purpose'" in job.stderr, job.log
     assert job.elapsed < 200, job  # ends at once, not after the 600 s default timeout_s
+
+
+USER_ERROR_JOB = """
+from minihf.controller import Worker, launch
+
+def load_rows(path):
+    raise FileNotFoundError(f"data file {path} does not exist; check data.train_files")
+
+def driver(groups):
+    load_rows("missing.parquet")
+
+launch(driver, {"w": Worker})
+"""
+
+
+def test_user_error_in_driver_prints_one_line_not_a_traceback(tmp_path):
+    script = tmp_path / "user_error_job.py"
+    script.write_text(textwrap.dedent(USER_ERROR_JOB))
+    job = _run([sys.executable, str(script)])
+    assert job.returncode == 1, job.log
+    assert ("FileNotFoundError: data file missing.parquet does not exist; check "
+            "data.train_files") in job.stderr, job.log
+    assert f"raised at {script}:5 (in load_rows)" in job.stderr, job.log
+    assert "Traceback" not in job.stderr, job.log

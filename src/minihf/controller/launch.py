@@ -4,7 +4,8 @@
 only place in minihf that reads torchrun's environment (``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``; ``MASTER_ADDR``/``MASTER_PORT`` via ``env://``). Without them it starts a
 one-process job. It exits the process non-zero on any error, on every rank, so a failure
-never leaves a job hanging. ``run`` is the same job on an already initialised default
+never leaves a job hanging; a user error (bad value, missing file) is printed as one line
+and where it was raised, anything else with its full traceback (``failure_report``). ``run`` is the same job on an already initialised default
 process group (used by ``launch`` and by multi-process tests); it raises instead of exiting.
 
 Groups: per role, one over its ranks (colocated roles get separate groups) plus its DP and
@@ -178,6 +179,25 @@ def run(driver_fn: DriverFn, roles: Mapping[str, Role | type[Worker]],
     return result
 
 
+USER_ERRORS = (ValueError, OSError)  # bad config (ConfigError), data rows, missing files
+
+
+def failure_report(e: BaseException) -> str:
+    """What ``launch`` prints for the error that ended this rank.
+
+    A user error (``USER_ERRORS``) gets ``Type: message`` and where it was raised: its
+    message names the bad value and the fix, a stack would bury that. Anything else (a bug,
+    a ``RemoteError`` carrying the worker's traceback) gets the full traceback.
+    """
+    if isinstance(e, ControllerAborted):
+        return str(e)
+    if isinstance(e, USER_ERRORS) and e.__traceback__ is not None:
+        frame = traceback.extract_tb(e.__traceback__)[-1]
+        return (f"job failed: {type(e).__name__}: {e}\n  raised at {frame.filename}:"
+                f"{frame.lineno} (in {frame.name})")
+    return "job failed:\n" + "".join(traceback.format_exception(e))
+
+
 def launch(driver_fn: DriverFn, roles: Mapping[str, Role | type[Worker]],
            config: ControllerConfig | None = None) -> Any:
     """Entry helper for scripts: init the process group from torchrun's env, ``run``, exit.
@@ -208,10 +228,7 @@ def launch(driver_fn: DriverFn, roles: Mapping[str, Role | type[Worker]],
     try:
         result = run(driver_fn, roles, config, device=device)
     except BaseException as e:  # noqa: BLE001 - every failure ends this rank non-zero
-        if isinstance(e, ControllerAborted):
-            print(f"[minihf rank {rank}] {e}", file=sys.stderr)
-        else:
-            print(f"[minihf rank {rank}] job failed:\n{traceback.format_exc()}", file=sys.stderr)
+        print(f"[minihf rank {rank}] {failure_report(e)}", file=sys.stderr)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)  # not sys.exit: threads blocked in a receive must not delay the exit

@@ -5,8 +5,9 @@ only place in minihf that reads torchrun's environment (``RANK``, ``WORLD_SIZE``
 ``LOCAL_RANK``; ``MASTER_ADDR``/``MASTER_PORT`` via ``env://``). Without them it starts a
 one-process job. It exits the process non-zero on any error, on every rank, so a failure
 never leaves a job hanging; a user error (bad value, missing file) is printed as one line
-and where it was raised, anything else with its full traceback (``failure_report``). ``run`` is the same job on an already initialised default
-process group (used by ``launch`` and by multi-process tests); it raises instead of exiting.
+and where it was raised, anything else with its full traceback (``failure_report``).
+``run`` is the same job on an already initialised default process group (used by
+``launch`` and by multi-process tests); it raises instead of exiting.
 
 Groups: per role, one over its ranks (colocated roles get separate groups) plus its DP and
 TP groups; and two per worker rank r (driver->r, r->driver; see ``transport``). With CUDA

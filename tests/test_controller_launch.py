@@ -30,7 +30,8 @@ class Job:
     @property
     def log(self) -> str:
         return (f"job {' '.join(map(str, self.cmd))}\nexit {self.returncode} after "
-                f"{self.elapsed:.1f}s\n--- stdout ---\n{self.stdout}\n--- stderr ---\n{self.stderr}")
+                f"{self.elapsed:.1f}s\n--- stdout ---\n{self.stdout}\n"
+                f"--- stderr ---\n{self.stderr}")
 
 
 def _run(cmd, timeout=300) -> Job:

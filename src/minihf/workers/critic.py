@@ -2,9 +2,9 @@
 value loss.
 
 * ``init_model`` (ONE_TO_ALL); ``compute_values(batch) -> Batch{values}`` (DP_COMPUTE);
-* ``update_critic(batch) -> metrics`` (DP_COMPUTE_EXACT: no padded rows) (``critic/vf_loss``, ``critic/vf_clipfrac``,
-  ``critic/vpred_mean``, ``critic/grad_norm``, ``critic/lr``), needs ``values`` (old) and
-  ``returns``;
+* ``update_critic(batch) -> metrics`` (DP_COMPUTE_EXACT: no padded rows)
+  (``critic/vf_loss``, ``critic/vf_clipfrac``, ``critic/vpred_mean``, ``critic/grad_norm``,
+  ``critic/lr``), needs ``values`` (old) and ``returns``;
 * ``save_checkpoint`` / ``load_checkpoint`` (ONE_TO_ALL).
 
 ``model.path`` may be a causal-LM checkpoint: the backbone is loaded, the value head

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from minihf.algorithms import agg_loss, loss_normalizer
+from minihf.algorithms import agg_loss
 from minihf.models import ModelArgs, build_model, init_weights
 from minihf.parallel.fsdp import apply_fsdp, default_mixed_precision, fsdp_mesh, shard_dim
 from minihf.trainer.optim import OptimConfig, build_lr_scheduler, build_optimizer

@@ -104,7 +104,3 @@ def init_model(out_dir: str | Path, arch: str = "qwen2", size: str = "tiny", tas
                      pad_token_id=tokenizer.pad_token_id).save_pretrained(str(out_dir))
     return out_dir
 
-
-def count_parameters(model) -> int:
-    """Distinct parameters (tied embeddings counted once)."""
-    return sum(p.numel() for p in model.parameters())

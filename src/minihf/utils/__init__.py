@@ -1,1 +1,2 @@
-"""Small shared utilities: process spawning for tests and local runs, seeding, timers."""
+"""Small shared utilities: local process spawning (tests, benchmarks), sharded checkpoints,
+the ``minihf doctor`` report."""

@@ -9,7 +9,6 @@ call instead of hanging CI; when one rank fails, the others are killed.
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import queue
 import socket
 import time
@@ -118,7 +117,3 @@ def spawn_ranks(
                 p.join(timeout=5)
     return [out[r] for r in range(world_size)]
 
-
-def cpu_threads_per_rank(world_size: int) -> int:
-    """Threads per rank that do not oversubscribe this machine's cores."""
-    return max(1, (os.cpu_count() or 1) // max(1, world_size))

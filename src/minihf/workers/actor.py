@@ -25,8 +25,6 @@ the loss sum and its normaliser, which leaves the update unchanged).
 
 from __future__ import annotations
 
-import torch
-
 from minihf.algorithms import (agg_loss, compute_policy_loss, kl_penalty, masked_mean)
 from minihf.controller import Dispatch, Worker, register
 from minihf.protocol import Batch

@@ -7,7 +7,8 @@ import pytest
 
 from minihf.config import (ConfigError, apply_override, dump_yaml, find_recipe, from_dict,
                            load_config, parse_value, split_cli_args, to_dict)
-from minihf.controller.config import ControllerConfig, RolePlacement, RoleSpec, resolve_placement
+from minihf.controller.config import ControllerConfig, RoleSpec, resolve_placement
+from minihf.controller.layout import RoleLayout
 
 
 # A small tree composed the way job configs are: sections declared separately, nested.
@@ -185,20 +186,22 @@ def test_placement_resolution():
         "placement={actor: {ranks: all, tp_size: 2}, critic: {ranks: [3, 1]}}"])
     assert cfg.placement["critic"] == RoleSpec(ranks=[3, 1], tp_size=1)
     out = resolve_placement(cfg.placement, 4)
-    assert out == {"actor": RolePlacement([0, 1, 2, 3], 2), "critic": RolePlacement([1, 3], 1)}
+    assert out == {"actor": RoleLayout("actor", (0, 1, 2, 3), 2),
+                   "critic": RoleLayout("critic", (1, 3), 1)}
     assert out["actor"].dp_size == 2
     # Plain dicts work too; roles not named default to all ranks.
     out = resolve_placement({"critic": {"ranks": [1]}}, 2, roles=["actor", "critic"])
-    assert out == {"actor": RolePlacement([0, 1], 1), "critic": RolePlacement([1], 1)}
-    assert resolve_placement({}, 1, roles=["actor"]) == {"actor": RolePlacement([0], 1)}
+    assert out == {"actor": RoleLayout("actor", (0, 1)), "critic": RoleLayout("critic", (1,))}
+    assert resolve_placement({}, 1, roles=["actor"]) == {"actor": RoleLayout("actor", (0,))}
 
 
 def test_placement_errors():
     with pytest.raises(ConfigError, match=r"placement\.critic\.ranks: \[2\] out of range for "
                                           r"world size 2 \(valid ranks 0\.\.1\)"):
         resolve_placement({"critic": {"ranks": [0, 2]}}, 2)
-    with pytest.raises(ConfigError, match=r"placement\.actor\.tp_size=3 does not divide the role's "
-                                          r"4 ranks"):
+    with pytest.raises(ConfigError, match=r"placement\.actor: role 'actor', layout 'default': "
+                                          r"tp_size=3 does not divide the role's 4 ranks "
+                                          r"\[0, 1, 2, 3\]; use one of \[1, 2, 4\]"):
         resolve_placement({"actor": RoleSpec(tp_size=3)}, 4)
     with pytest.raises(ConfigError, match=r"placement\.critic: ranks is empty"):
         resolve_placement({"critic": {"ranks": []}}, 2)

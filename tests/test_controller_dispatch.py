@@ -8,6 +8,7 @@ from minihf.controller import (
     DISPATCH_MODES, ControllerError, Dispatch, Plan, RoleLayout, Worker, get_dispatch_mode,
     register, register_dispatch_mode,
 )
+from minihf.config import ConfigError
 from minihf.controller.dispatch import collect_dp_compute, dispatch_dp_compute
 from minihf.controller.driver import _reply_into
 from minihf.controller.messages import Reply
@@ -82,7 +83,7 @@ def test_other_builtin_modes():
 def test_layout_validation_and_ranks():
     layout = RoleLayout("r", (4, 5, 6, 7), 2)
     assert (layout.dp_size, layout.dp_rank(3), layout.tp_rank(3)) == (2, 1, 1)
-    with pytest.raises(ControllerError, match="tp_size=3 must divide"):
+    with pytest.raises(ConfigError, match="tp_size=3 does not divide"):
         RoleLayout("r", (0, 1), 3)
 
 

@@ -3,14 +3,30 @@
 Names and argument order follow verl's ``core_algos`` so recipes read the same.
 """
 
+from minihf.algorithms.advantage import (
+    ADV_ESTIMATORS, AdvantageEstimator, compute_gae_advantage_return,
+    compute_grpo_outcome_advantage, compute_reinforce_plus_plus_baseline_outcome_advantage,
+    compute_reinforce_plus_plus_outcome_advantage, compute_remax_outcome_advantage,
+    compute_rloo_outcome_advantage, get_adv_estimator_fn, register_adv_est)
 from minihf.algorithms.kl import kl_penalty
+from minihf.algorithms.kl_ctrl import (AdaptiveKLController, FixedKLController, KLController,
+                                       apply_kl_penalty)
 from minihf.algorithms.logprob import entropy_from_logits, logprobs_from_logits
-from minihf.algorithms.loss_agg import LOSS_AGG_MODES, agg_loss, loss_normalizer, masked_mean
-from minihf.algorithms.policy_loss import compute_policy_loss
+from minihf.algorithms.loss_agg import (LOSS_AGG_MODES, agg_loss, loss_normalizer, masked_mean,
+                                        masked_var, masked_whiten)
+from minihf.algorithms.policy_loss import (POLICY_LOSSES, compute_policy_loss,
+                                           compute_policy_loss_gspo, get_policy_loss_fn,
+                                           register_policy_loss, vanilla_policy_loss)
 from minihf.algorithms.value_loss import compute_value_loss
 
 __all__ = [
-    "LOSS_AGG_MODES", "agg_loss", "compute_policy_loss", "compute_value_loss",
-    "entropy_from_logits", "kl_penalty", "logprobs_from_logits", "loss_normalizer",
-    "masked_mean",
+    "ADV_ESTIMATORS", "AdaptiveKLController", "AdvantageEstimator", "FixedKLController",
+    "KLController", "LOSS_AGG_MODES", "POLICY_LOSSES", "agg_loss", "apply_kl_penalty",
+    "compute_gae_advantage_return", "compute_grpo_outcome_advantage", "compute_policy_loss",
+    "compute_policy_loss_gspo", "compute_reinforce_plus_plus_baseline_outcome_advantage",
+    "compute_reinforce_plus_plus_outcome_advantage", "compute_remax_outcome_advantage",
+    "compute_rloo_outcome_advantage", "compute_value_loss", "entropy_from_logits",
+    "get_adv_estimator_fn", "get_policy_loss_fn", "kl_penalty", "logprobs_from_logits",
+    "loss_normalizer", "masked_mean", "masked_var", "masked_whiten", "register_adv_est",
+    "register_policy_loss", "vanilla_policy_loss",
 ]

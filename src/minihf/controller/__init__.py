@@ -3,7 +3,7 @@
 Rank 0 runs the driver (a plain sequential program) and calls role worker groups as if
 they were local objects; every other rank serves commands until STOP. See ``launch`` (entry,
 groups, threads), ``worker`` (``Worker``, ``@register``), ``dispatch`` (the dispatch/collect
-table), ``group`` (``WorkerGroup``), ``driver`` (futures, ordering, heartbeat), ``peer``
+table), ``layout`` (DP x TP arrangements of a role's ranks), ``group`` (``WorkerGroup``), ``driver`` (futures, ordering, heartbeat), ``peer``
 (rank 0's link to one worker rank), ``transport`` (wire format), ``serve`` (the
 worker-side loop) and ``config`` (``ControllerConfig``, role placement).
 """
@@ -13,7 +13,6 @@ from minihf.controller.dispatch import (
     Dispatch,
     DispatchMode,
     Plan,
-    RoleLayout,
     get_dispatch_mode,
     register_dispatch_mode,
 )
@@ -21,11 +20,13 @@ from minihf.controller.driver import CallFuture
 from minihf.controller.errors import ControllerAborted, ControllerError, RankLostError, RemoteError
 from minihf.controller.group import WorkerGroup
 from minihf.controller.launch import Role, launch, resolve_backend, run
-from minihf.controller.worker import MethodSpec, Worker, WorkerContext, create_worker, register
+from minihf.controller.layout import DEFAULT_LAYOUT, RoleLayout
+from minihf.controller.worker import (MethodSpec, ParallelInfo, Worker, WorkerContext,
+                                      create_worker, register)
 
 __all__ = [
-    "CallFuture", "ControllerAborted", "ControllerError", "DISPATCH_MODES", "Dispatch",
-    "DispatchMode", "MethodSpec", "Plan", "RankLostError", "RemoteError", "Role", "RoleLayout",
+    "CallFuture", "ControllerAborted", "ControllerError", "DEFAULT_LAYOUT", "DISPATCH_MODES",
+    "Dispatch", "DispatchMode", "MethodSpec", "ParallelInfo", "Plan", "RankLostError", "RemoteError", "Role", "RoleLayout",
     "Worker", "WorkerContext", "WorkerGroup", "create_worker", "get_dispatch_mode", "launch",
     "register", "register_dispatch_mode", "resolve_backend", "run",
 ]

@@ -2,7 +2,7 @@
 
 ``ControllerConfig`` is a field of every job's root config (``controller.*`` keys);
 ``resolve_placement`` turns its ``placement`` (role name -> ``RoleSpec``) into each role's
-global ranks and TP size for a given world size. Pure data: no torch.
+default ``RoleLayout`` (global ranks, TP size) for a given world size. Pure data: no torch.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Union
 
 from minihf.config import ConfigError, from_dict, suggest
+from minihf.controller.layout import RoleLayout
 
 
 @dataclass
@@ -32,20 +33,9 @@ class RoleSpec:
 PlacementConfig = dict[str, RoleSpec]  # role name -> RoleSpec
 
 
-@dataclass(frozen=True)
-class RolePlacement:
-    """A role's placement resolved against the world size: sorted global ranks + TP size."""
-    ranks: list[int]
-    tp_size: int
-
-    @property
-    def dp_size(self) -> int:
-        return len(self.ranks) // self.tp_size
-
-
 def resolve_placement(placement: PlacementConfig, world_size: int,
-                      roles: list[str] | None = None) -> dict[str, RolePlacement]:
-    """Resolve ``placement`` for ``world_size`` ranks.
+                      roles: list[str] | None = None) -> dict[str, RoleLayout]:
+    """Resolve ``placement`` for ``world_size`` ranks: each role's default layout.
 
     With ``roles`` (the roles the job builds), roles not named in ``placement`` run on all
     ranks with TP 1, and placement entries for roles that do not exist are errors.
@@ -67,10 +57,10 @@ def resolve_placement(placement: PlacementConfig, world_size: int,
         if bad:
             raise ConfigError(f"placement.{name}.ranks: {bad} out of range for world size "
                               f"{world_size} (valid ranks 0..{world_size - 1})")
-        if len(ranks) % spec.tp_size:
-            raise ConfigError(f"placement.{name}.tp_size={spec.tp_size} does not divide the "
-                              f"role's {len(ranks)} ranks {ranks}")
-        out[name] = RolePlacement(ranks, spec.tp_size)
+        try:
+            out[name] = RoleLayout(name, tuple(ranks), spec.tp_size)
+        except ConfigError as e:
+            raise ConfigError(f"placement.{name}: {e}") from None
     return out
 
 

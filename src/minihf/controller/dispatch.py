@@ -17,9 +17,11 @@ worker thread right after its own part. DP_COMPUTE uses them to land remote resu
 directly in slices of the concatenated output (``DPOutputs``) and to copy rank 0's part
 there while the remote ones are still in flight, so collecting copies nothing more.
 
-Layout convention: TP is the innermost dimension, so role rank ``i`` has
-``dp_rank = i // tp_size`` and ``tp_rank = i % tp_size`` (the ``tp_size`` consecutive role
-ranks of one DP group hold one model replica and receive the same data).
+Which ranks form a DP rank's replica (TP peers receive the same data) is the
+``RoleLayout``'s business (``minihf.controller.layout``): the method's layout is passed in.
+When a method's ``collect`` is another mode, that mode's ``replies`` picks which of the
+dispatch's ``collect_from`` ranks send data back (RANK_ZERO: only the first), so ranks
+whose results would be thrown away only acknowledge.
 """
 
 from __future__ import annotations
@@ -31,46 +33,8 @@ from typing import Any, Callable
 import torch
 
 from minihf.controller.errors import ControllerError
+from minihf.controller.layout import RoleLayout
 from minihf.protocol import Batch
-
-
-@dataclass(frozen=True)
-class RoleLayout:
-    """A role's global ranks (role rank ``i`` is ``ranks[i]``) and its tensor-parallel size."""
-    role: str
-    ranks: tuple[int, ...]
-    tp_size: int = 1
-
-    def __post_init__(self):
-        if not self.ranks or len(set(self.ranks)) != len(self.ranks):
-            raise ControllerError(f"role {self.role!r}: ranks {self.ranks} must be non-empty "
-                                  "and distinct")
-        if self.tp_size < 1 or len(self.ranks) % self.tp_size:
-            raise ControllerError(f"role {self.role!r}: tp_size={self.tp_size} must divide its "
-                                  f"{len(self.ranks)} ranks {list(self.ranks)}")
-
-    @property
-    def size(self) -> int:
-        return len(self.ranks)
-
-    @property
-    def dp_size(self) -> int:
-        return len(self.ranks) // self.tp_size
-
-    def dp_rank(self, role_rank: int) -> int:
-        return role_rank // self.tp_size
-
-    def tp_rank(self, role_rank: int) -> int:
-        return role_rank % self.tp_size
-
-    def tp_group_ranks(self, role_rank: int) -> tuple[int, ...]:
-        """Global ranks of the TP group (one model replica) holding ``role_rank``."""
-        start = self.dp_rank(role_rank) * self.tp_size
-        return self.ranks[start:start + self.tp_size]
-
-    def dp_group_ranks(self, role_rank: int) -> tuple[int, ...]:
-        """Global ranks with the same TP rank as ``role_rank``, one per DP group."""
-        return self.ranks[self.tp_rank(role_rank)::self.tp_size]
 
 
 Call = tuple[tuple, dict]
@@ -90,11 +54,23 @@ DispatchFn = Callable[[RoleLayout, tuple, dict], Plan]
 CollectFn = Callable[[RoleLayout, list, Any], Any]
 
 
+RepliesFn = Callable[[list[int]], list[int]]
+
+
+def all_replies(collect_from: list[int]) -> list[int]:
+    return collect_from
+
+
+def first_reply(collect_from: list[int]) -> list[int]:
+    return collect_from[:1]
+
+
 @dataclass(frozen=True)
 class DispatchMode:
     name: str
     dispatch_fn: DispatchFn
     collect_fn: CollectFn
+    replies: RepliesFn = all_replies  # as a collect: which of collect_from reply
 
 
 class Dispatch:
@@ -281,19 +257,21 @@ DISPATCH_MODES: dict[str, DispatchMode] = {
         DispatchMode(Dispatch.ONE_TO_ALL, dispatch_one_to_all, collect_all),
         DispatchMode(Dispatch.DP_COMPUTE, dispatch_dp_compute, collect_dp_compute),
         DispatchMode(Dispatch.DP_COMPUTE_EXACT, dispatch_dp_compute_exact, collect_dp_compute),
-        DispatchMode(Dispatch.RANK_ZERO, dispatch_rank_zero, collect_first),
+        DispatchMode(Dispatch.RANK_ZERO, dispatch_rank_zero, collect_first, first_reply),
         DispatchMode(Dispatch.ALL_TO_ALL, dispatch_all_to_all, collect_all),
     )
 }
 
 
 def register_dispatch_mode(name: str, dispatch_fn: DispatchFn, collect_fn: CollectFn,
-                           *, replace: bool = False) -> DispatchMode:
-    """Add a dispatch/collect pair under ``name`` (before classes using it are defined)."""
+                           *, replace: bool = False,
+                           replies: RepliesFn = all_replies) -> DispatchMode:
+    """Add a dispatch/collect pair under ``name`` (before classes using it are defined);
+    ``replies`` says which ranks reply when the mode is another method's ``collect``."""
     if name in DISPATCH_MODES and not replace:
         raise ControllerError(f"dispatch mode {name!r} already exists; pass replace=True to "
                               "override it")
-    mode = DispatchMode(name, dispatch_fn, collect_fn)
+    mode = DispatchMode(name, dispatch_fn, collect_fn, replies)
     DISPATCH_MODES[name] = mode
     return mode
 

@@ -158,7 +158,8 @@ class Driver:
         if missing:
             raise ControllerError(f"dispatch mode {spec.dispatch!r} collects from role ranks "
                                   f"{missing} that it does not call")
-        replying = set(plan.collect_from)
+        collect_from = spec.replies(plan.collect_from)  # the collect mode picks who replies
+        replying = set(collect_from)
         # the mode's own collect may receive replies in place; a user's collect gets plain ones
         own_collect = spec.collect is None
         receive_into = plan.receive_into if own_collect else None
@@ -174,7 +175,7 @@ class Driver:
                 if rank == self.rank:
                     place = None
                     if place_local is not None and cmd.reply:
-                        place = functools.partial(place_local, plan.collect_from.index(i))
+                        place = functools.partial(place_local, collect_from.index(i))
                     parts[i] = self._local.submit(self._run_local, cmd, place)
                     continue
                 key = (id(call), cmd.reply)
@@ -183,9 +184,9 @@ class Driver:
                 into = None
                 if receive_into is not None and cmd.reply:
                     into = functools.partial(_reply_into, receive_into,
-                                             plan.collect_from.index(i))
+                                             collect_from.index(i))
                 parts[i] = self._peers[rank].send(memo[key], layout.role, spec.name, into)
-        fut = CallFuture(layout, spec, plan.collect_from, plan.ctx, parts)
+        fut = CallFuture(layout, spec, collect_from, plan.ctx, parts)
         # keep only calls still running or holding an unseen error (never their values)
         self._unawaited = [f for f in self._unawaited if f.failed_unseen() is not False]
         if track:

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from minihf.controller.dispatch import RoleLayout
 from minihf.controller.driver import CallFuture, Driver
+from minihf.controller.errors import ControllerError
+from minihf.controller.layout import DEFAULT_LAYOUT, RoleLayout
 from minihf.controller.worker import MethodSpec, Worker
 
 
@@ -23,13 +24,14 @@ class RemoteCall:
 
     def future(self, *args: Any, **kwargs: Any) -> CallFuture:
         g = self._group
-        return g._driver.call(g.layout, self.spec, args, kwargs)
+        return g._driver.call(g.layout_of(self.spec), self.spec, args, kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self.spec.blocking:
             return self.future(*args, **kwargs)
         g = self._group
-        return g._driver.call(g.layout, self.spec, args, kwargs, track=False).result()
+        return g._driver.call(g.layout_of(self.spec), self.spec, args, kwargs,
+                              track=False).result()
 
     def __repr__(self) -> str:
         return f"<remote {self._group.role}.{self.spec.name} dispatch={self.spec.dispatch}>"
@@ -38,8 +40,20 @@ class RemoteCall:
 class WorkerGroup:
     """The workers of one role, seen from the driver."""
 
-    def __init__(self, layout: RoleLayout, worker_cls: type[Worker], driver: Driver):
+    def __init__(self, layout: RoleLayout, worker_cls: type[Worker], driver: Driver,
+                 layouts: dict[str, RoleLayout] | None = None):
         self.layout, self.worker_cls, self._driver = layout, worker_cls, driver
+        self.layouts = {DEFAULT_LAYOUT: layout, **(layouts or {})}  # name -> layout
+
+    def layout_of(self, spec: MethodSpec) -> RoleLayout:
+        """The layout a method is dispatched over."""
+        try:
+            return self.layouts[spec.layout]
+        except KeyError:
+            raise ControllerError(
+                f"{self.role}.{spec.name} uses layout {spec.layout!r}, which "
+                f"{self.worker_cls.__name__} does not declare (declare_layouts gives "
+                f"{sorted(self.layouts)})") from None
 
     @property
     def role(self) -> str:

@@ -9,8 +9,8 @@ and where it was raised, anything else with its full traceback (``failure_report
 ``run`` is the same job on an already initialised default process group (used by
 ``launch`` and by multi-process tests); it raises instead of exiting.
 
-Groups: per role, one over its ranks (colocated roles get separate groups) plus its DP and
-TP groups; and two per worker rank r (driver->r, r->driver; see ``transport``). With CUDA
+Groups: per role, one over its ranks (colocated roles get separate groups) plus the DP and
+TP groups of each of its layouts (``minihf.controller.layout``); and two per worker rank r (driver->r, r->driver; see ``transport``). With CUDA
 the backend is "cpu:gloo,cuda:nccl": pickled control records go over gloo, tensors over NCCL.
 
 Threads: on every rank, workers are built and their methods run on one thread owned by the
@@ -37,13 +37,13 @@ import torch
 import torch.distributed as dist
 
 from minihf.controller.config import ControllerConfig, resolve_placement
-from minihf.controller.dispatch import RoleLayout
+from minihf.controller.layout import DEFAULT_LAYOUT, RoleLayout
 from minihf.controller.driver import Driver, run_driver
 from minihf.controller.errors import ControllerAborted, ControllerError
 from minihf.controller.group import WorkerGroup
 from minihf.controller.serve import serve
 from minihf.controller.transport import Channel
-from minihf.controller.worker import Worker, WorkerContext, create_worker
+from minihf.controller.worker import ParallelInfo, Worker, WorkerContext, create_worker
 
 
 @dataclass(frozen=True)
@@ -71,14 +71,41 @@ def resolve_backend(backend: str, cuda_available: bool) -> str:
     return "gloo"
 
 
-def _make_groups(rank: int, world: int, layouts: dict[str, RoleLayout],
+def role_layouts(roles: Mapping[str, Role], defaults: dict[str, RoleLayout]
+                 ) -> dict[str, dict[str, RoleLayout]]:
+    """Every role's layouts: its default (placement) plus what its class declares. Checks
+    that each remote method names a layout the role has."""
+    out = {}
+    for name, default in defaults.items():
+        spec = roles[name]
+        declared = spec.worker_cls.declare_layouts(*spec.args, **spec.kwargs)
+        layouts = {DEFAULT_LAYOUT: default}
+        for lname, tp in sorted(declared.items()):
+            if lname == DEFAULT_LAYOUT:
+                raise ControllerError(f"{spec.worker_cls.__name__}.declare_layouts: "
+                                      f"{DEFAULT_LAYOUT!r} is the placement's layout; name yours "
+                                      "differently")
+            layouts[lname] = default.with_tp(lname, tp)
+        for m in spec.worker_cls.remote_methods.values():
+            if m.layout not in layouts:
+                raise ControllerError(
+                    f"{spec.worker_cls.__name__}.{m.name} uses layout {m.layout!r}, which the "
+                    f"role does not declare (layouts: {sorted(layouts)}); return it from "
+                    "declare_layouts")
+        out[name] = layouts
+    return out
+
+
+def _make_groups(rank: int, world: int, layouts: dict[str, dict[str, RoleLayout]],
                  cuda: torch.device | None, device: torch.device, timeout_s: float
                  ) -> tuple[dict[str, WorkerContext], dict[int, tuple[Channel, Channel]], list]:
-    """This rank's worker contexts (role, DP and TP groups) and its driver links.
+    """This rank's worker contexts (role group; DP and TP groups of every layout) and its
+    driver links.
 
     Every rank creates every multi-rank group (torch requires it), in one global order:
-    roles sorted by name (role group, then its TP groups, then its DP groups), then the
-    links by peer. A DP or TP group of one rank is created by that rank alone.
+    roles sorted by name (role group, then per layout by name: its TP groups, then its DP
+    groups), then the links by peer. A DP or TP group of one rank is created by that rank
+    alone; one spanning the whole role is the role group.
     """
     timeout = timedelta(seconds=timeout_s)
     created: list = []
@@ -95,20 +122,33 @@ def _make_groups(rank: int, world: int, layouts: dict[str, RoleLayout],
         created.append(group)
         return group
 
+    def pick(groups: list[tuple[int, ...]], size: int, role_group) -> Any:
+        """Create ``groups`` (if they are neither single ranks nor the whole role); return
+        this rank's."""
+        if size == 1:
+            return own_group() if role_group is not None else None
+        if len(groups) == 1:
+            return role_group
+        mine = None
+        for ranks in groups:
+            mine = new_group(ranks) or mine
+        return mine
+
     contexts = {}
     for name in sorted(layouts):
-        layout = layouts[name]
-        group = new_group(layout.ranks)
-        tp = dp = None
-        if layout.tp_size > 1 and layout.dp_size > 1:
-            for d in range(layout.dp_size):
-                tp = new_group(layout.tp_group_ranks(d * layout.tp_size)) or tp
-            for t in range(layout.tp_size):
-                dp = new_group(layout.dp_group_ranks(t)) or dp
-        if rank in layout.ranks:
-            tp = group if layout.dp_size == 1 else tp if layout.tp_size > 1 else own_group()
-            dp = group if layout.tp_size == 1 else dp if layout.dp_size > 1 else own_group()
-            contexts[name] = WorkerContext(rank, layout, group, device, dp_group=dp, tp_group=tp)
+        default = layouts[name][DEFAULT_LAYOUT]
+        group = new_group(default.ranks)
+        infos = {}
+        for lname, layout in sorted(layouts[name].items()):
+            tp = pick(layout.tp_groups(), layout.tp_size, group)
+            dp = pick(layout.dp_groups(), layout.dp_size, group)
+            if rank in layout.ranks:
+                i = layout.ranks.index(rank)
+                infos[lname] = ParallelInfo(layout, layout.dp_rank(i), layout.tp_rank(i), dp, tp)
+        if rank in default.ranks:
+            base = infos.pop(DEFAULT_LAYOUT)
+            contexts[name] = WorkerContext(rank, default, group, device, dp_group=base.dp_group,
+                                           tp_group=base.tp_group, others=infos)
     links: dict[int, tuple[Channel, Channel]] = {}
     for peer in range(1, world):  # two groups per pair: driver->peer and peer->driver
         down, up = new_group([0, peer]), new_group([0, peer])
@@ -152,8 +192,7 @@ def run(driver_fn: DriverFn, roles: Mapping[str, Role | type[Worker]],
     config = config or ControllerConfig()
     rank, world = dist.get_rank(), dist.get_world_size()
     roles = {name: r if isinstance(r, Role) else Role(r) for name, r in roles.items()}
-    placement = resolve_placement(config.placement, world, roles=list(roles))
-    layouts = {n: RoleLayout(n, tuple(p.ranks), p.tp_size) for n, p in placement.items()}
+    layouts = role_layouts(roles, resolve_placement(config.placement, world, roles=list(roles)))
     on_cuda = "nccl" in str(dist.get_backend())
     cuda = torch.device("cuda", torch.cuda.current_device()) if on_cuda else None
     device = device or cuda or torch.device("cpu")
@@ -167,8 +206,8 @@ def run(driver_fn: DriverFn, roles: Mapping[str, Role | type[Worker]],
         workers = pool.submit(_build_workers, roles, contexts).result()
         if rank == 0:
             driver = Driver(rank, links, workers, cuda, config.timeout_s, pool)
-            groups = {n: WorkerGroup(layouts[n], roles[n].worker_cls, driver)
-                      for n in sorted(layouts)}
+            groups = {n: WorkerGroup(layouts[n][DEFAULT_LAYOUT], roles[n].worker_cls, driver,
+                                     layouts[n]) for n in sorted(layouts)}
             result = run_driver(driver, lambda: driver_fn(groups))
         else:
             serve(*links[0], workers, rank, config.idle_timeout_s, pool)

@@ -1,6 +1,6 @@
 """``Worker`` base class and the ``@register`` decorator that declares remote methods.
 
-``@register(dispatch=..., collect=..., blocking=...)`` turns a method into a
+``@register(dispatch=..., collect=..., blocking=..., layout=...)`` turns a method into a
 ``RemoteMethod`` descriptor: it still behaves like the plain method on the worker itself,
 and it carries a ``MethodSpec``. ``Worker.__init_subclass__`` builds the class's explicit
 table ``remote_methods`` (name -> spec) from its bases' tables plus the ``RemoteMethod``
@@ -8,20 +8,26 @@ entries in the class body; ``WorkerGroup`` and the serve loop only ever look nam
 that table (no ``dir()`` scans, no attribute-string conventions).
 
 The runtime creates a worker with ``create_worker``: it binds the ``WorkerContext`` (rank,
-role, role process group, layout, device) *before* calling ``__init__``, so ``self.device``
-and friends are usable inside ``__init__``; subclasses just call ``super().__init__()``.
+role, role process group, layouts and their groups, device) *before* calling ``__init__``,
+so ``self.device`` and friends are usable inside ``__init__``; subclasses just call
+``super().__init__()``. ``dp_rank``/``tp_rank``/... describe the default layout;
+``self.parallel(name)`` any declared one. A worker class declares its extra layouts with
+the classmethod ``declare_layouts(*args, **kwargs)`` (from its constructor arguments,
+e.g. the rollout TP size in its config), so every rank can build their groups at launch.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, ClassVar
 
 import torch
 
-from minihf.controller.dispatch import CollectFn, Dispatch, RoleLayout, get_dispatch_mode
+from minihf.controller.dispatch import (CollectFn, Dispatch, RepliesFn, all_replies,
+                                        get_dispatch_mode)
 from minihf.controller.errors import ControllerError
+from minihf.controller.layout import DEFAULT_LAYOUT, RoleLayout
 
 
 @dataclass(frozen=True)
@@ -31,6 +37,8 @@ class MethodSpec:
     dispatch: str
     collect: CollectFn | None = None  # None: the dispatch mode's own collect function
     blocking: bool = True
+    layout: str = DEFAULT_LAYOUT  # which of the role's layouts the call is dispatched over
+    replies: RepliesFn = all_replies  # which of the dispatch's collect_from ranks reply
 
     def collect_fn(self) -> CollectFn:
         return self.collect or get_dispatch_mode(self.dispatch).collect_fn
@@ -51,34 +59,69 @@ class RemoteMethod:
 
 
 def register(dispatch: str = Dispatch.ONE_TO_ALL, collect: str | CollectFn | None = None,
-             blocking: bool = True) -> Callable[[Callable], RemoteMethod]:
+             blocking: bool = True, layout: str = DEFAULT_LAYOUT
+             ) -> Callable[[Callable], RemoteMethod]:
     """Declare a worker method callable from the driver.
 
     ``dispatch`` names a mode of ``DISPATCH_MODES``; ``collect`` overrides how results are
-    joined (a mode name, whose collect function is used, or a ``collect_fn(layout, outputs,
-    ctx)``); ``blocking=False`` makes the driver call return a future.
+    joined (a mode name, whose collect function and ``replies`` are used, or a
+    ``collect_fn(layout, outputs, ctx)``); ``blocking=False`` makes the driver call return a
+    future; ``layout`` names the role layout the call is split over (``"default"``, or one
+    the worker class declares in ``declare_layouts``).
     """
     get_dispatch_mode(dispatch)  # fail at class definition on a typo
+    replies = all_replies
     if isinstance(collect, str):
-        collect = get_dispatch_mode(collect).collect_fn
+        mode = get_dispatch_mode(collect)
+        collect, replies = mode.collect_fn, mode.replies
 
     def wrap(fn: Callable) -> RemoteMethod:
         if isinstance(fn, RemoteMethod):
             raise ControllerError(f"{fn.spec.name} is decorated with @register twice")
-        return RemoteMethod(fn, MethodSpec(fn.__name__, dispatch, collect, blocking))
+        return RemoteMethod(fn, MethodSpec(fn.__name__, dispatch, collect, blocking, layout,
+                                           replies))
 
     return wrap
 
 
 @dataclass(frozen=True)
-class WorkerContext:
-    """Where a worker runs: global rank, its role's layout and process group, its device."""
-    rank: int
+class ParallelInfo:
+    """This rank's place in one layout of its role, with that layout's process groups."""
     layout: RoleLayout
+    dp_rank: int
+    tp_rank: int
+    dp_group: Any = None  # ranks with this rank's TP rank (FSDP gather group of a strided layout)
+    tp_group: Any = None  # this rank's replica
+
+    @property
+    def dp_size(self) -> int:
+        return self.layout.dp_size
+
+    @property
+    def tp_size(self) -> int:
+        return self.layout.tp_size
+
+
+@dataclass(frozen=True)
+class WorkerContext:
+    """Where a worker runs: global rank, its role's layouts and process groups, its device."""
+    rank: int
+    layout: RoleLayout  # the default layout
     group: Any  # torch.distributed ProcessGroup of the role's ranks
     device: torch.device
     dp_group: Any = None  # this rank's DP group (same TP rank); the role group if tp_size 1
     tp_group: Any = None  # this rank's TP group; the role group if dp_size is 1
+    others: dict = field(default_factory=dict)  # declared layout name -> ParallelInfo
+
+    def parallel(self, name: str = DEFAULT_LAYOUT) -> ParallelInfo:
+        if name == DEFAULT_LAYOUT:
+            i = self.layout.ranks.index(self.rank)
+            return ParallelInfo(self.layout, self.layout.dp_rank(i), self.layout.tp_rank(i),
+                                self.dp_group, self.tp_group)
+        if name not in self.others:
+            raise ControllerError(f"role {self.layout.role!r} has no layout {name!r}; declared: "
+                                  f"{[DEFAULT_LAYOUT, *sorted(self.others)]}")
+        return self.others[name]
 
 
 class Worker:
@@ -97,6 +140,16 @@ class Worker:
             if isinstance(value, RemoteMethod):
                 table[name] = value.spec
         cls.remote_methods = table
+
+    @classmethod
+    def declare_layouts(cls, *args: Any, **kwargs: Any) -> dict[str, int]:
+        """Extra (TP-strided) layouts of this role, name -> TP size, from the constructor's
+        arguments; called on every rank at launch, before the worker exists."""
+        return {}
+
+    def parallel(self, layout: str = DEFAULT_LAYOUT) -> ParallelInfo:
+        """This rank's DP/TP ranks and groups in ``layout``."""
+        return self.ctx.parallel(layout)
 
     @property
     def ctx(self) -> WorkerContext:

@@ -94,7 +94,7 @@ def compute_gae_advantage_return(token_level_rewards: torch.Tensor, values: torc
             delta = token_level_rewards[:, t] + gamma * next_value - values[:, t]
             gae = delta + gamma * lam * last_gae
             m = mask[:, t]
-            next_value = values[:, t]       # skip masked steps
+            next_value = m * values[:, t] + (1 - m) * next_value       # skip masked steps
             last_gae = m * gae + (1 - m) * last_gae
             advs.append(last_gae)
         advantages = torch.stack(advs[::-1], dim=-1)                    # [B, T]

@@ -10,7 +10,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 from minihf.algorithms import agg_loss
 from minihf.models import ModelArgs, build_model, init_weights
-from minihf.parallel.fsdp import apply_fsdp, default_mixed_precision, fsdp_mesh, shard_dim
+from minihf.parallel.fsdp import apply_fsdp, default_mixed_precision, fsdp_mesh
+from minihf.parallel.placement import fsdp_dim as shard_dim
 from minihf.trainer.optim import OptimConfig, build_lr_scheduler, build_optimizer
 from minihf.utils.spawn import spawn_ranks
 from minihf.workers.forward import forward_log_probs

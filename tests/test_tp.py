@@ -10,7 +10,8 @@ summation order differs): logits 6.7e-6 (llama TP=4; |logits| up to ~6) -> 6e-5,
 import pytest
 import torch
 
-from minihf.parallel.tp import shard_tensor, tp_shard_dim
+from minihf.parallel.placement import tp_dim
+from minihf.parallel.tp import shard_tensor
 from minihf.utils.spawn import spawn_ranks
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [3], [5, 6, 7]]
@@ -59,8 +60,8 @@ def _tp_case(rank, world_size, path, full):
     ref_greedy = [o.outputs[0].token_ids for o in ref_outs]
     ref_lp = [o.outputs[0].logprobs for o in ref_outs]
     results = {}
-    for vocab_parallel in (True, False) if full else (True,):
-        model = apply_tp(load_hf(path), group, vocab_parallel=vocab_parallel)
+    for vocab_parallel in (True,):  # a replicated head (odd vocab): tests/test_reshard.py
+        model = apply_tp(load_hf(path), group)
         attn = model.model.layers[0].self_attn
         assert isinstance(attn.q_proj, ColumnParallelLinear) and isinstance(model.model.layers[0].mlp.down_proj, RowParallelLinear)
         assert attn.num_heads == 8 // world_size and attn.num_kv_heads == 4 // world_size
@@ -136,16 +137,16 @@ def test_head_count_rule():
 
 
 def test_slicing_rule():
-    assert tp_shard_dim("model.layers.3.self_attn.q_proj.weight") == 0
-    assert tp_shard_dim("model.layers.3.self_attn.k_proj.bias") == 0
-    assert tp_shard_dim("model.layers.3.mlp.up_proj.weight") == 0
-    assert tp_shard_dim("model.layers.3.self_attn.o_proj.weight") == 1
-    assert tp_shard_dim("model.layers.3.self_attn.o_proj.bias") is None
-    assert tp_shard_dim("model.layers.3.mlp.down_proj.weight") == 1
-    assert tp_shard_dim("lm_head.weight") == 0 and tp_shard_dim("lm_head.weight", vocab_parallel=False) is None
+    assert tp_dim("model.layers.3.self_attn.q_proj.weight", (8, 8), 2) == 0
+    assert tp_dim("model.layers.3.self_attn.k_proj.bias", (8, 8), 2) == 0
+    assert tp_dim("model.layers.3.mlp.up_proj.weight", (8, 8), 2) == 0
+    assert tp_dim("model.layers.3.self_attn.o_proj.weight", (8, 8), 2) == 1
+    assert tp_dim("model.layers.3.self_attn.o_proj.bias", (8, 8), 2) is None
+    assert tp_dim("model.layers.3.mlp.down_proj.weight", (8, 8), 2) == 1
+    assert tp_dim("lm_head.weight", (64, 8), 2) == 0 and tp_dim("lm_head.weight", (65, 8), 2) is None
     for name in ("model.embed_tokens.weight", "model.norm.weight", "model.layers.0.input_layernorm.weight",
                  "model.layers.0.self_attn.q_norm.weight", "value_head.weight"):
-        assert tp_shard_dim(name) is None, name
+        assert tp_dim(name, (8, 8), 2) is None, name
     w = torch.arange(24.0).view(4, 6)
     parts = [shard_tensor(w, 1, r, 3) for r in range(3)]
     assert torch.equal(torch.cat(parts, 1), w) and parts[1].tolist() == [[2, 3], [8, 9], [14, 15], [20, 21]]

@@ -2,10 +2,9 @@
 
 Shard placement follows the weight's tensor-parallel role so that the resharding engine
 (training FSDP layout -> generation TP layout) can gather a TP shard from a small group:
-column-parallel weights (q/k/v, gate/up, lm_head, the embedding) are sharded on dim 0 and
-row-parallel weights (o_proj, down_proj) on dim 1. FSDP2 supports uneven shards only on
-dim 0, so a row-parallel weight whose dim 1 does not divide by the mesh size falls back to
-dim 0 (:func:`shard_dim`; such a model cannot use TP of that size anyway).
+column-parallel weights (q/k/v, gate/up, lm_head) are sharded on dim 0 and row-parallel
+weights (o_proj, down_proj) on dim 1; the rule is ``minihf.parallel.placement.fsdp_dim``,
+the same table ``apply_tp`` and the reshard planner read.
 
 Mixed precision: bf16 parameters for compute with fp32 gradient reduction on CUDA; plain
 fp32 on CPU (bf16 matmul is orders of magnitude slower on most CPUs). The sharded master
@@ -28,15 +27,7 @@ from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecision
 from torch.distributed.tensor import Shard
 from torch.utils.checkpoint import checkpoint
 
-ROW_PARALLEL = ("o_proj.weight", "down_proj.weight")
-
-
-def shard_dim(name: str, shape: tuple[int, ...], world_size: int) -> int:
-    """The dim FSDP shards parameter ``name`` on: 1 for row-parallel 2-D weights whose
-    dim 1 divides by ``world_size``, else 0."""
-    if name.endswith(ROW_PARALLEL) and len(shape) == 2 and shape[1] % world_size == 0:
-        return 1
-    return 0
+from minihf.parallel.placement import fsdp_dim
 
 
 def default_mixed_precision(device_type: str) -> tuple[torch.dtype | None, torch.dtype | None]:
@@ -93,7 +84,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype |
     names = {id(p): n for n, p in model.named_parameters()}
 
     def placement(param: nn.Parameter) -> Shard:
-        return Shard(shard_dim(names.get(id(param), ""), tuple(param.shape), world))
+        return Shard(fsdp_dim(names.get(id(param), ""), tuple(param.shape), world))
 
     if activation_checkpointing:
         enable_activation_checkpointing(model)

@@ -1,21 +1,22 @@
 """Tensor parallelism for the Llama-family decoder, applied after construction (Megatron style).
 
-``apply_tp(model, tp_group)`` rewrites a full (unsharded) model in place, keeping this rank's
-slice of every weight:
+Two steps (STYLE rule 2: the engine's model is built on the meta device, then filled):
 
-* q/k/v/gate/up projections -> :class:`ColumnParallelLinear` (weight and bias split on dim 0;
-  each rank computes its own heads / intermediate features, no communication);
-* o/down projections -> :class:`RowParallelLinear` (weight split on dim 1; partial outputs
-  are summed with one explicit all-reduce; the bias is added once, after the reduction);
-* attention modules' ``num_heads`` / ``num_kv_heads`` are divided by the TP size (the model
-  reads its head counts from these attributes, so its reshapes follow);
-* ``lm_head`` -> :class:`VocabParallelLMHead` (rows split on dim 0, logits all-gathered) when
-  the vocabulary divides evenly, else left replicated; the embedding stays replicated.
+* :func:`tp_rewrite` rewrites the module structure in place for one TP rank, on whatever
+  device the model is (``meta`` included): q/k/v/gate/up -> :class:`ColumnParallelLinear`
+  (weight and bias split on dim 0, no communication), o/down -> :class:`RowParallelLinear`
+  (weight split on dim 1; partial outputs summed with one all-reduce; bias added once),
+  ``lm_head`` -> :class:`VocabParallelLMHead` (logits all-gathered) when the vocabulary
+  divides, attention ``num_heads``/``num_kv_heads`` divided. New parameters are allocated
+  with their local shapes and not initialised.
+* loaders fill the local shards: :func:`load_full_state_dict` slices full tensors;
+  ``minihf.reshard`` writes gathered FSDP shards straight in.
 
-The slicing rule is the pure function :func:`tp_shard_dim` of a parameter's name, shared
-with the resharding code. Parameter names are unchanged (``...q_proj.weight``), so a TP
-model's state dict holds shards under the HF keys. The layers are for inference (rollout):
-the collectives are not autograd-aware. The same code runs on gloo (CPU) and NCCL (CUDA).
+:func:`apply_tp` does both for a model that holds full weights. What is sliced where is
+``minihf.parallel.placement`` (shared with FSDP and the reshard planner). Parameter names
+are unchanged (``...q_proj.weight``), so a TP model's state dict holds shards under the HF
+keys. The layers are for inference (rollout): the collectives are not autograd-aware. The
+same code runs on gloo (CPU) and NCCL (CUDA).
 """
 
 from __future__ import annotations
@@ -25,28 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-ROW_PARALLEL = ("o_proj", "down_proj")
-VOCAB_PARALLEL = ("lm_head",)
-
-
-def tp_shard_dim(name: str, vocab_parallel: bool = True) -> int | None:
-    """Dim along which TP shards the parameter called ``name`` (HF key), or None if replicated.
-
-    >>> tp_shard_dim("model.layers.0.self_attn.q_proj.bias"), tp_shard_dim("model.layers.0.mlp.down_proj.weight")
-    (0, 1)
-    """
-    parts = name.split(".")
-    if len(parts) < 2:
-        return None
-    module, leaf = parts[-2], parts[-1]
-    if module in COLUMN_PARALLEL:
-        return 0
-    if module in ROW_PARALLEL:
-        return 1 if leaf == "weight" else None  # row-parallel bias is added once, replicated
-    if module in VOCAB_PARALLEL and vocab_parallel and leaf == "weight":
-        return 0
-    return None
+from minihf.parallel.placement import COLUMN_PARALLEL, ROW_PARALLEL, tp_dim
 
 
 def shard_tensor(t: torch.Tensor, dim: int | None, rank: int, world_size: int) -> torch.Tensor:
@@ -129,66 +109,100 @@ def _set_submodule(root: nn.Module, name: str, new: nn.Module) -> None:
     setattr(root.get_submodule(parent_name) if parent_name else root, leaf, new)
 
 
-def apply_tp(model: nn.Module, tp_group=None, vocab_parallel: bool | None = None) -> nn.Module:
-    """Shard ``model`` (holding full weights) in place over ``tp_group``; returns it.
+def _group_size_rank(tp_group) -> tuple[int, int]:
+    if tp_group is None:
+        return 1, 0
+    return dist.get_world_size(tp_group), dist.get_rank(tp_group)
 
-    ``tp_group`` None or of size 1 leaves the model untouched. ``vocab_parallel`` None means
-    "when the vocabulary size divides by the TP size". Raises ValueError naming the module
-    when a head count or feature size does not divide by the TP size.
-    """
-    world = dist.get_world_size(tp_group) if tp_group is not None or dist.is_initialized() else 1
-    if tp_group is None or world == 1:
+
+def local_shape(name: str, shape: tuple[int, ...], tp_size: int) -> tuple[int, ...]:
+    """Shape of this rank's shard of parameter ``name`` (full ``shape``) at TP ``tp_size``."""
+    dim = tp_dim(name, shape, tp_size)
+    if dim is None or tp_size == 1:
+        return tuple(shape)
+    if shape[dim] % tp_size:
+        raise ValueError(f"{name}: dim {dim} of shape {tuple(shape)} does not divide by the TP "
+                         f"size {tp_size}; choose a TP size that divides it")
+    return tuple(s // tp_size if d == dim else s for d, s in enumerate(shape))
+
+
+def tp_rewrite(model: nn.Module, tp_group) -> nn.Module:
+    """Rewrite ``model``'s modules in place for this rank of ``tp_group`` (structure only:
+    sharded parameters are new, uninitialised, with local shapes, on the model's device,
+    which may be ``meta``). Returns ``model``. Head counts are checked before anything
+    changes; ``tp_group`` None or of size 1 leaves the model untouched."""
+    world, _ = _group_size_rank(tp_group)
+    if world == 1:
         return model
-    rank = dist.get_rank(tp_group)
     attns = [(n, m) for n, m in model.named_modules() if hasattr(m, "num_heads") and hasattr(m, "num_kv_heads")]
     local = [tp_head_counts(m.num_heads, m.num_kv_heads, world, n) for n, m in attns]  # all checked first
     for (_, module), (heads, kv_heads) in zip(attns, local):
         module.num_heads, module.num_kv_heads = heads, kv_heads
-    lm_head = getattr(model, "lm_head", None)
-    if vocab_parallel is None:
-        vocab_parallel = isinstance(lm_head, nn.Linear) and lm_head.out_features % world == 0
     for name, module in list(model.named_modules()):
         if not isinstance(module, nn.Linear):
             continue
-        wdim = tp_shard_dim(f"{name}.weight", vocab_parallel)
+        w = module.weight
+        wdim = tp_dim(f"{name}.weight", tuple(w.shape), world)
         if wdim is None:
             continue
-        bias = module.bias.detach() if module.bias is not None else None
         leaf = name.rpartition(".")[2]
-        try:
-            weight = shard_tensor(module.weight.detach(), wdim, rank, world)
-            if leaf in COLUMN_PARALLEL:
-                new = ColumnParallelLinear(weight, shard_tensor(bias, 0, rank, world) if bias is not None else None)
-            elif leaf in ROW_PARALLEL:
-                new = RowParallelLinear(weight, bias, tp_group)
-            else:
-                new = VocabParallelLMHead(weight, tp_group, world)
-        except ValueError as e:
-            raise ValueError(f"apply_tp: {name}: {e}") from None
+
+        def empty(pname: str, t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            try:
+                shape = local_shape(pname, tuple(t.shape), world)
+            except ValueError as e:
+                raise ValueError(f"tp_rewrite: {e}") from None
+            return torch.empty(shape, dtype=t.dtype, device=t.device)
+
+        weight = empty(f"{name}.weight", w)
+        if leaf in COLUMN_PARALLEL:
+            new = ColumnParallelLinear(weight, empty(f"{name}.bias", module.bias))
+        elif leaf in ROW_PARALLEL:
+            bias = module.bias
+            new = RowParallelLinear(weight, None if bias is None else torch.empty_like(bias), tp_group)
+        else:
+            new = VocabParallelLMHead(weight, tp_group, world)
         _set_submodule(model, name, new)
     return model
 
 
+def apply_tp(model: nn.Module, tp_group=None) -> nn.Module:
+    """Shard ``model`` (holding full weights) in place over ``tp_group``; returns it.
+
+    :func:`tp_rewrite`, then :func:`load_full_state_dict` from the weights it held.
+    ``tp_group`` None or of size 1 leaves the model untouched. Raises ValueError naming the
+    module when a head count or feature size does not divide by the TP size.
+    """
+    world, _ = _group_size_rank(tp_group)
+    if world == 1:
+        return model
+    full = {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)}
+    tp_rewrite(model, tp_group)
+    load_full_state_dict(model, full, tp_group)
+    return model
+
+
 def is_vocab_parallel(model: nn.Module) -> bool:
-    """Whether ``apply_tp`` made this model's LM head vocab-parallel."""
+    """Whether ``tp_rewrite`` made this model's LM head vocab-parallel."""
     return isinstance(getattr(model, "lm_head", None), VocabParallelLMHead)
 
 
 @torch.no_grad()
 def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor], tp_group=None) -> None:
     """Copy full (unsharded) tensors ``state`` (HF keys) into a TP-sharded ``model``, slicing
-    each by :func:`tp_shard_dim` (e.g. fresh actor weights into the rollout engine's copy).
+    each by ``placement.tp_dim``.
 
     A tied checkpoint may omit ``lm_head.weight``; the embedding is used for it then.
     Raises KeyError naming the parameters ``state`` lacks.
     """
-    world = dist.get_world_size(tp_group) if tp_group is not None else 1
-    rank = dist.get_rank(tp_group) if tp_group is not None else 0
-    vocab_parallel = is_vocab_parallel(model)
+    world, rank = _group_size_rank(tp_group)
     params = dict(model.named_parameters(remove_duplicate=False))
     missing = [n for n in params if n not in state and not (n == "lm_head.weight" and "model.embed_tokens.weight" in state)]
     if missing:
         raise KeyError(f"load_full_state_dict: state lacks {missing[:8]}{'...' if len(missing) > 8 else ''}")
     for name, p in params.items():
         full = state.get(name, state.get("model.embed_tokens.weight") if name == "lm_head.weight" else None)
-        p.copy_(shard_tensor(full, tp_shard_dim(name, vocab_parallel), rank, world).to(p.dtype))
+        dim = tp_dim(name, tuple(full.shape), world)
+        p.copy_(shard_tensor(full, dim, rank, world).to(p.dtype))

@@ -16,6 +16,13 @@ slots of ``min(max_model_len, longest prompt + max_tokens)`` positions) and capp
 ``kv_cache_memory`` bytes (or ``gpu_memory_utilization`` of free CUDA memory); it is reused
 while big enough. :meth:`Engine.free` drops the weights and the cache so a colocated trainer
 gets the memory back.
+
+A long-lived engine (the hybrid actor's) uses vLLM's names instead: :meth:`Engine.sleep`
+frees the weights' storage and the KV cache but keeps the module (its parameters move to
+the meta device with their shapes and strides), :meth:`Engine.wake_up` allocates the
+weights again on the engine's device, uninitialised, and :meth:`Engine.load_weights` (or a
+resharder writing into ``named_parameters``) fills them. The device is passed in, so an
+engine can be built on the meta device and never holds weights it was not given.
 """
 
 from __future__ import annotations
@@ -78,13 +85,20 @@ class Engine:
     ``kv_cache_memory`` (bytes) / ``gpu_memory_utilization`` cap the cache size.
     """
 
-    def __init__(self, model: torch.nn.Module, *, max_num_seqs: int = 256, max_model_len: int | None = None,
+    def __init__(self, model: torch.nn.Module, *, device: torch.device | str | None = None,
+                 max_num_seqs: int = 256, max_model_len: int | None = None,
                  max_num_batched_tokens: int | None = None, kv_cache_memory: int | None = None,
                  gpu_memory_utilization: float | None = None, eos_token_ids: tuple[int, ...] = (), seed: int = 0,
                  cpu_column_major: bool = True):
         self.model = model.eval()
-        if cpu_column_major and self.device.type == "cpu":
-            column_major_linears(model)
+        param_device = next(model.parameters()).device
+        if device is None and param_device.type == "meta":
+            raise ValueError("the engine's model is on the meta device: pass device= (where "
+                             "wake_up allocates the weights)")
+        self._device = torch.device(device) if device is not None else param_device
+        self.awake = param_device.type != "meta"
+        if cpu_column_major and self._device.type == "cpu":
+            column_major_linears(model)  # on meta too: wake_up keeps the strides
         args = model.args
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len or args.max_position_embeddings
@@ -105,7 +119,52 @@ class Engine:
 
     @property
     def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+        return self._device
+
+    # -- weights (long-lived engines) -------------------------------------------------------
+    def _move_params(self, device: torch.device | str) -> None:
+        """Give every parameter new storage on ``device`` (same shape, strides and dtype;
+        uninitialised). Parameters are replaced, not ``.data``-swapped (torch refuses to
+        swap meta for real storage); a shared (tied) parameter stays shared."""
+        new: dict[int, torch.nn.Parameter] = {}
+        for module in self.model.modules():
+            for name, p in module._parameters.items():
+                if p is None:
+                    continue
+                if id(p) not in new:
+                    t = torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device=device)
+                    new[id(p)] = torch.nn.Parameter(t, requires_grad=False)
+                module._parameters[name] = new[id(p)]
+
+    def sleep(self) -> None:
+        """Free the KV cache and the weights' storage; the module and its shapes stay."""
+        self.cache = None
+        self._rows = self._rows_key = None
+        self._move_params("meta")
+        self.awake = False
+        if self._device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake_up(self) -> None:
+        """Allocate the weights on the engine's device (uninitialised: load them next)."""
+        if not self.awake:
+            self._move_params(self._device)
+            self.awake = True
+
+    @torch.no_grad()
+    def load_weights(self, weights) -> None:
+        """Copy ``(name, tensor)`` pairs (this rank's shards, the engine's parameter names and
+        local shapes) into the weights; wakes the engine up first if it sleeps."""
+        self.wake_up()
+        params = dict(self.model.named_parameters())
+        for name, t in weights:
+            p = params.get(name)
+            if p is None:
+                raise KeyError(f"load_weights: the engine's model has no parameter {name!r}")
+            if tuple(t.shape) != tuple(p.shape):
+                raise ValueError(f"load_weights: {name} has shape {tuple(t.shape)}, the engine's "
+                                 f"shard is {tuple(p.shape)}")
+            p.copy_(t)
 
     # -- memory -----------------------------------------------------------------------
     def _slot_budget(self, max_len: int, dtype: torch.dtype) -> int | None:
@@ -145,7 +204,7 @@ class Engine:
         self._rows = self._rows_key = None
         if weights:
             self.model = None
-        if torch.cuda.is_available():
+        if self._device.type == "cuda":
             torch.cuda.empty_cache()
 
     # -- generation ----------------------------------------------------------------------
@@ -153,6 +212,9 @@ class Engine:
         """Sequences for each prompt (``n`` each), finished, with tokens, log-probs and reasons."""
         if self.model is None:
             raise RuntimeError("this engine was freed; build a new one (LLM(...)) to generate again")
+        if not self.awake:
+            raise RuntimeError("this engine is asleep (weights freed); call wake_up() and load "
+                               "the weights before generating")
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts; pass one or one per prompt")

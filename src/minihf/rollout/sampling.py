@@ -174,3 +174,12 @@ def sample(logits: torch.Tensor, rows: RowParams, steps: torch.Tensor) -> tuple[
     tok = order.gather(1, idx[:, None]).squeeze(1) if order is not None else idx
     tok = torch.where(rows.temperature > 0, tok, greedy_tok)
     return tok, logp.gather(1, tok[:, None]).squeeze(1)
+
+
+def request_seed(*parts) -> int:
+    """A 63-bit seed that depends on ``parts`` only (e.g. run seed, step, prompt uid, sample
+    index): stable across processes and runs, unlike Python's ``hash`` of a string."""
+    import hashlib
+
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1

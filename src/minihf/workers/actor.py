@@ -1,8 +1,18 @@
-"""``ActorRolloutRefWorker``: the policy (trained) and the frozen reference, in one process.
+"""``ActorRolloutRefWorker``: the policy (trained), its rollout engine and the frozen
+reference, in one process (HybridFlow's hybrid worker).
+
+Two layouts of the role's N ranks (``minihf.controller.layout``): training and scoring use
+the default one (all N ranks data-parallel, FSDP over all of them); ``generate_sequences``
+uses ``rollout`` (N/t replicas of TP size t = ``rollout.tensor_model_parallel_size``, TP
+groups strided), through the ``HybridEngine`` (``minihf.hybrid``).
 
 Methods the driver calls (dispatch ``DP_COMPUTE`` unless noted):
 
-* ``init_model`` (ONE_TO_ALL): load and shard the actor (+ optimizer) and the reference.
+* ``init_model`` (ONE_TO_ALL): load and shard the actor (+ optimizer) and the reference;
+  plan the reshard and build the (sleeping) rollout engine.
+* ``generate_sequences(batch) -> Batch`` (rollout layout; see ``HybridEngine``): prompts ->
+  ``prompts, responses, input_ids, attention_mask, position_ids, response_mask,
+  rollout_log_probs``; ``batch.meta["global_step"]`` seeds the samples.
 * ``compute_log_prob(batch) -> Batch{old_log_probs[, entropys]}``
 * ``compute_ref_log_prob(batch) -> Batch{ref_log_prob}``
 * ``update_actor(batch) -> metrics`` (DP_COMPUTE_EXACT) (``actor/pg_loss``, ``actor/pg_clipfrac``,
@@ -10,24 +20,24 @@ Methods the driver calls (dispatch ``DP_COMPUTE`` unless noted):
   ``actor/lr``), reduced over ranks, from DP rank 0.
 * ``save_checkpoint(path, extra)`` / ``load_checkpoint(path)`` (ONE_TO_ALL).
 
-The rollout and resharding issues add the generation methods. Log-probs are computed at
-``batch.meta["temperature"]`` (default 1.0), the temperature the rollout sampled with.
+Log-probs are computed at ``batch.meta["temperature"]`` (default 1.0), the temperature the
+rollout sampled with (``generate_sequences`` puts it in its output's meta).
 The reference may keep its shards on the host (``ref.fsdp.param_offload``); FSDP then
 moves each block to the device only while it runs.
 
 Update batches must hold a multiple of the DP size rows: DP_COMPUTE would pad uneven
 batches by repeating rows, which an update counts twice, so DP_COMPUTE_EXACT refuses
-them on the driver. Training shards over all
-the role's ranks; with a generation TP size t > 1 the TP peers receive the same rows, so
-a mini-batch holds ``ppo_mini_batch_size / t`` distinct rows (each counted t times in both
-the loss sum and its normaliser, which leaves the update unchanged).
+them on the driver. Training shards over all the role's ranks whatever the rollout TP
+size: no rank computes another's rows.
 """
 
 from __future__ import annotations
 
 from minihf.algorithms import (agg_loss, compute_policy_loss, kl_penalty, masked_mean)
 from minihf.controller import Dispatch, Worker, register
+from minihf.hybrid import HybridEngine, collect_rollout
 from minihf.protocol import Batch
+from minihf.rollout.llm import eos_ids_from_dir
 from minihf.utils import checkpoint as ckpt
 from minihf.workers.config import ActorRolloutRefConfig
 from minihf.workers.engine import (build_fsdp_model, build_optim, prefixed, run_micro_batches,
@@ -41,10 +51,19 @@ UPDATE_KEYS = INPUT_KEYS + ("response_mask", "old_log_probs", "advantages")
 class ActorRolloutRefWorker(Worker):
     def __init__(self, config: ActorRolloutRefConfig, with_ref: bool = True):
         super().__init__()
+        if self.tp_size != 1:
+            raise ValueError(f"placement.{self.role}.tp_size={self.tp_size}: the actor trains "
+                             "over all its ranks; set the generation TP size with "
+                             "actor_rollout_ref.rollout.tensor_model_parallel_size instead")
         self.config = config
         self.with_ref = with_ref
         self.actor = self.ref = self.optimizer = self.lr_scheduler = None
+        self.rollout: HybridEngine | None = None
         self.update_calls = 0
+
+    @classmethod
+    def declare_layouts(cls, config: ActorRolloutRefConfig, with_ref: bool = True) -> dict[str, int]:
+        return {"rollout": config.rollout.tensor_model_parallel_size}
 
     # -- set-up ---------------------------------------------------------------------------
     @register(dispatch=Dispatch.ONE_TO_ALL)
@@ -56,6 +75,21 @@ class ActorRolloutRefWorker(Worker):
         if self.with_ref:
             self.ref = build_fsdp_model(cfg.model, cfg.ref.fsdp, head="lm", group=self.group,
                                         device=self.device, trainable=False)
+        info = self.parallel("rollout")
+        hf = self.actor.args.hf_config
+        eos = eos_ids_from_dir(cfg.model.path, hf)
+        pad = hf.get("pad_token_id")
+        self.rollout = HybridEngine(
+            self.actor, cfg.rollout, all_group=self.group, gather_group=info.dp_group,
+            tp_group=info.tp_group, tp_rank=info.tp_rank, device=self.device,
+            eos_token_ids=eos, pad_token_id=pad if pad is not None else (eos[0] if eos else 0))
+
+    # -- generation -----------------------------------------------------------------------
+    @register(dispatch=Dispatch.DP_COMPUTE, collect=collect_rollout, layout="rollout")
+    def generate_sequences(self, batch: Batch) -> Batch:
+        """Sample responses with the current weights (reshard -> generate -> sleep)."""
+        self._require("rollout")
+        return self.rollout.generate_sequences(batch, int(batch.meta.get("global_step", 0)))
 
     def _require(self, name: str):
         model = getattr(self, name)

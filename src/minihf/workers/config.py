@@ -97,11 +97,81 @@ class RefConfig:
 
 
 @dataclass
+class ValKwargs:
+    """Sampling for validation rollouts (``meta["validate"]``)."""
+    n: int = 1
+    do_sample: bool = False
+    temperature: float = 0.0
+    top_k: int = -1
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        _check_sampling(self, "rollout.val_kwargs")
+
+
+def _check_sampling(cfg, where: str) -> None:
+    if not isinstance(cfg.n, int) or cfg.n < 1:
+        raise ValueError(f"{where}.n={cfg.n!r} must be an int >= 1 (samples per prompt)")
+    if cfg.temperature < 0:
+        raise ValueError(f"{where}.temperature={cfg.temperature} must be >= 0 (0 = greedy)")
+    if not isinstance(cfg.top_k, int) or cfg.top_k < -1:
+        raise ValueError(f"{where}.top_k={cfg.top_k!r} must be an int; -1 or 0 disables it")
+    if not 0.0 < cfg.top_p <= 1.0:
+        raise ValueError(f"{where}.top_p={cfg.top_p} must be in (0, 1] (1 = off)")
+
+
+@dataclass
+class RolloutConfig:
+    """Generation inside the actor (the hybrid engine), verl's names.
+
+    ``n`` samples per prompt (the driver repeats prompts); ``prompt_length`` +
+    ``response_length`` bound the engine's sequences; ``tensor_model_parallel_size`` (t)
+    must divide the actor's ranks: generation runs N/t replicas of TP t. ``reshard``:
+    ``hybrid`` gathers each rank's TP slice inside its group of N/t ranks, ``naive``
+    gathers every full weight on every rank, then slices (the baseline). ``free_cache_engine``
+    frees the engine's weights and KV cache after each generation. A sample's random stream
+    is a function of (``seed``, global step, prompt uid, sample index) only.
+    """
+    n: int = 1
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    do_sample: bool = True
+    prompt_length: int = 512
+    response_length: int = 512
+    tensor_model_parallel_size: int = 1
+    max_num_seqs: int = 256
+    max_num_batched_tokens: Optional[int] = None
+    gpu_memory_utilization: float = 0.5  # of free CUDA memory, for the KV cache
+    free_cache_engine: bool = True
+    reshard: Literal["hybrid", "naive"] = "hybrid"
+    reshard_bucket_mb: int = 32          # small tensors travel together up to this size
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
+    seed: int = 0
+    val_kwargs: ValKwargs = field(default_factory=ValKwargs)
+
+    def __post_init__(self):
+        _check_sampling(self, "rollout")
+        for key in ("prompt_length", "response_length", "tensor_model_parallel_size",
+                    "max_num_seqs", "reshard_bucket_mb"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"rollout.{key}={value!r} must be an int >= 1")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(f"rollout.max_num_batched_tokens={self.max_num_batched_tokens} "
+                             "must be >= 1, or null (no cap)")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"rollout.gpu_memory_utilization={self.gpu_memory_utilization} "
+                             "must be in (0, 1]")
+
+
+@dataclass
 class ActorRolloutRefConfig:
-    """The hybrid actor/rollout/reference worker (the rollout issue adds its section)."""
+    """The hybrid actor/rollout/reference worker."""
     model: ModelConfig = field(default_factory=ModelConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     ref: RefConfig = field(default_factory=RefConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
 
 
 @dataclass

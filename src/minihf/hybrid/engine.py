@@ -1,0 +1,201 @@
+"""``HybridEngine``: the actor's FSDP model + a long-lived TP rollout engine + the reshard plan.
+
+One generation call (``generate_sequences``): wake the engine up and fill its weights from
+the current FSDP shards (``reshard.reshard_into``, no rank ever holds more than its TP
+slice), generate with the KV-cache engine, then (``free_cache_engine``) put the engine to
+sleep, freeing its weights and KV cache before training resumes. The engine's model is
+built once, on the meta device, and rewritten for TP (``tp_rewrite``); it never holds
+weights it was not given.
+
+Randomness comes from the caller: sample j of the prompt with uid u at global step s draws
+from ``request_seed(rollout.seed, s, u, j)``, whatever its row, replica or call. So DP
+replicas never share streams, the n samples of a prompt differ wherever they land, and a
+resumed run draws what the uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from minihf.models import build_model
+from minihf.parallel.fsdp import reshard as fsdp_reshard
+from minihf.parallel.tp import tp_rewrite
+from minihf.protocol import Batch
+from minihf.rollout import Engine, SamplingParams
+from minihf.rollout.sampling import request_seed
+from minihf.hybrid.plan import plan_reshard
+from minihf.hybrid.reshard import reshard_into
+
+PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
+SAMPLING_META = ("do_sample", "temperature", "top_k", "top_p", "n", "response_length",
+                 "validate")
+
+
+def rollout_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def _size(group) -> int:
+    return dist.get_world_size(group) if group is not None else 1
+
+
+class HybridEngine:
+    """Generation from an FSDP-sharded causal LM through a TP engine (see module docstring).
+
+    ``all_group``: the actor's N ranks (the FSDP group); ``gather_group``/``tp_group``/
+    ``tp_rank``: this rank's place in the strided rollout layout.
+    """
+
+    def __init__(self, fsdp_model: torch.nn.Module, cfg, *, all_group, gather_group, tp_group,
+                 tp_rank: int, device: torch.device, eos_token_ids: tuple[int, ...],
+                 pad_token_id: int):
+        self.fsdp_model, self.cfg, self.device = fsdp_model, cfg, device
+        self.all_group, self.gather_group, self.tp_rank = all_group, gather_group, tp_rank
+        self.tp = _size(tp_group)
+        self.dtype = rollout_dtype(cfg.dtype, device)
+        self.pad_token_id = pad_token_id
+        args = fsdp_model.args
+        shapes = {n: tuple(p.shape) for n, p in fsdp_model.named_parameters()}  # global shapes
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        self.buckets = plan_reshard(shapes, _size(all_group), self.tp, mode=cfg.reshard,
+                                    tied_lm_head=bool(args.tie_word_embeddings),
+                                    itemsize=itemsize, bucket_bytes=cfg.reshard_bucket_mb << 20)
+        model = build_model(args, "lm", device="meta", dtype=self.dtype)
+        tp_rewrite(model, tp_group if self.tp > 1 else None)
+        self.engine = Engine(
+            model, device=device, max_num_seqs=cfg.max_num_seqs,
+            max_model_len=cfg.prompt_length + cfg.response_length,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            gpu_memory_utilization=cfg.gpu_memory_utilization if device.type == "cuda" else None,
+            eos_token_ids=eos_token_ids)
+        self.last_peak_buffer = 0
+
+    # -- weights --------------------------------------------------------------------------
+    def sync_weights(self) -> None:
+        """Wake the engine up and load the FSDP model's current weights into it."""
+        fsdp_reshard(self.fsdp_model)  # every parameter a DTensor shard again
+        self.engine.wake_up()
+        dest = dict(self.engine.model.named_parameters())
+        self.last_peak_buffer = reshard_into(
+            self.fsdp_model, self.buckets, dest, gather_group=self.gather_group,
+            all_group=self.all_group, tp_rank=self.tp_rank, tp=self.tp, dtype=self.dtype)
+
+    def sleep(self) -> None:
+        self.engine.sleep()
+
+    def engine_weight_bytes(self) -> int:
+        """Bytes of weights the engine holds now (0 asleep)."""
+        if not self.engine.awake:
+            return 0
+        return sum(p.numel() * p.element_size() for p in self.engine.model.parameters())
+
+    # -- generation -----------------------------------------------------------------------
+    def sampling(self, meta: dict) -> dict:
+        """The call's sampling settings: rollout config, then ``val_kwargs`` when
+        ``meta["validate"]``, then the keys ``meta`` sets."""
+        unknown = [k for k in meta if k in ("max_tokens", "num_samples")]
+        if unknown:
+            raise ValueError(f"batch.meta keys {unknown} are not sampling overrides; use "
+                             f"{list(SAMPLING_META)}")
+        c = self.cfg
+        s = dict(n=1, do_sample=c.do_sample, temperature=c.temperature, top_k=c.top_k,
+                 top_p=c.top_p, response_length=c.response_length)
+        if meta.get("validate", False):
+            v = c.val_kwargs
+            s.update(n=v.n, do_sample=v.do_sample, temperature=v.temperature, top_k=v.top_k,
+                     top_p=v.top_p)
+        s.update({k: meta[k] for k in SAMPLING_META if k in meta and k != "validate"})
+        if s["response_length"] > c.response_length or s["response_length"] < 1:
+            raise ValueError(f"meta response_length={s['response_length']} must be in 1.."
+                             f"{c.response_length} (rollout.response_length sizes the engine)")
+        return s
+
+    def generate_sequences(self, batch: Batch, global_step: int) -> Batch:
+        """Left-padded prompts (``input_ids``/``attention_mask``/``position_ids`` [B, P],
+        non-tensor ``uid``) -> verl's rollout outputs (see ``build_output``)."""
+        missing = [k for k in PROMPT_KEYS if k not in batch.tensors]
+        if missing or "uid" not in batch.non_tensors:
+            raise KeyError(f"generate_sequences needs tensors {list(PROMPT_KEYS)} and the "
+                           f"non-tensor 'uid' (one id per prompt); missing "
+                           f"{missing + ([] if 'uid' in batch.non_tensors else ['uid'])}")
+        s = self.sampling(batch.meta)
+        n = int(s["n"])
+        if n > 1:  # this call's own repeat (e.g. validation with val_kwargs.n)
+            batch = batch.repeat(n, interleave=True)
+            index = torch.arange(n).repeat(len(batch) // n)
+        elif "sample_index" in batch.tensors:
+            index = batch.tensors["sample_index"]
+        else:
+            index = torch.zeros(len(batch), dtype=torch.long)
+        ids, mask = batch.tensors["input_ids"], batch.tensors["attention_mask"]
+        if ids.shape[1] > self.cfg.prompt_length:
+            raise ValueError(f"prompts are {ids.shape[1]} tokens wide but rollout.prompt_length="
+                             f"{self.cfg.prompt_length}; raise it to data.max_prompt_length")
+        prompts = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
+        temperature = float(s["temperature"]) if s["do_sample"] else 0.0
+        uids = batch.non_tensors["uid"]
+        params = [SamplingParams(n=1, temperature=temperature, top_k=int(s["top_k"]),
+                                 top_p=float(s["top_p"]), max_tokens=int(s["response_length"]),
+                                 seed=request_seed(self.cfg.seed, global_step, str(u), int(j)))
+                  for u, j in zip(uids, index.tolist())]
+        t0 = time.perf_counter()
+        self.sync_weights()
+        t1 = time.perf_counter()
+        groups = self.engine.generate(prompts, params)
+        t2 = time.perf_counter()
+        if self.cfg.free_cache_engine:
+            self.sleep()
+        out = build_output(batch, [g[0] for g in groups], int(s["response_length"]),
+                           self.pad_token_id)
+        if n > 1:
+            out.non_tensors.update(batch.non_tensors)
+            out.tensors["sample_index"] = index
+        out.meta.update({"timing_s/reshard": t1 - t0, "timing_s/gen": t2 - t1,
+                         "temperature": temperature if temperature > 0 else 1.0})
+        return out
+
+
+def build_output(batch: Batch, seqs, response_length: int, pad_token_id: int) -> Batch:
+    """verl's rollout tensors: ``prompts`` [B, P] (as given, left-padded), ``responses``
+    [B, R] right-padded with ``pad_token_id``, ``input_ids`` = prompts ++ responses,
+    ``attention_mask`` and ``position_ids`` [B, P + R] (response positions continue after
+    each prompt's last), ``response_mask`` [B, R] (1 on generated tokens, EOS included),
+    ``rollout_log_probs`` [B, R] (0 on padding)."""
+    prompts = batch.tensors["input_ids"]
+    B, R = len(seqs), response_length
+    responses = torch.full((B, R), pad_token_id, dtype=prompts.dtype)
+    logps = torch.zeros(B, R, dtype=torch.float32)
+    lengths = torch.tensor([len(s.tokens) for s in seqs], dtype=torch.long)
+    for i, s in enumerate(seqs):
+        responses[i, :len(s.tokens)] = torch.tensor(s.tokens, dtype=prompts.dtype)
+        logps[i, :len(s.logprobs)] = torch.tensor(s.logprobs, dtype=torch.float32)
+    response_mask = (torch.arange(R)[None, :] < lengths[:, None]).to(batch.tensors["attention_mask"].dtype)
+    last = batch.tensors["position_ids"][:, -1:]                                 # [B, 1]
+    positions = torch.cat([batch.tensors["position_ids"], last + torch.arange(1, R + 1)[None, :]], 1)
+    return Batch({
+        "prompts": prompts, "responses": responses,
+        "input_ids": torch.cat([prompts, responses], dim=1),
+        "attention_mask": torch.cat([batch.tensors["attention_mask"], response_mask], dim=1),
+        "position_ids": positions, "response_mask": response_mask,
+        "rollout_log_probs": logps,
+    })
+
+
+MAX_META = ("timing_s/reshard", "timing_s/gen")  # replicas run at once: the slowest counts
+
+
+def collect_rollout(layout, outputs: list, ctx) -> Batch:
+    """DP_COMPUTE's collect with the replicas' timings merged (their max)."""
+    from minihf.controller.dispatch import collect_dp_compute
+
+    metas = [o.meta for o in outputs]
+    parts = [Batch(o.tensors, o.non_tensors, {k: v for k, v in o.meta.items()
+                                              if k not in MAX_META}) for o in outputs]
+    out = collect_dp_compute(layout, parts, ctx)
+    out.meta.update({k: max(m[k] for m in metas) for k in MAX_META if k in metas[0]})
+    return out

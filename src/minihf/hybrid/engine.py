@@ -155,7 +155,7 @@ class HybridEngine:
         if n > 1:
             out.non_tensors.update(batch.non_tensors)
             out.tensors["sample_index"] = index
-        out.meta.update({"timing_s/reshard": t1 - t0, "timing_s/gen": t2 - t1,
+        out.meta.update({"timing_s/reshard": t1 - t0, "timing_s/gen": t2 - t1, "rollout/n": n,
                          "temperature": temperature if temperature > 0 else 1.0})
         return out
 
@@ -190,12 +190,15 @@ MAX_META = ("timing_s/reshard", "timing_s/gen")  # replicas run at once: the slo
 
 
 def collect_rollout(layout, outputs: list, ctx) -> Batch:
-    """DP_COMPUTE's collect with the replicas' timings merged (their max)."""
-    from minihf.controller.dispatch import collect_dp_compute
-
+    """DP_COMPUTE's collect for ``generate_sequences``: concatenate in DP order, drop the
+    rows generated for DP padding (``n`` per padded prompt when the call repeats prompts
+    itself) and merge the replicas' timings (their max)."""
     metas = [o.meta for o in outputs]
-    parts = [Batch(o.tensors, o.non_tensors, {k: v for k, v in o.meta.items()
-                                              if k not in MAX_META}) for o in outputs]
-    out = collect_dp_compute(layout, parts, ctx)
+    n = metas[0].get("rollout/n", 1)
+    keep = ("rollout/n",) + MAX_META
+    out = Batch.concat([Batch(o.tensors, o.non_tensors,
+                              {k: v for k, v in o.meta.items() if k not in keep}) for o in outputs])
+    pad = getattr(ctx, "pad", ctx or 0)
+    out = out.unpad(pad * n)
     out.meta.update({k: max(m[k] for m in metas) for k in MAX_META if k in metas[0]})
     return out

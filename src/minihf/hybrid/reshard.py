@@ -20,6 +20,9 @@ from torch import nn
 
 from minihf.hybrid.plan import Bucket, TensorPlan
 
+# torch >= 2.12 names it all_gather_single (all_gather_into_tensor is deprecated there)
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 def local_shard(p: torch.Tensor) -> torch.Tensor:
     """This rank's FSDP shard of ``p`` (a DTensor), or ``p`` itself when it is not sharded."""
@@ -83,15 +86,14 @@ def reshard_into(fsdp_model: nn.Module, buckets: list[Bucket], dest: dict[str, t
                 if g == 1:
                     target.copy_(shards[0])
                 else:  # straight into the engine's parameter
-                    dist.all_gather_into_tensor(target.view(-1), shards[0].reshape(-1),
-                                                group=group)
+                    _all_gather(target.view(-1), shards[0].reshape(-1), group=group)
                 continue
         flat = torch.cat([s.reshape(-1) for s in shards])
         if g == 1:
             out = flat
         else:
             out = flat.new_empty(g * flat.numel())
-            dist.all_gather_into_tensor(out, flat, group=group)
+            _all_gather(out, flat, group=group)
         peak = max(peak, (out.numel() + flat.numel()) * out.element_size())
         out = out.view(g, -1)
         offset = 0

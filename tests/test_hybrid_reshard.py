@@ -16,6 +16,7 @@ def _rank(rank, world, cases):
     import torch.distributed as dist
 
     from minihf.hybrid.engine import HybridEngine
+    from minihf.hybrid.plan import traffic
     from minihf.hybrid.reshard import rollout_groups
     from minihf.models import load_hf
     from minihf.parallel.fsdp import apply_fsdp, fsdp_mesh
@@ -40,6 +41,8 @@ def _rank(rank, world, cases):
                                    device=torch.device("cpu"), eos_token_ids=(), pad_token_id=0)
                 assert eng.engine_weight_bytes() == 0  # built asleep, on meta
                 eng.sync_weights()
+                planned = traffic(eng.buckets, world, t, 4)
+                moved_as_planned = all(eng.last_reshard[k] == planned[k] for k in planned)
                 worst = 0.0
                 for pname, p in eng.engine.model.named_parameters(remove_duplicate=False):
                     src = full[pname]
@@ -54,7 +57,8 @@ def _rank(rank, world, cases):
                 weight_bytes = eng.engine_weight_bytes()
                 eng.sleep()
                 out[name, t, mode] = dict(worst=worst, weight_bytes=weight_bytes,
-                                          asleep=eng.engine_weight_bytes() == 0)
+                                          asleep=eng.engine_weight_bytes() == 0,
+                                          as_planned=moved_as_planned)
             out[name, t, "same_tokens"] = tokens["hybrid"] == tokens["naive"]
     return out
 
@@ -80,7 +84,7 @@ def test_reshard_exact_slices(model_dirs, world):
                 assert r, (rank, key)
                 continue
             assert r["worst"] == 0.0, (rank, key, r["worst"])
-            assert r["asleep"], (rank, key)
+            assert r["asleep"] and r["as_planned"], (rank, key)
     # hybrid and naive engines hold the same TP slice: model / t plus replicated tensors
     for key, r in results[0].items():
         if key[2] == "hybrid":

@@ -73,7 +73,7 @@ class HybridEngine:
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             gpu_memory_utilization=cfg.gpu_memory_utilization if device.type == "cuda" else None,
             eos_token_ids=eos_token_ids)
-        self.last_peak_buffer = 0
+        self.last_reshard: dict[str, int] = {}  # what the last sync moved (reshard_into)
 
     # -- weights --------------------------------------------------------------------------
     def sync_weights(self) -> None:
@@ -81,7 +81,7 @@ class HybridEngine:
         fsdp_reshard(self.fsdp_model)  # every parameter a DTensor shard again
         self.engine.wake_up()
         dest = dict(self.engine.model.named_parameters())
-        self.last_peak_buffer = reshard_into(
+        self.last_reshard = reshard_into(
             self.fsdp_model, self.buckets, dest, gather_group=self.gather_group,
             all_group=self.all_group, tp_rank=self.tp_rank, tp=self.tp, dtype=self.dtype)
 

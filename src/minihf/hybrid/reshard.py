@@ -65,35 +65,39 @@ def _write(t: TensorPlan, whole: torch.Tensor, dest: dict[str, torch.Tensor], tp
 
 @torch.no_grad()
 def reshard_into(fsdp_model: nn.Module, buckets: list[Bucket], dest: dict[str, torch.Tensor], *,
-                 gather_group, all_group, tp_rank: int, tp: int, dtype: torch.dtype) -> int:
+                 gather_group, all_group, tp_rank: int, tp: int, dtype: torch.dtype
+                 ) -> dict[str, int]:
     """Fill the engine's parameters ``dest`` (name -> tensor) from ``fsdp_model``'s shards.
 
     ``gather_group``: this rank's N/t ranks sharing its TP rank (the rollout layout's DP
-    group); ``all_group``: the role's N ranks. Returns the largest temporary buffer (bytes).
+    group); ``all_group``: the role's N ranks. Returns what this rank did: ``collectives``,
+    ``bytes_received`` (from the other ranks of each all-gather) and ``peak_buffer`` (bytes
+    of the largest temporary buffer).
     """
     params = dict(fsdp_model.named_parameters())
     groups = {"gather": gather_group, "all": all_group}
-    peak = 0
+    peak = received = calls = 0
     for bucket in buckets:
         group = groups[bucket.over]
         g = dist.get_world_size(group) if group is not None else 1
         shards = [_padded(local_shard(params[t.name]), t, dtype) for t in bucket.tensors]
+        if g > 1:
+            calls += 1
+            received += (g - 1) * sum(s.numel() for s in shards) * shards[0].element_size()
+        if g == 1:  # this rank's shards are the whole group's: nothing to gather
+            for t, shard in zip(bucket.tensors, shards):
+                _write(t, shard, dest, tp_rank, tp)
+            continue
         if len(bucket.tensors) == 1:
             t = bucket.tensors[0]
             target = dest[t.name]
             if (t.over == "gather" and t.fsdp_dim == 0 and target.is_contiguous()
                     and target.numel() == g * t.local_numel and target.dtype == dtype):
-                if g == 1:
-                    target.copy_(shards[0])
-                else:  # straight into the engine's parameter
-                    _all_gather(target.view(-1), shards[0].reshape(-1), group=group)
+                _all_gather(target.view(-1), shards[0].reshape(-1), group=group)  # in place
                 continue
         flat = torch.cat([s.reshape(-1) for s in shards])
-        if g == 1:
-            out = flat
-        else:
-            out = flat.new_empty(g * flat.numel())
-            _all_gather(out, flat, group=group)
+        out = flat.new_empty(g * flat.numel())
+        _all_gather(out, flat, group=group)
         peak = max(peak, (out.numel() + flat.numel()) * out.element_size())
         out = out.view(g, -1)
         offset = 0
@@ -101,7 +105,7 @@ def reshard_into(fsdp_model: nn.Module, buckets: list[Bucket], dest: dict[str, t
             piece = out[:, offset:offset + t.local_numel].reshape(-1)
             offset += t.local_numel
             _write(t, _assemble(piece, t, g), dest, tp_rank, tp)
-    return peak
+    return {"collectives": calls, "bytes_received": received, "peak_buffer": peak}
 
 
 def rollout_groups(tp: int, timeout=None):

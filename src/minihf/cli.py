@@ -39,7 +39,7 @@ def doctor() -> None:
 def init_model(
     out: str = typer.Argument(..., help="Directory to create (an HF model dir: config, weights, tokenizer)."),
     arch: str = typer.Option("qwen2", help="qwen2 | llama | qwen3 | mistral"),
-    size: str = typer.Option("tiny", help="tiny (~0.1M params) | small (~5M) | medium (~30M)"),
+    size: str = typer.Option("tiny", help="tiny (~0.1M params) | mini (~0.9M) | small (~5M) | medium (~30M)"),
     task: str = typer.Option("digits", help="Task whose alphabet the tokenizer covers: digits | arith | countdown"),
     seed: int = typer.Option(0, help="Seed of the random weight init."),
 ) -> None:

@@ -238,15 +238,8 @@ def failure_report(e: BaseException) -> str:
     return "job failed:\n" + "".join(traceback.format_exception(e))
 
 
-def launch(driver_fn: DriverFn, roles: Mapping[str, Role | type[Worker]],
-           config: ControllerConfig | None = None) -> Any:
-    """Entry helper for scripts: init the process group from torchrun's env, ``run``, exit.
-
-    Works with ``python script.py`` (one process) and ``torchrun --nproc_per_node=N``.
-    Returns the driver's result on rank 0 and ``None`` elsewhere; on any error it prints
-    the error and exits the process with status 1, on every rank.
-    """
-    config = config or ControllerConfig()
+def _init_from_env(config: ControllerConfig) -> tuple[int, torch.device]:
+    """Initialise the default process group from torchrun's env (or a one-process group)."""
     cuda = torch.cuda.is_available()
     backend = resolve_backend(config.backend, cuda)
     timeout = timedelta(seconds=config.timeout_s)
@@ -264,13 +257,34 @@ def launch(driver_fn: DriverFn, roles: Mapping[str, Role | type[Worker]],
             torch.cuda.set_device(0)
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=timeout)
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    return rank, torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+
+
+def launch_job(job: Callable[[torch.device], Any], config: ControllerConfig | None = None) -> Any:
+    """Like ``launch``, for a job of several controller runs: ``job(device)`` runs on every
+    rank inside the initialised default group and calls ``run`` as often as it needs (e.g.
+    an SFT warm start, then RL). Returns its result on rank 0, ``None`` elsewhere; any error
+    on any rank prints the error and exits the process with status 1."""
+    config = config or ControllerConfig()
+    rank, device = _init_from_env(config)
     try:
-        result = run(driver_fn, roles, config, device=device)
+        result = job(device)
     except BaseException as e:  # noqa: BLE001 - every failure ends this rank non-zero
         print(f"[minihf rank {rank}] {failure_report(e)}", file=sys.stderr)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)  # not sys.exit: threads blocked in a receive must not delay the exit
     dist.destroy_process_group()
-    return result
+    return result if rank == 0 else None
+
+
+def launch(driver_fn: DriverFn, roles: Mapping[str, Role | type[Worker]],
+           config: ControllerConfig | None = None) -> Any:
+    """Entry helper for scripts: init the process group from torchrun's env, ``run``, exit.
+
+    Works with ``python script.py`` (one process) and ``torchrun --nproc_per_node=N``.
+    Returns the driver's result on rank 0 and ``None`` elsewhere; on any error it prints
+    the error and exits the process with status 1, on every rank.
+    """
+    config = config or ControllerConfig()
+    return launch_job(lambda device: run(driver_fn, roles, config, device=device), config)

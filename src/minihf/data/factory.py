@@ -33,9 +33,11 @@ class Size:
 
 
 # Parameter counts are for a ~40-token vocabulary (embeddings are negligible):
-# tiny ~0.1M (unit tests), small ~5.0M and medium ~29.5M (the rollout benchmarks).
+# tiny ~0.1M (unit tests), mini ~0.9M (the main RL job), small ~5.0M and medium ~29.5M
+# (the rollout benchmarks).
 SIZES = {
     "tiny": Size(64, 2, 4, 2, 128, True),
+    "mini": Size(128, 4, 4, 2, 448, True),
     "small": Size(256, 6, 8, 4, 832, True),
     "medium": Size(512, 10, 8, 4, 1408, False),
 }

@@ -59,6 +59,9 @@ class HybridEngine:
         self.tp = _size(tp_group)
         self.dtype = rollout_dtype(cfg.dtype, device)
         self.pad_token_id = pad_token_id
+        if cfg.prompt_length is None or cfg.response_length is None:
+            raise ValueError("rollout.prompt_length and rollout.response_length must be set (the "
+                             "PPO trainer takes them from data.max_prompt_length/max_response_length)")
         args = fsdp_model.args
         shapes = {n: tuple(p.shape) for n, p in fsdp_model.named_parameters()}  # global shapes
         itemsize = torch.empty((), dtype=self.dtype).element_size()

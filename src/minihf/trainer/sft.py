@@ -10,18 +10,15 @@ Metrics go to stdout and ``<default_local_dir>/metrics.jsonl``.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional, Union
 
 from minihf.controller.config import ControllerConfig
+from minihf.trainer.common import MetricsLog, find_resume_path, mark_latest
 from minihf.trainer.optim import OptimConfig
 from minihf.workers.config import FSDPConfig, ModelConfig
-
-LATEST = "latest_checkpointed_iteration.txt"  # verl's name
-
 
 @dataclass
 class SFTDataConfig:
@@ -66,20 +63,6 @@ class SFTConfig:
     controller: ControllerConfig = field(default_factory=ControllerConfig)
 
 
-def find_resume_path(cfg: SFTTrainerConfig) -> Optional[Path]:
-    """The checkpoint to resume from, per ``resume_mode`` (None: start fresh)."""
-    if cfg.resume_mode == "disable":
-        return None
-    if cfg.resume_mode == "resume_path":
-        if not cfg.resume_from_path:
-            raise ValueError("trainer.resume_mode=resume_path needs trainer.resume_from_path")
-        return Path(cfg.resume_from_path)
-    latest = Path(cfg.default_local_dir) / LATEST
-    if not latest.exists():
-        return None
-    return Path(cfg.default_local_dir) / f"global_step_{int(latest.read_text().strip())}"
-
-
 def _padded(batch, dp: int):
     """Pad to a multiple of ``dp`` with loss-free rows (so no row is counted twice)."""
     batch, pad = batch.pad_to_multiple(dp)
@@ -111,6 +94,7 @@ class SFTDriver:
         if t.total_training_steps is not None:
             self.total_steps = min(self.total_steps, t.total_training_steps)
         self.out = Path(t.default_local_dir)
+        self.metrics_log = MetricsLog(self.out)
         self.history: list[dict] = []
 
     def validate(self) -> dict[str, float]:
@@ -127,14 +111,12 @@ class SFTDriver:
     def save(self, step: int) -> Path:
         path = self.out / f"global_step_{step}"
         self.sft.save_checkpoint(str(path), extra={"sampler": self.sampler.state_dict(), "step": step})
-        (self.out / LATEST).write_text(f"{step}\n")
+        mark_latest(self.out, step)
         return path
 
     def record(self, metrics: dict) -> None:
         self.history.append(metrics)
-        self.out.mkdir(parents=True, exist_ok=True)
-        with open(self.out / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(metrics) + "\n")
+        self.metrics_log.append(metrics)
         if metrics["step"] % self.cfg.trainer.log_freq == 0 or any(k.startswith("val/") for k in metrics):
             self.log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                               for k, v in metrics.items()))
@@ -144,11 +126,12 @@ class SFTDriver:
         t = self.cfg.trainer
         self.sft.init_model(self.total_steps)
         step = 0
-        resume = find_resume_path(t)
+        resume = find_resume_path(t.default_local_dir, t.resume_mode, t.resume_from_path)
         if resume is not None:
             extra = self.sft.load_checkpoint(str(resume))
             self.sampler.load_state_dict(extra["sampler"])
             step = int(extra["step"])
+            self.metrics_log.resume_at(step)
             self.log(f"resumed from {resume} at step {step}")
         last = None
         end = self.total_steps if stop_after is None else min(self.total_steps, step + stop_after)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import random
 import shutil
 import warnings
@@ -144,6 +145,8 @@ def export_hf(ckpt: str | Path, out: str | Path, dtype: torch.dtype | None = Non
     """Write the model of checkpoint ``ckpt`` as an HF dir at ``out`` (single process).
 
     ``dtype`` casts the weights (e.g. ``torch.bfloat16``); default keeps the stored fp32.
+    The dir is written under a temporary name and renamed into place, so an interrupted
+    export leaves no half-written model behind (a rerun exports again).
     """
     from minihf.models import build_model, load_args, save_hf
 
@@ -162,8 +165,13 @@ def export_hf(ckpt: str | Path, out: str | Path, dtype: torch.dtype | None = Non
     model.tie_weights()
     if dtype is not None:
         model.to(dtype)
-    save_hf(model, out)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_hf(model, tmp)
     for name in TOKENIZER_FILES:
         if (ckpt / "hf" / name).exists() and name != "config.json":
-            shutil.copy2(ckpt / "hf" / name, out / name)
+            shutil.copy2(ckpt / "hf" / name, tmp / name)
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
     return out

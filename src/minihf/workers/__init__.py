@@ -1,6 +1,6 @@
 """minihf.workers: FSDP2 role workers driven by the single controller.
 
-``ActorRolloutRefWorker`` (policy + frozen reference; the rollout issue adds generation),
+``ActorRolloutRefWorker`` (policy + its rollout engine + frozen reference),
 ``CriticWorker`` and ``RewardModelWorker``; their config sections live in ``config.py``.
 Shared mechanics: ``engine`` (build/shard, inference over micro-batches), ``train_step``
 (exactly normalised gradient accumulation), ``micro_batch`` (pure planning), ``packing``
@@ -9,12 +9,13 @@ Shared mechanics: ``engine`` (build/shard, inference over micro-batches), ``trai
 
 from minihf.workers.actor import ActorRolloutRefWorker
 from minihf.workers.config import (ActorConfig, ActorRolloutRefConfig, CriticConfig, FSDPConfig,
-                                   ModelConfig, RefConfig, RewardModelConfig)
+                                   ModelConfig, PolicyLossConfig, RefConfig, RewardModelConfig,
+                                   RolloutConfig, ValKwargs)
 from minihf.workers.critic import CriticWorker
 from minihf.workers.reward_model import RewardModelWorker
 
 __all__ = [
     "ActorConfig", "ActorRolloutRefConfig", "ActorRolloutRefWorker", "CriticConfig",
-    "CriticWorker", "FSDPConfig", "ModelConfig", "RefConfig", "RewardModelConfig",
-    "RewardModelWorker",
+    "CriticWorker", "FSDPConfig", "ModelConfig", "PolicyLossConfig", "RefConfig",
+    "RewardModelConfig", "RewardModelWorker", "RolloutConfig", "ValKwargs",
 ]

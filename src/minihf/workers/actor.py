@@ -33,7 +33,7 @@ size: no rank computes another's rows.
 
 from __future__ import annotations
 
-from minihf.algorithms import (agg_loss, compute_policy_loss, kl_penalty, masked_mean)
+from minihf.algorithms import agg_loss, get_policy_loss_fn, kl_penalty, masked_mean
 from minihf.controller import Dispatch, Worker, register
 from minihf.hybrid import HybridEngine, collect_rollout
 from minihf.protocol import Batch
@@ -59,7 +59,6 @@ class ActorRolloutRefWorker(Worker):
         self.with_ref = with_ref
         self.actor = self.ref = self.optimizer = self.lr_scheduler = None
         self.rollout: HybridEngine | None = None
-        self.update_calls = 0
 
     @classmethod
     def declare_layouts(cls, config: ActorRolloutRefConfig, with_ref: bool = True) -> dict[str, int]:
@@ -69,6 +68,7 @@ class ActorRolloutRefWorker(Worker):
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
         cfg = self.config
+        get_policy_loss_fn(cfg.actor.policy_loss.loss_mode)  # an unknown name fails here
         self.actor = build_fsdp_model(cfg.model, cfg.actor.fsdp, head="lm", group=self.group,
                                       device=self.device)
         self.optimizer, self.lr_scheduler = build_optim(self.actor, cfg.actor.optim)
@@ -135,16 +135,16 @@ class ActorRolloutRefWorker(Worker):
     def _loss_fn(self, norm, tokens, temperature):
         a = self.config.actor
         model = self.actor
+        policy_loss = get_policy_loss_fn(a.policy_loss.loss_mode)
 
         def loss_fn(mb):
             mask = mb["response_mask"]
             out = forward_log_probs(model, mb, use_remove_padding=self.config.model.use_remove_padding,
                                     temperature=temperature, calc_entropy=a.entropy_coeff != 0)
             log_prob = out["log_probs"]                                       # [b, R]
-            pg_loss, clipfrac, ppo_kl, clipfrac_lower = compute_policy_loss(
-                mb["old_log_probs"], log_prob, mb["advantages"], mask, cliprange=a.clip_ratio,
-                cliprange_low=a.clip_ratio_low, cliprange_high=a.clip_ratio_high,
-                clip_ratio_c=a.clip_ratio_c, loss_agg_mode=a.loss_agg_mode, normalizer=norm)
+            pg_loss, clipfrac, ppo_kl, clipfrac_lower = policy_loss(
+                mb["old_log_probs"], log_prob, mb["advantages"], mask,
+                loss_agg_mode=a.loss_agg_mode, normalizer=norm, config=a)
             share = mask.float().sum() / tokens  # this micro-batch's weight in token means
             stats = {"pg_loss": pg_loss, "pg_clipfrac": clipfrac * share,
                      "ppo_kl": ppo_kl * share, "pg_clipfrac_lower": clipfrac_lower * share}
@@ -173,11 +173,10 @@ class ActorRolloutRefWorker(Worker):
                            mini_batch_size=a.ppo_mini_batch_size,
                            micro_batch_size=a.ppo_micro_batch_size_per_gpu,
                            max_tokens=a.max_tokens_per_micro_batch, epochs=a.ppo_epochs,
-                           shuffle=a.shuffle, seed=self.update_calls,
+                           shuffle=a.shuffle, seed=int(batch.meta.get("global_step", 0)),
                            loss_agg_mode=a.loss_agg_mode,
                            make_loss_fn=lambda norm, tokens: self._loss_fn(norm, tokens, temperature),
                            clip_grad=a.optim.clip_grad, group=self.group)
-        self.update_calls += 1
         metrics = prefixed(stats, "actor")
         if a.use_kl_loss:
             metrics["actor/kl_coef"] = a.kl_loss_coef
@@ -187,7 +186,7 @@ class ActorRolloutRefWorker(Worker):
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Dispatch.RANK_ZERO)
     def save_checkpoint(self, path: str, extra: dict | None = None) -> str:
         """Sharded actor + optimizer + schedule + RNG (+ ``extra``) under ``path``."""
-        state = dict(extra or {}, update_calls=self.update_calls)
+        state = dict(extra or {})
         ckpt.save_checkpoint(path, self._require("actor"), self.optimizer, self.lr_scheduler,
                         group=self.group, extra=state, hf_source=self.config.model.path)
         return str(path)
@@ -197,5 +196,4 @@ class ActorRolloutRefWorker(Worker):
         """Restore what ``save_checkpoint`` wrote; returns the saved ``extra``."""
         extra = ckpt.load_checkpoint(path, self._require("actor"), self.optimizer, self.lr_scheduler,
                                 group=self.group)
-        self.update_calls = extra.pop("update_calls", self.update_calls)
         return extra

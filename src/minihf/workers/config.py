@@ -53,6 +53,14 @@ def _check_ppo_update(cfg) -> None:
 
 
 @dataclass
+class PolicyLossConfig:
+    """Which registered policy loss the actor minimises (``minihf.algorithms``'
+    ``register_policy_loss``): ``vanilla`` (PPO-clip, dual clip optional), ``gspo``, or one a
+    recipe registers."""
+    loss_mode: str = "vanilla"
+
+
+@dataclass
 class ActorConfig:
     """PPO policy update."""
     ppo_mini_batch_size: int = 16        # sequences per optimizer step, global
@@ -68,7 +76,8 @@ class ActorConfig:
     use_kl_loss: bool = False            # GRPO-style KL to the reference in the loss
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
-    loss_agg_mode: str = "token-mean"
+    loss_agg_mode: str = "token-mean"   # seq-mean-token-sum-norm divides by the response length
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     log_prob_micro_batch_size_per_gpu: Optional[int] = 8  # for compute_log_prob
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
@@ -137,8 +146,8 @@ class RolloutConfig:
     top_k: int = -1
     top_p: float = 1.0
     do_sample: bool = True
-    prompt_length: int = 512
-    response_length: int = 512
+    prompt_length: Optional[int] = None  # None: the PPO trainer sets data.max_prompt_length
+    response_length: Optional[int] = None  # None: data.max_response_length
     tensor_model_parallel_size: int = 1
     max_num_seqs: int = 256
     max_num_batched_tokens: Optional[int] = None
@@ -155,6 +164,8 @@ class RolloutConfig:
         for key in ("prompt_length", "response_length", "tensor_model_parallel_size",
                     "max_num_seqs", "reshard_bucket_mb"):
             value = getattr(self, key)
+            if value is None and key in ("prompt_length", "response_length"):
+                continue
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"rollout.{key}={value!r} must be an int >= 1")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:

@@ -31,7 +31,6 @@ class CriticWorker(Worker):
         super().__init__()
         self.config = config
         self.critic = self.optimizer = self.lr_scheduler = None
-        self.update_calls = 0
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
@@ -82,16 +81,15 @@ class CriticWorker(Worker):
                            mini_batch_size=c.ppo_mini_batch_size,
                            micro_batch_size=c.ppo_micro_batch_size_per_gpu,
                            max_tokens=c.max_tokens_per_micro_batch, epochs=c.ppo_epochs,
-                           shuffle=c.shuffle, seed=self.update_calls,
+                           shuffle=c.shuffle, seed=int(batch.meta.get("global_step", 0)),
                            loss_agg_mode=c.loss_agg_mode, make_loss_fn=self._loss_fn,
                            clip_grad=c.optim.clip_grad, group=self.group)
-        self.update_calls += 1
         return prefixed(stats, "critic")
 
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Dispatch.RANK_ZERO)
     def save_checkpoint(self, path: str, extra: dict | None = None) -> str:
         ckpt.save_checkpoint(path, self._model(), self.optimizer, self.lr_scheduler,
-                             group=self.group, extra=dict(extra or {}, update_calls=self.update_calls),
+                             group=self.group, extra=dict(extra or {}),
                              hf_source=self.config.model.path)
         return str(path)
 
@@ -99,5 +97,4 @@ class CriticWorker(Worker):
     def load_checkpoint(self, path: str) -> dict:
         extra = ckpt.load_checkpoint(path, self._model(), self.optimizer, self.lr_scheduler,
                                      group=self.group)
-        self.update_calls = extra.pop("update_calls", self.update_calls)
         return extra

@@ -1,0 +1,48 @@
+"""Per-step RL metrics with verl's names, computed on the driver from the step's Batch.
+
+``critic/score/*`` (sequence scores from the reward function or model), ``critic/rewards/*``
+(sequence sums of the token rewards the advantages used: scores minus an in-reward KL),
+``critic/advantages/*`` and ``critic/returns/*`` (over response tokens), ``critic/values/*``
+(with a critic), ``response_length/*`` (incl. ``clip_ratio``: responses that hit the
+length limit), ``prompt_length/*``, and ``perf/*`` from token counts and the step time.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minihf.protocol import Batch
+
+
+def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
+    values = values.float()
+    if values.numel() == 0:
+        return {}
+    return {f"{prefix}/mean": values.mean().item(), f"{prefix}/max": values.max().item(),
+            f"{prefix}/min": values.min().item()}
+
+
+def data_metrics(batch: Batch) -> dict[str, float]:
+    """What the step's data looked like (see the module docstring)."""
+    mask = batch["response_mask"].bool()                                      # [B, R]
+    out: dict[str, float] = {}
+    out.update(_stats("critic/score", batch["token_level_scores"].sum(-1)))
+    out.update(_stats("critic/rewards", batch["token_level_rewards"].sum(-1)))
+    out.update(_stats("critic/advantages", batch["advantages"][mask]))
+    out.update(_stats("critic/returns", batch["returns"][mask]))
+    if "values" in batch.tensors:
+        out.update(_stats("critic/values", batch["values"][mask]))
+    response_len = mask.sum(-1)
+    out.update(_stats("response_length", response_len))
+    out["response_length/clip_ratio"] = (response_len == mask.shape[1]).float().mean().item()
+    prompt_len = batch["attention_mask"][:, :-mask.shape[1]].sum(-1)
+    out.update(_stats("prompt_length", prompt_len))
+    return out
+
+
+def throughput(batch: Batch, step_s: float, world_size: int) -> dict[str, float]:
+    """``perf/total_num_tokens`` (prompt + response, no padding) and ``perf/throughput``
+    (tokens per second per rank)."""
+    tokens = int(batch["attention_mask"].sum())
+    return {"perf/total_num_tokens": tokens,
+            "perf/throughput": tokens / max(step_s, 1e-9) / world_size}

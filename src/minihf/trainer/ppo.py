@@ -1,0 +1,284 @@
+"""The RL driver: one loop for PPO, GRPO, RLOO, REINFORCE++, ReMax (DESIGN.md, "The driver
+loop"), run on rank 0 over the role worker groups.
+
+One step, as named phases (each timed as ``timing_s/<phase>``):
+
+    prompts.repeat(n), a uid per prompt        -> gen            actor.generate_sequences
+    rule function or reward model              -> reward
+    old log-probs (+ entropy)                  -> old_log_prob   actor.compute_log_prob
+    reference log-probs (when a KL is used)    -> ref            actor.compute_ref_log_prob
+    values (with a critic)                     -> values         critic.compute_values
+    in-reward KL, advantages (registry)        -> adv            on the driver
+    critic update                              -> update_critic
+    actor update (after critic_warmup steps)   -> update_actor
+
+``global_step`` travels in ``batch.meta``: it seeds the samples and the update shuffles,
+so the workers keep no counters. Checkpoints hold each role's shards and a driver state
+file (data position, step, KL controller); ``latest_checkpointed_iteration.txt`` moves
+only after all of it is written.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from minihf.algorithms import (AdaptiveKLController, FixedKLController, apply_kl_penalty,
+                               get_adv_estimator_fn, masked_mean)
+from minihf.protocol import Batch
+from minihf.trainer.common import (Log, MetricsLog, every, find_resume_path, format_line,
+                                   mark_latest, write_atomic)
+from minihf.trainer.metrics import data_metrics, throughput
+from minihf.trainer.ppo_config import PPOConfig
+from minihf.trainer.reward import RuleReward, load_reward
+
+PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
+LINE_KEYS = {"step": "step", "critic/score/mean": "score", "val-core/mean": "val",
+             "actor/pg_loss": "pg_loss", "actor/ppo_kl": "ppo_kl", "actor/entropy": "entropy",
+             "actor/grad_norm": "grad_norm", "critic/vf_loss": "vf_loss",
+             "response_length/mean": "resp_len", "timing_s/step": "step_s"}  # key -> label
+
+
+def estimate_advantages(batch: Batch, alg, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Call the registered estimator ``name`` with the arguments it takes, from this pool
+    (verl's names): token_level_rewards, values, response_mask, index (prompt uids),
+    reward_baselines, gamma, lam, norm_adv_by_std_in_grpo."""
+    fn = get_adv_estimator_fn(name)
+    pool = {"token_level_rewards": batch["token_level_rewards"],
+            "response_mask": batch["response_mask"],
+            "index": np.asarray(batch.non_tensors["uid"], dtype=object),
+            "gamma": alg.gamma, "lam": alg.lam,
+            "norm_adv_by_std_in_grpo": alg.norm_adv_by_std_in_grpo}
+    for key in ("values", "reward_baselines"):
+        if key in batch.tensors:
+            pool[key] = batch[key]
+    params = inspect.signature(fn).parameters
+    missing = [p for p, v in params.items()
+               if v.default is inspect.Parameter.empty and p not in pool]
+    if missing:
+        raise ValueError(f"advantage estimator {name!r} needs {missing}, which this run does not "
+                         "produce (values need a critic: critic.enable=true)")
+    return fn(**{k: v for k, v in pool.items() if k in params})
+
+
+class PPOTrainer:
+    """The loop on rank 0 (``groups``: the ``actor``, and ``critic``/``reward_model`` when on)."""
+
+    def __init__(self, cfg: PPOConfig, groups: dict, log: Log = print, base_dir=None):
+        from minihf.data import PromptLoader, RLDataset, load_tokenizer
+
+        self.cfg, self.log = cfg, log
+        self.actor = groups["actor"]
+        self.critic = groups.get("critic")
+        self.rm = groups.get("reward_model")
+        cfg.check_sizes(self.actor.dp_size, self.critic.dp_size if self.critic else 1)
+        d = cfg.data
+        tok = load_tokenizer(cfg.actor_rollout_ref.model.path, padding_side="left")
+        kw = dict(max_prompt_length=d.max_prompt_length, truncation=d.truncation,
+                  apply_chat_template=d.apply_chat_template, prompt_key=d.prompt_key)
+        self.train = RLDataset(d.train_files, tok, **kw)
+        self.val = RLDataset(d.val_files, tok, **kw) if d.val_files else None
+        if len(self.train) < d.train_batch_size:
+            raise ValueError(f"data.train_batch_size={d.train_batch_size} exceeds the "
+                             f"{len(self.train)} training prompts in {d.train_files}")
+        self.loader = PromptLoader(self.train, d.train_batch_size, shuffle=d.shuffle, seed=d.seed)
+        t = cfg.trainer
+        self.total_steps = len(self.loader) * t.total_epochs
+        if t.total_training_steps is not None:
+            self.total_steps = min(self.total_steps, t.total_training_steps)
+        r = cfg.custom_reward_function
+        self.reward = RuleReward(load_reward(r.path, r.name, base_dir), tok)
+        k = cfg.algorithm.kl_ctrl
+        self.kl_ctrl = (AdaptiveKLController(k.kl_coef, k.target_kl, k.horizon)
+                        if k.type == "adaptive" else FixedKLController(k.kl_coef))
+        self.out = Path(t.default_local_dir)
+        self.metrics_log = MetricsLog(self.out, "jsonl" in t.logger)
+        self.history: list[dict] = []
+        self.phase_totals: dict[str, float] = {}
+
+    # -- phases ---------------------------------------------------------------------------
+    @contextmanager
+    def _timed(self, metrics: dict, name: str):
+        t0 = time.perf_counter()
+        yield
+        dt = time.perf_counter() - t0
+        metrics[f"timing_s/{name}"] = dt
+        self.phase_totals[name] = self.phase_totals.get(name, 0.0) + dt
+
+    def _generate(self, batch: Batch, meta: dict) -> tuple[Batch, dict]:
+        """Prompts (+ uid, sample_index) through the actor; the result joined to ``batch``
+        without its prompt tensors (``input_ids`` etc. now include the responses). When the
+        actor repeats prompts itself (``meta["n"]``, validation's ``val_kwargs.n``), the rest
+        of ``batch`` is repeated to match. Returns (batch, the generation's meta)."""
+        gen_in = Batch({k: batch.tensors[k] for k in PROMPT_KEYS + ("sample_index",)
+                        if k in batch.tensors}, {"uid": batch.non_tensors["uid"]}, meta)
+        out = self.actor.generate_sequences(gen_in)
+        rest = Batch({k: v for k, v in batch.tensors.items() if k not in PROMPT_KEYS},
+                     batch.non_tensors)
+        if len(out) != len(batch):
+            rest = rest.repeat(len(out) // len(batch), interleave=True)
+        keep = {k: v for k, v in out.meta.items() if k == "temperature"}
+        joined = rest | Batch(out.tensors, {k: v for k, v in out.non_tensors.items()
+                                            if k not in rest.non_tensors}, keep)
+        return joined, out.meta
+
+    def _score(self, batch: Batch) -> tuple[torch.Tensor, dict]:
+        if self.rm is not None:
+            rm = self.rm.compute_rm_score(batch)["rm_scores"]                   # [B]
+            scores = torch.zeros(batch["response_mask"].shape)
+            last = batch["response_mask"].sum(-1) - 1
+            rows = torch.nonzero(last >= 0).squeeze(-1)
+            scores[rows, last[rows]] = rm[rows].float()
+            return scores, {}
+        scores, metrics, _ = self.reward(batch)
+        return scores, metrics
+
+    def train_step(self, step: int) -> dict:
+        cfg, m = self.cfg, {"step": step}
+        n = cfg.actor_rollout_ref.rollout.n
+        with self._timed(m, "step"):
+            prompts = self.loader.next_batch()
+            prompts.non_tensors["uid"] = np.array([str(i) for i in prompts.non_tensors["index"]],
+                                                  dtype=object)
+            baselines = None
+            if cfg.algorithm.adv_estimator == "remax":  # ReMax: a greedy rollout's reward
+                with self._timed(m, "gen_max"):
+                    greedy, _ = self._generate(prompts, {"global_step": step, "do_sample": False})
+                    baselines = self._score(greedy)[0].sum(-1).repeat_interleave(n)
+            batch = prompts.repeat(n, interleave=True)
+            batch.tensors["sample_index"] = torch.arange(n).repeat(len(batch) // n)
+            with self._timed(m, "gen"):
+                batch, gen_meta = self._generate(batch, {"global_step": step})
+            m["timing_s/reshard"] = gen_meta.get("timing_s/reshard", 0.0)
+            batch.meta["global_step"] = step
+            if baselines is not None:
+                batch.tensors["reward_baselines"] = baselines
+            with self._timed(m, "reward"):
+                batch.tensors["token_level_scores"], reward_metrics = self._score(batch)
+            m.update(reward_metrics)
+            with self._timed(m, "old_log_prob"):
+                old = self.actor.compute_log_prob(batch, calc_entropy=True)
+            m["actor/entropy"] = masked_mean(old["entropys"], batch["response_mask"]).item()
+            batch.tensors["old_log_probs"] = old["old_log_probs"]
+            if cfg.use_ref:
+                with self._timed(m, "ref"):
+                    batch |= self.actor.compute_ref_log_prob(batch)
+            if self.critic is not None:
+                with self._timed(m, "values"):
+                    batch |= self.critic.compute_values(batch)
+            with self._timed(m, "adv"):
+                if cfg.algorithm.use_kl_in_reward:
+                    rewards, kl_metrics = apply_kl_penalty(
+                        batch["token_level_scores"], batch["old_log_probs"], batch["ref_log_prob"],
+                        batch["response_mask"], self.kl_ctrl, cfg.algorithm.kl_penalty)
+                    m.update(kl_metrics)
+                else:
+                    rewards = batch["token_level_scores"]
+                batch.tensors["token_level_rewards"] = rewards
+                adv, ret = estimate_advantages(batch, cfg.algorithm, cfg.algorithm.adv_estimator)
+                batch.tensors["advantages"], batch.tensors["returns"] = adv, ret
+            if self.critic is not None:
+                with self._timed(m, "update_critic"):
+                    m.update(self.critic.update_critic(batch))
+            if step > cfg.trainer.critic_warmup:
+                with self._timed(m, "update_actor"):
+                    m.update(self.actor.update_actor(batch))
+        m.update(data_metrics(batch))
+        m.update(throughput(batch, m["timing_s/step"], len(self.actor.ranks)))
+        return m
+
+    # -- validation -----------------------------------------------------------------------
+    def validate(self, step: int) -> dict:
+        if self.val is None:
+            return {}
+        t0 = time.perf_counter()
+        k = self.cfg.actor_rollout_ref.rollout.val_kwargs.n
+        size = self.cfg.data.val_batch_size or len(self.val)
+        scores, sources, lengths = [], [], []
+        for start in range(0, len(self.val), size):
+            batch = self.val.collate(list(range(start, min(len(self.val), start + size))))
+            batch.non_tensors["uid"] = np.array([f"val{i}" for i in batch.non_tensors["index"]],
+                                                dtype=object)
+            out, _ = self._generate(batch, {"validate": True, "global_step": step})
+            _, _, raw = self.reward(out)
+            scores += raw
+            sources += list(out.non_tensors["data_source"])
+            lengths += out["response_mask"].sum(-1).tolist()
+        m = {}
+        for src in sorted(set(sources)):
+            vals = [s for s, d in zip(scores, sources) if d == src]
+            m[f"val-core/{src}/reward/mean@{k}"] = sum(vals) / len(vals)
+        m["val-core/mean"] = sum(scores) / len(scores)
+        m["val/response_length/mean"] = sum(lengths) / len(lengths)
+        m["timing_s/testing"] = time.perf_counter() - t0
+        self.phase_totals["testing"] = self.phase_totals.get("testing", 0.0) + m["timing_s/testing"]
+        return m
+
+    # -- checkpoints ----------------------------------------------------------------------
+    def save(self, step: int) -> Path:
+        path = self.out / f"global_step_{step}"
+        self.actor.save_checkpoint(str(path / "actor"))
+        if self.critic is not None:
+            self.critic.save_checkpoint(str(path / "critic"))
+        state = {"step": step, "loader": self.loader.state_dict(),
+                 "kl_ctrl": self.kl_ctrl.state_dict()}
+        write_atomic(path / "driver_state.json", json.dumps(state))
+        mark_latest(self.out, step)
+        return path
+
+    def resume(self) -> int:
+        t = self.cfg.trainer
+        path = find_resume_path(t.default_local_dir, t.resume_mode, t.resume_from_path)
+        if path is None:
+            return 0
+        state = json.loads((path / "driver_state.json").read_text())
+        self.actor.load_checkpoint(str(path / "actor"))
+        if self.critic is not None:
+            self.critic.load_checkpoint(str(path / "critic"))
+        self.loader.load_state_dict(state["loader"])
+        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        self.metrics_log.resume_at(state["step"])
+        self.log(f"resumed from {path} at step {state['step']}")
+        return int(state["step"])
+
+    # -- the loop -------------------------------------------------------------------------
+    def record(self, metrics: dict) -> None:
+        self.history.append(metrics)
+        self.metrics_log.append(metrics)
+        if "console" in self.cfg.trainer.logger:
+            self.log(format_line(metrics, LINE_KEYS))
+
+    def fit(self, stop_after: int | None = None) -> list[dict]:
+        """Train to ``total_steps`` (or ``stop_after`` more steps, as if preempted)."""
+        t0 = time.perf_counter()
+        for group in (self.actor, self.critic, self.rm):
+            if group is not None:
+                group.init_model()
+        step = self.resume()
+        if self.cfg.trainer.val_before_train and step == 0 and self.val is not None:
+            self.record({"step": 0, **self.validate(0)})
+        end = self.total_steps if stop_after is None else min(self.total_steps, step + stop_after)
+        while step < end:
+            step += 1
+            metrics = self.train_step(step)
+            if every(self.cfg.trainer.test_freq, step, self.total_steps):
+                metrics.update(self.validate(step))
+            if every(self.cfg.trainer.save_freq, step, self.total_steps) or step == self.total_steps:
+                self.save(step)
+            self.record(metrics)
+        self.summary(time.perf_counter() - t0)
+        return self.history
+
+    def summary(self, wall_s: float) -> None:
+        vals = [h["val-core/mean"] for h in self.history if "val-core/mean" in h]
+        if vals:
+            self.log(f"validation score: {vals[0]:.4f} (first) -> {vals[-1]:.4f} (last)")
+        phases = ", ".join(f"{k} {v:.1f}s" for k, v in sorted(self.phase_totals.items(),
+                                                               key=lambda kv: -kv[1]))
+        self.log(f"wall time {wall_s:.1f}s; by phase: {phases}")

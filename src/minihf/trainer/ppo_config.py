@@ -1,0 +1,156 @@
+"""The RL job's config tree, with verl's section and key names.
+
+``PPOConfig`` = ``data`` + ``actor_rollout_ref`` + ``critic`` + ``reward_model`` +
+``custom_reward_function`` + ``algorithm`` + ``trainer`` + ``controller``. One loop serves
+every estimator; which roles run follows from the settings (a critic only for ``gae``, a
+reference only when a KL is used, a reward model only when ``reward_model.enable``).
+Deliberate deviation from verl: ``ppo_mini_batch_size`` counts sequences (prompts x n),
+as every batch size of the workers does. ``check_sizes`` (called with the world size before
+any model loads) refuses batch sizes that do not fit the ranks, naming the key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional, Union
+
+from minihf.algorithms.kl import KL_PENALTIES
+from minihf.config import ConfigError
+from minihf.controller.config import ControllerConfig
+from minihf.workers.config import ActorRolloutRefConfig, CriticConfig, RewardModelConfig
+
+
+@dataclass
+class DataConfig:
+    train_files: Union[str, list[str]] = ""
+    val_files: Union[str, list[str], None] = None
+    prompt_key: str = "prompt"
+    max_prompt_length: int = 512
+    max_response_length: int = 512
+    train_batch_size: int = 32           # prompts per step (x rollout.n sequences)
+    val_batch_size: Optional[int] = None  # prompts per validation generate call; None: all
+    truncation: Literal["error", "left", "right", "filter"] = "error"
+    apply_chat_template: bool = True
+    shuffle: bool = True
+    seed: int = 0
+
+    def __post_init__(self):
+        for key in ("max_prompt_length", "max_response_length", "train_batch_size"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"data.{key}={getattr(self, key)} must be >= 1")
+        if self.val_batch_size is not None and self.val_batch_size < 1:
+            raise ValueError(f"data.val_batch_size={self.val_batch_size} must be >= 1 or null")
+
+
+@dataclass
+class KLCtrlConfig:
+    type: Literal["fixed", "adaptive"] = "fixed"
+    kl_coef: float = 0.001
+    target_kl: float = 0.1               # adaptive only
+    horizon: int = 10000                 # adaptive only
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "gae"           # gae | grpo | rloo | reinforce_plus_plus | ... (registry)
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_adv_by_std_in_grpo: bool = True
+    use_kl_in_reward: bool = False
+    kl_penalty: str = "kl"               # estimator of the in-reward KL
+    kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
+
+    def __post_init__(self):
+        from minihf.algorithms import get_adv_estimator_fn
+
+        get_adv_estimator_fn(self.adv_estimator)  # unknown names list the registered ones
+        if self.kl_penalty not in KL_PENALTIES:
+            raise ValueError(f"algorithm.kl_penalty={self.kl_penalty!r}; choose one of "
+                             f"{list(KL_PENALTIES)}")
+
+
+@dataclass
+class CustomRewardConfig:
+    path: Optional[str] = None           # a .py file; relative paths are from the recipe dir
+    name: str = "compute_score"
+
+
+@dataclass
+class RewardModelSection(RewardModelConfig):
+    enable: bool = False
+
+
+@dataclass
+class CriticSection(CriticConfig):
+    enable: Optional[bool] = None        # None: only with adv_estimator=gae
+
+
+@dataclass
+class PPOTrainerConfig:
+    total_epochs: int = 1
+    total_training_steps: Optional[int] = None
+    critic_warmup: int = 0               # steps that train only the critic
+    test_freq: int = -1                  # validate every N steps (and at the end); -1: never
+    save_freq: int = -1                  # checkpoint every N steps (and at the end); -1: end only
+    val_before_train: bool = True
+    default_local_dir: str = "outputs/ppo"
+    resume_mode: Literal["auto", "disable", "resume_path"] = "auto"
+    resume_from_path: Optional[str] = None
+    project_name: str = "minihf"
+    experiment_name: str = "run"
+    logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+
+    def __post_init__(self):
+        bad = [x for x in self.logger if x not in ("console", "jsonl")]
+        if bad:
+            raise ValueError(f"trainer.logger: unknown {bad}; choose from ['console', 'jsonl']")
+
+
+@dataclass
+class PPOConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
+    critic: CriticSection = field(default_factory=CriticSection)
+    reward_model: RewardModelSection = field(default_factory=RewardModelSection)
+    custom_reward_function: CustomRewardConfig = field(default_factory=CustomRewardConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: PPOTrainerConfig = field(default_factory=PPOTrainerConfig)
+    controller: ControllerConfig = field(default_factory=ControllerConfig)
+
+    def __post_init__(self):
+        r, d = self.actor_rollout_ref.rollout, self.data
+        if r.prompt_length is None:
+            r.prompt_length = d.max_prompt_length
+        if r.response_length is None:
+            r.response_length = d.max_response_length
+        if r.prompt_length < d.max_prompt_length:
+            raise ValueError(f"actor_rollout_ref.rollout.prompt_length={r.prompt_length} is below "
+                             f"data.max_prompt_length={d.max_prompt_length}; drop it (it follows "
+                             "the data) or raise it")
+        if self.critic.enable is None:
+            self.critic.enable = self.algorithm.adv_estimator == "gae"
+        if self.algorithm.adv_estimator == "gae" and not self.critic.enable:
+            raise ValueError("algorithm.adv_estimator=gae needs a critic; set critic.enable=true")
+        if self.critic.enable and not self.critic.model.path:
+            self.critic.model.path = self.actor_rollout_ref.model.path
+
+    @property
+    def use_ref(self) -> bool:
+        return self.actor_rollout_ref.actor.use_kl_loss or self.algorithm.use_kl_in_reward
+
+    def check_sizes(self, actor_ranks: int, critic_ranks: int) -> None:
+        """Batch sizes that do not fit the ranks fail here, naming the key and what works."""
+        rows = self.data.train_batch_size * self.actor_rollout_ref.rollout.n
+        checks = [("actor_rollout_ref.actor.ppo_mini_batch_size",
+                   self.actor_rollout_ref.actor.ppo_mini_batch_size, actor_ranks)]
+        if self.critic.enable:
+            checks.append(("critic.ppo_mini_batch_size", self.critic.ppo_mini_batch_size,
+                           critic_ranks))
+        for key, mini, ranks in checks:
+            if rows % mini or mini % ranks:
+                ok = [m for m in range(ranks, rows + 1, ranks) if rows % m == 0]
+                raise ConfigError(
+                    f"{key}={mini} must divide the {rows} sequences of a step "
+                    f"(data.train_batch_size={self.data.train_batch_size} x rollout.n="
+                    f"{self.actor_rollout_ref.rollout.n}) and be a multiple of the {ranks} "
+                    f"ranks that train it; values that work: {ok}")

@@ -1,0 +1,147 @@
+"""Running the RL job: roles from the config, the offline preparation of the main job, and
+``run_ppo`` (``scripts/train_ppo.py``, ``minihf train``).
+
+``prepare`` (a minihf section, all optional) lets a recipe run from a fresh clone with no
+hub: when ``data.train_files`` is absent, ``prepare.task`` data is written there; when the
+actor's ``model.path`` is absent, a random-init ``prepare.base_model`` is built (when
+absent too) and warm-started with the SFT recipe ``prepare.sft_recipe`` (plus
+``prepare.sft_overrides``), whose HF export must land at ``model.path``. Rank 0 writes the
+files; the SFT run is a controller job of its own on all ranks, before the RL one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch.distributed as dist
+
+from minihf.config import ConfigError
+from minihf.controller.errors import ControllerAborted
+from minihf.trainer.ppo_config import PPOConfig
+
+
+@dataclass
+class PrepareConfig:
+    task: Optional[str] = None           # synthetic task whose data files are made when absent
+    num_train: int = 2000
+    num_test: int = 200
+    seed: int = 0
+    base_model: Optional[str] = None     # random-init model dir (minihf init-model) for the SFT
+    arch: str = "qwen2"
+    size: str = "mini"
+    sft_recipe: Optional[str] = None     # SFT recipe that writes <its default_local_dir>/hf
+    sft_overrides: list[str] = field(default_factory=list)
+
+
+@dataclass
+class PPOJobConfig(PPOConfig):
+    prepare: PrepareConfig = field(default_factory=PrepareConfig)
+
+
+def ppo_roles(cfg: PPOConfig) -> dict:
+    """``actor`` (+ ``critic``, ``reward_model`` when enabled), placed by ``controller``."""
+    from minihf.controller import Role
+    from minihf.workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker
+
+    roles = {"actor": Role(ActorRolloutRefWorker, (cfg.actor_rollout_ref,),
+                           {"with_ref": cfg.use_ref})}
+    if cfg.critic.enable:
+        roles["critic"] = Role(CriticWorker, (cfg.critic,))
+    if cfg.reward_model.enable:
+        roles["reward_model"] = Role(RewardModelWorker, (cfg.reward_model,))
+    return roles
+
+
+def ppo_driver(cfg: PPOConfig, base_dir=None, stop_after: int | None = None):
+    """The driver function for ``minihf.controller.run``: the metrics history."""
+    from minihf.trainer.ppo import PPOTrainer
+
+    def drive(groups):
+        return PPOTrainer(cfg, groups, base_dir=base_dir).fit(stop_after)
+    return drive
+
+
+def _files(value) -> list[str]:
+    return [value] if isinstance(value, str) else list(value or [])
+
+
+def check_paths(cfg: PPOConfig) -> None:
+    """Fail before any model loads if the model dir or a data file is missing."""
+    model = Path(cfg.actor_rollout_ref.model.path)
+    if not (model / "config.json").is_file():
+        raise ConfigError(f"actor_rollout_ref.model.path={str(model)!r} has no config.json; pass "
+                          "an HF checkpoint dir (offline: `minihf init-model DIR --task digits`, "
+                          "then `minihf sft`)")
+    for key in ("train_files", "val_files"):
+        for f in _files(getattr(cfg.data, key)):
+            if not Path(f).is_file():
+                raise ConfigError(f"data.{key}: {f!r} does not exist (relative paths are from "
+                                  f"{Path.cwd()}); write task data with `minihf make-data`")
+
+
+def prepare_files(cfg: PPOJobConfig) -> bool:
+    """Rank 0's part: data and base model when absent. True if an SFT warm start is due."""
+    from minihf.data import init_model, make_task_data
+
+    p = cfg.prepare
+    train = _files(cfg.data.train_files)
+    if p.task and train and not Path(train[0]).exists():
+        out = Path(train[0]).parent
+        print(f"[prepare] writing {p.task} data to {out}")
+        make_task_data(p.task, out, p.num_train, p.num_test, p.seed)
+    if Path(cfg.actor_rollout_ref.model.path, "config.json").is_file():
+        return False
+    if not p.sft_recipe:
+        return False  # check_paths reports the missing model
+    if not p.base_model:
+        raise ConfigError("prepare.sft_recipe is set but prepare.base_model is not; name the "
+                          "random-init model dir to warm-start")
+    if not Path(p.base_model, "config.json").is_file():
+        print(f"[prepare] building a random-init {p.arch}/{p.size} model at {p.base_model}")
+        init_model(p.base_model, arch=p.arch, size=p.size, task=p.task or "digits", seed=p.seed)
+    return True
+
+
+def sft_config(cfg: PPOJobConfig):
+    from minihf.config import load_config
+    from minihf.trainer.sft import SFTConfig
+
+    sft = load_config(SFTConfig, cfg.prepare.sft_recipe,
+                      [f"model.path={cfg.prepare.base_model}", *cfg.prepare.sft_overrides])
+    export = Path(sft.trainer.default_local_dir) / "hf"
+    if export.resolve() != Path(cfg.actor_rollout_ref.model.path).resolve():
+        raise ConfigError(f"prepare.sft_recipe exports to {export}, but "
+                          f"actor_rollout_ref.model.path={cfg.actor_rollout_ref.model.path!r}; "
+                          "make them the same dir")
+    return sft
+
+
+def run_ppo(cfg: PPOJobConfig, base_dir=None):
+    """The whole job (prepare, warm start, RL) as one ``torchrun`` job; history on rank 0."""
+    from minihf.controller import launch_job, run
+    from minihf.trainer.sft import check_paths as check_sft_paths, sft_driver, sft_roles
+
+    def job(device):
+        outcome: list = [None]
+        if dist.get_rank() == 0:
+            try:
+                outcome = [prepare_files(cfg)]
+            except BaseException as e:
+                dist.broadcast_object_list([f"{type(e).__name__}: {e}"], src=0)  # peers stop too
+                raise
+        dist.broadcast_object_list(outcome, src=0)
+        if isinstance(outcome[0], str):
+            raise ControllerAborted(f"rank 0 failed preparing the job: {outcome[0]}")
+        if outcome[0]:
+            sft = sft_config(cfg)
+            check_sft_paths(sft)
+            if dist.get_rank() == 0:
+                print(f"[prepare] SFT warm start ({cfg.prepare.sft_recipe}) -> "
+                      f"{cfg.actor_rollout_ref.model.path}")
+            run(sft_driver(sft), sft_roles(sft), cfg.controller, device=device)
+        check_paths(cfg)
+        return run(ppo_driver(cfg, base_dir), ppo_roles(cfg), cfg.controller, device=device)
+
+    return launch_job(job, cfg.controller)

@@ -1,0 +1,57 @@
+"""Rule rewards on the driver: decode each response, score it, place it on its last token.
+
+The function is verl's ``compute_score(data_source, solution_str, ground_truth,
+extra_info) -> float | dict`` (a dict has ``score`` plus extra per-sample values, logged as
+``reward_extra/<key>/mean``): the built-ins (``minihf.data.default_reward_fn``) or the one
+``custom_reward_function.path/name`` names, loaded from its file on the driver. One that
+raises stops the run naming the sample (``RewardError``).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from minihf.data import compute_score, default_reward_fn, load_reward_fn
+from minihf.protocol import Batch
+
+
+def load_reward(path: str | None, name: str, base_dir: str | Path | None = None):
+    """The reward function a config names (``None`` path: the built-ins)."""
+    if not path:
+        return default_reward_fn
+    p = Path(path)
+    if not p.is_absolute() and base_dir is not None and (Path(base_dir) / p).exists():
+        p = Path(base_dir) / p
+    return load_reward_fn(p, name)
+
+
+class RuleReward:
+    def __init__(self, fn, tokenizer):
+        self.fn, self.tokenizer = fn, tokenizer
+
+    def decode(self, batch: Batch) -> list[str]:
+        return [self.tokenizer.decode(r[m.bool()].tolist(), skip_special_tokens=True)
+                for r, m in zip(batch["responses"], batch["response_mask"])]
+
+    def __call__(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float], list[float]]:
+        """``(token_level_scores [B, R], metrics, scores)``: each sample's score at its last
+        response token (a response of length 0 puts it nowhere: it scores 0)."""
+        texts = self.decode(batch)
+        nt = batch.non_tensors
+        extra = nt["extra_info"] if "extra_info" in nt else None
+        scores, extras = compute_score(self.fn, list(nt["data_source"]), texts,
+                                       list(nt["ground_truth"]), extra)
+        mask = batch["response_mask"]
+        token_scores = torch.zeros(mask.shape, dtype=torch.float32)
+        last = mask.sum(-1) - 1                                                  # [B]
+        rows = torch.nonzero(last >= 0).squeeze(-1)
+        token_scores[rows, last[rows]] = torch.tensor(scores, dtype=torch.float32)[rows]
+        metrics = {}
+        for key, values in extras.items():
+            finite = [v for v in values if not math.isnan(v)]
+            if finite:
+                metrics[f"reward_extra/{key}/mean"] = sum(finite) / len(finite)
+        return token_scores, metrics, scores

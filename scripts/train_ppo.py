@@ -17,9 +17,7 @@ from __future__ import annotations
 import sys
 
 from minihf.config import find_recipe, load_config, split_cli_args
-from minihf.trainer.ppo_job import PPOJobConfig, run_ppo
-
-DEFAULT_RECIPE = "grpo"
+from minihf.trainer.ppo_job import DEFAULT_RECIPE, PPOJobConfig, run_ppo
 
 
 def main(argv: list[str]) -> None:

@@ -28,6 +28,17 @@ def test_overrides_reach_nested_sections():
     ("actor.clip_ratio_c=0.5", r"actor: clip_ratio_c=0.5 must be > 1"),
     ("actor.kl_loss_type=lowvar", "kl_loss_type='lowvar'.*low_var_kl"),
     ("actor.ppo_epochs=0", "ppo_epochs=0 must be >= 1"),
+    ("rollout.n=0", r"rollout.n=0 must be an int >= 1"),
+    ("rollout.temperature=-1", r"rollout.temperature=-1.* must be >= 0"),
+    ("rollout.top_p=0", r"rollout.top_p=0.* must be in \(0, 1\]"),
+    ("rollout.top_k=-2", r"rollout.top_k=-2 must be an int; -1 or 0 disables it"),
+    ("rollout.response_length=0", r"rollout.response_length=0 must be an int >= 1"),
+    ("rollout.tensor_model_parallel_size=0", r"rollout.tensor_model_parallel_size=0 must be"),
+    ("rollout.gpu_memory_utilization=1.5", r"rollout.gpu_memory_utilization=1.5 must be in"),
+    ("rollout.max_num_batched_tokens=0", r"rollout.max_num_batched_tokens=0 must be >= 1"),
+    ("rollout.reshard=fast", r"rollout.reshard.*'fast'.*hybrid.*naive"),
+    ("rollout.val_kwargs.n=0", r"rollout.val_kwargs.n=0 must be an int >= 1"),
+    ("rollout.val_kwargs.temperature=-0.5", r"val_kwargs.temperature=-0.5 must be >= 0"),
 ])
 def test_bad_values_say_which_and_why(override, match):
     with pytest.raises(ConfigError, match=match):
@@ -45,3 +56,28 @@ def test_shipped_sft_recipe_loads():
     cfg = load_config(SFTConfig, "sft_digits")
     assert cfg.data.response_key == "extra_info.answer" and cfg.data.max_tokens_per_micro_batch == 1024
     assert cfg.model.path == "outputs/models/digits-tiny"
+
+
+def test_shipped_rl_recipes_load():
+    from minihf.trainer.ppo_job import PPOJobConfig
+
+    grpo = load_config(PPOJobConfig, "grpo")
+    assert grpo.algorithm.adv_estimator == "grpo" and not grpo.critic.enable and grpo.use_ref
+    assert grpo.actor_rollout_ref.rollout.response_length == grpo.data.max_response_length
+    ppo = load_config(PPOJobConfig, "ppo")
+    assert ppo.critic.enable and ppo.critic.model.path == ppo.actor_rollout_ref.model.path
+    assert ppo.algorithm.kl_ctrl.type == "adaptive" and ppo.use_ref
+
+
+def test_rl_config_errors():
+    from minihf.trainer.ppo_job import PPOJobConfig
+
+    with pytest.raises(ConfigError, match=r"unknown advantage estimator 'grp'; did you mean 'grpo'"):
+        load_config(PPOJobConfig, None, ["algorithm.adv_estimator=grp"])
+    with pytest.raises(ConfigError, match="adv_estimator=gae needs a critic"):
+        load_config(PPOJobConfig, None, ["critic.enable=false"])
+    with pytest.raises(ConfigError, match=r"rollout.prompt_length=8 is below data.max_prompt_length=16"):
+        load_config(PPOJobConfig, None, ["data.max_prompt_length=16",
+                                         "actor_rollout_ref.rollout.prompt_length=8"])
+    with pytest.raises(ConfigError, match=r"trainer.logger: unknown \['wandb2'\]"):
+        load_config(PPOJobConfig, None, ["trainer.logger=[console, wandb2]"])

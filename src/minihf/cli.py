@@ -99,6 +99,29 @@ def generate(
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def train(ctx: typer.Context) -> None:
+    """RL training (the main job); arguments: an optional recipe name, then config overrides.
+
+    `minihf train` runs the default recipe (grpo), `minihf train ppo actor_rollout_ref.rollout.n=4`
+    another one. Runs in this process; use `torchrun --nproc_per_node=N scripts/train_ppo.py ...`
+    for several ranks."""
+    from minihf.config import ConfigError, find_recipe, load_config, split_cli_args
+    from minihf.trainer.ppo_job import DEFAULT_RECIPE, PPOJobConfig, run_ppo
+
+    args = list(ctx.args)
+    if args and "=" not in args[0]:
+        args[0] = f"recipe={args[0]}"
+    try:
+        recipe, overrides = split_cli_args(args)
+        recipe = recipe or DEFAULT_RECIPE
+        cfg = load_config(PPOJobConfig, recipe, overrides)
+        base_dir = find_recipe(recipe).parent
+    except ConfigError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    run_ppo(cfg, base_dir=base_dir)
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def sft(ctx: typer.Context) -> None:
     """Supervised fine-tuning; arguments are config overrides (recipe=NAME key=value ...).
 

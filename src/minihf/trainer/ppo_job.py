@@ -21,6 +21,8 @@ from minihf.config import ConfigError
 from minihf.controller.errors import ControllerAborted
 from minihf.trainer.ppo_config import PPOConfig
 
+DEFAULT_RECIPE = "grpo"  # what `scripts/train_ppo.py` and `minihf train` run without a recipe
+
 
 @dataclass
 class PrepareConfig:

@@ -40,8 +40,8 @@ from minihf.protocol import Batch
 from minihf.rollout.llm import eos_ids_from_dir
 from minihf.utils import checkpoint as ckpt
 from minihf.workers.config import ActorRolloutRefConfig
-from minihf.workers.engine import (build_fsdp_model, build_optim, prefixed, run_micro_batches,
-                                   run_update, tensors_of)
+from minihf.workers.engine import (build_fsdp_model, build_optim, move_optimizer_state, prefixed,
+                                   run_micro_batches, run_update, tensors_of)
 from minihf.workers.forward import forward_log_probs
 
 INPUT_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
@@ -75,6 +75,9 @@ class ActorRolloutRefWorker(Worker):
         if self.with_ref:
             self.ref = build_fsdp_model(cfg.model, cfg.ref.fsdp, head="lm", group=self.group,
                                         device=self.device, trainable=False)
+        r = cfg.rollout
+        if r.prompt_length is None or r.response_length is None:
+            return  # a scoring/training-only actor (generate_sequences explains what to set)
         info = self.parallel("rollout")
         hf = self.actor.args.hf_config
         eos = eos_ids_from_dir(cfg.model.path, hf)
@@ -87,15 +90,26 @@ class ActorRolloutRefWorker(Worker):
     # -- generation -----------------------------------------------------------------------
     @register(dispatch=Dispatch.DP_COMPUTE, collect=collect_rollout, layout="rollout")
     def generate_sequences(self, batch: Batch) -> Batch:
-        """Sample responses with the current weights (reshard -> generate -> sleep)."""
+        """Sample responses with the current weights (reshard -> generate -> sleep). With
+        ``actor.fsdp.optimizer_offload`` on CUDA the optimizer state waits on the host."""
         self._require("rollout")
-        return self.rollout.generate_sequences(batch, int(batch.meta.get("global_step", 0)))
+        offload = self.config.actor.fsdp.optimizer_offload and self.device.type == "cuda"
+        if offload:
+            move_optimizer_state(self.optimizer, "cpu")
+        try:
+            return self.rollout.generate_sequences(batch, int(batch.meta.get("global_step", 0)))
+        finally:
+            if offload:
+                move_optimizer_state(self.optimizer, self.device)
 
     def _require(self, name: str):
         model = getattr(self, name)
         if model is None:
-            hint = ("construct the worker with with_ref=True" if name == "ref"
-                    else "call init_model() first")
+            hint = {"ref": "construct the worker with with_ref=True",
+                    "rollout": "set rollout.prompt_length and rollout.response_length (the PPO "
+                               "trainer takes them from data.max_prompt_length/"
+                               "max_response_length) and call init_model()"
+                    }.get(name, "call init_model() first")
             raise RuntimeError(f"{type(self).__name__}.{name} is not built; {hint}")
         return model
 

@@ -19,6 +19,7 @@ from minihf.trainer.optim import OptimConfig
 class FSDPConfig:
     """How a role's model is sharded (see ``minihf.parallel.fsdp.apply_fsdp``)."""
     param_offload: bool = False          # params/grads/optimizer state on the host (CPUOffloadPolicy)
+    optimizer_offload: bool = False      # actor on CUDA: optimizer state on the host while generating
     activation_checkpointing: bool = False
     mixed_precision: Literal["auto", "none"] = "auto"  # auto: bf16/fp32-reduce on CUDA, fp32 on CPU
     reshard_after_forward: bool = True

@@ -51,6 +51,15 @@ def build_optim(model: nn.Module, cfg: OptimConfig):
     return optimizer, build_lr_scheduler(optimizer, cfg)
 
 
+def move_optimizer_state(optimizer, device: torch.device | str) -> None:
+    """Move every tensor of ``optimizer``'s state (e.g. AdamW moments, DTensor shards) to
+    ``device``: the actor parks it on the host while the rollout engine needs the GPU."""
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if torch.is_tensor(value):
+                state[key] = value.to(device, non_blocking=True)
+
+
 def tensors_of(batch, keys: Sequence[str], device: torch.device) -> dict[str, torch.Tensor]:
     """The named tensors of a Batch, on ``device``; a clear error lists missing keys."""
     missing = [k for k in keys if k not in batch.tensors]

@@ -12,7 +12,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from minihf.models import (KVCache, ModelArgs, build_model, init_weights, load_hf,
                            materialize, save_hf)
-from minihf.models.masks import packed_causal_mask, padded_causal_mask
+from minihf.models.masks import padded_causal_mask, segments
 from minihf.models.rope import inv_freq
 
 TINY = dict(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -75,8 +75,11 @@ def test_bad_configs_are_clear_errors():
 
 
 def test_masks_by_hand():
-    m = packed_causal_mask(torch.tensor([0, 2, 3], dtype=torch.int32), 4)[0, 0].int()
-    assert m.tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]]
+    # packed [a0 a1 | b0 | pad]: sequences of 2, 1 and (trailing padding) 1 tokens
+    seg = segments(torch.tensor([0, 2, 3], dtype=torch.int32), 4)
+    assert seg.gather.tolist() == [[0, 1], [2, 0], [3, 0]]
+    assert seg.seq.tolist() == [0, 0, 1, 2] and seg.pos.tolist() == [0, 1, 0, 0]
+    assert seg.mask[:, 0].int().tolist() == [[[1, 0], [1, 1]]] * 3  # a pad row sees itself
     left = padded_causal_mask(torch.tensor([[0, 0, 1, 1]]))[0, 0].int()
     assert left.tolist() == [[1, 0, 0, 0], [0, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]]
     right = padded_causal_mask(torch.tensor([[1, 1, 0]]))[0, 0].int()

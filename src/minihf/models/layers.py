@@ -77,6 +77,11 @@ class Attention(nn.Module):
                 q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
                 meta.cu_seqlens, meta.cu_seqlens, meta.max_seqlen, meta.max_seqlen, causal=True,
             ).transpose(0, 1)[None]  # [1, heads, T, hd]
+        elif meta.segments is not None:  # packed, no flash-attn: per-sequence padded batch
+            seg = meta.segments
+            qs, ks, vs = (t[0][:, seg.gather].transpose(0, 1) for t in (q, k, v))  # [S, h, L, hd]
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seg.mask, enable_gqa=gqa)
+            out = o[seg.seq, :, seg.pos].transpose(0, 1)[None]                     # [1, h, T, hd]
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.mask,
                                                  is_causal=meta.is_causal, enable_gqa=gqa)

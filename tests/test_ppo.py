@@ -24,6 +24,7 @@ def job_config(model, data, out, recipe, **extra):
         "data.max_response_length=8", "data.train_batch_size=4",
         "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
         "actor_rollout_ref.actor.optim.lr=1e-3", "critic.ppo_mini_batch_size=4",
+        "actor_rollout_ref.actor.ppo_epochs=2", "critic.ppo_epochs=2",
         f"trainer.total_training_steps={STEPS}", "trainer.test_freq=2",
         f"trainer.default_local_dir={out}", "prepare.task=null", "prepare.sft_recipe=null",
         "controller.timeout_s=120",
@@ -74,7 +75,7 @@ def tiny_job(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("ppo")
     init_model(root / "model", size="tiny", task="digits")
-    make_task_data("digits", root / "data", 32, 8, seed=0)
+    make_task_data("digits", root / "data", 32, 8, seed=0)  # the recipes' task is sort: any works
     return str(root / "model"), str(root / "data")
 
 

@@ -6,7 +6,7 @@ import random
 import pyarrow.parquet as pq
 import pytest
 
-from minihf.data.tasks import TASKS, arith, countdown, digits, get_task, make_task_data
+from minihf.data.tasks import TASKS, arith, countdown, digits, get_task, make_task_data, sort
 from minihf.data.tasks.common import generate_rows
 
 
@@ -30,6 +30,29 @@ def test_digits_continuation_by_hand():
 ])
 def test_digits_reward(solution, expected):
     assert digits.compute_score(solution, "7,1,5,9") == pytest.approx(expected)
+
+
+# --- sort ---------------------------------------------------------------------------------
+
+def test_sort_examples_by_hand():
+    import random
+
+    prompt, truth, answer, params = sort.make_example(random.Random(3))
+    items = [int(x) for x in prompt.split(",")]
+    assert truth == answer == ",".join(str(x) for x in sorted(items))
+    assert params == {"num_items": len(items)} and 2 <= len(items) <= 6
+
+
+@pytest.mark.parametrize("solution, expected", [
+    ("1,3,5,8", 1.0),
+    ("1,3,8,5", 0.5),           # two items swapped
+    ("1,3", 0.5),               # too short
+    ("1,3,5,8,9", 0.8),         # an extra item costs credit
+    ("8,5,3,1", 0.0),           # reversed
+    ("", 0.0),
+])
+def test_sort_reward(solution, expected):
+    assert sort.compute_score(solution, "1,3,5,8") == pytest.approx(expected)
 
 
 # --- arith --------------------------------------------------------------------------------

@@ -55,7 +55,7 @@ def init_model(
 
 @app.command("make-data")
 def make_data(
-    task: str = typer.Argument(..., help="digits | arith | countdown"),
+    task: str = typer.Argument(..., help="digits | sort | arith | countdown"),
     out_dir: str = typer.Argument(..., help="Directory for train/test .parquet and .jsonl files."),
     train: int = typer.Option(1000, help="Number of training prompts."),
     test: int = typer.Option(100, help="Number of test prompts."),

@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from minihf.data.tasks import arith, countdown, digits
+from minihf.data.tasks import arith, countdown, digits, sort
 
 RewardFn = Callable[[str, str, Any, dict], "float | dict"]
 
@@ -69,6 +69,7 @@ def _gsm8k_fn(data_source, solution_str, ground_truth, extra_info=None):
 
 REWARD_FNS: dict[str, RewardFn] = {
     digits.DATA_SOURCE: _task_fn(digits),
+    sort.DATA_SOURCE: _task_fn(sort),
     arith.DATA_SOURCE: _task_fn(arith),
     countdown.DATA_SOURCE: _task_fn(countdown),
     "openai/gsm8k": _gsm8k_fn,

@@ -36,7 +36,7 @@ from minihf.trainer.common import (Log, MetricsLog, every, find_resume_path, for
                                    mark_latest, write_atomic)
 from minihf.trainer.metrics import data_metrics, throughput
 from minihf.trainer.ppo_config import PPOConfig
-from minihf.trainer.reward import RuleReward, load_reward
+from minihf.trainer.reward import RuleReward, at_last_token, load_reward
 
 PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
 LINE_KEYS = {"step": "step", "critic/score/mean": "score", "val-core/mean": "val",
@@ -131,11 +131,7 @@ class PPOTrainer:
     def _score(self, batch: Batch) -> tuple[torch.Tensor, dict]:
         if self.rm is not None:
             rm = self.rm.compute_rm_score(batch)["rm_scores"]                   # [B]
-            scores = torch.zeros(batch["response_mask"].shape)
-            last = batch["response_mask"].sum(-1) - 1
-            rows = torch.nonzero(last >= 0).squeeze(-1)
-            scores[rows, last[rows]] = rm[rows].float()
-            return scores, {}
+            return at_last_token(rm, batch["response_mask"]), {}
         scores, metrics, _ = self.reward(batch)
         return scores, metrics
 

@@ -28,6 +28,16 @@ def load_reward(path: str | None, name: str, base_dir: str | Path | None = None)
     return load_reward_fn(p, name)
 
 
+def at_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Sequence ``scores`` [B] as token-level scores [B, R] on each response's last token (a
+    response of length 0 has no token to hold it: it scores 0)."""
+    token_scores = torch.zeros(response_mask.shape, dtype=torch.float32)
+    last = response_mask.sum(-1) - 1                                             # [B]
+    rows = torch.nonzero(last >= 0).squeeze(-1)
+    token_scores[rows, last[rows]] = scores.float()[rows]
+    return token_scores
+
+
 class RuleReward:
     def __init__(self, fn, tokenizer):
         self.fn, self.tokenizer = fn, tokenizer
@@ -38,17 +48,13 @@ class RuleReward:
 
     def __call__(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float], list[float]]:
         """``(token_level_scores [B, R], metrics, scores)``: each sample's score at its last
-        response token (a response of length 0 puts it nowhere: it scores 0)."""
+        response token (``at_last_token``)."""
         texts = self.decode(batch)
         nt = batch.non_tensors
         extra = nt["extra_info"] if "extra_info" in nt else None
         scores, extras = compute_score(self.fn, list(nt["data_source"]), texts,
                                        list(nt["ground_truth"]), extra)
-        mask = batch["response_mask"]
-        token_scores = torch.zeros(mask.shape, dtype=torch.float32)
-        last = mask.sum(-1) - 1                                                  # [B]
-        rows = torch.nonzero(last >= 0).squeeze(-1)
-        token_scores[rows, last[rows]] = torch.tensor(scores, dtype=torch.float32)[rows]
+        token_scores = at_last_token(torch.tensor(scores), batch["response_mask"])
         metrics = {}
         for key, values in extras.items():
             finite = [v for v in values if not math.isnan(v)]

@@ -1,4 +1,5 @@
-"""Synthetic tasks with generators and reward functions: ``digits``, ``arith``, ``countdown``.
+"""Synthetic tasks with generators and reward functions: ``digits``, ``sort``, ``arith``,
+``countdown``.
 
 ``TASKS`` maps a task name to its module; ``make_task_data(name, out_dir, ...)`` writes
 train/test files in verl's format.
@@ -8,10 +9,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from minihf.data.tasks import arith, countdown, digits
+from minihf.data.tasks import arith, countdown, digits, sort
 from minihf.data.tasks.common import write_task_data
 
-TASKS = {"digits": digits, "arith": arith, "countdown": countdown}
+TASKS = {"digits": digits, "sort": sort, "arith": arith, "countdown": countdown}
 
 
 def get_task(name: str):

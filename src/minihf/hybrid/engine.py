@@ -101,10 +101,6 @@ class HybridEngine:
     def sampling(self, meta: dict) -> dict:
         """The call's sampling settings: rollout config, then ``val_kwargs`` when
         ``meta["validate"]``, then the keys ``meta`` sets."""
-        unknown = [k for k in meta if k in ("max_tokens", "num_samples")]
-        if unknown:
-            raise ValueError(f"batch.meta keys {unknown} are not sampling overrides; use "
-                             f"{list(SAMPLING_META)}")
         c = self.cfg
         s = dict(n=1, do_sample=c.do_sample, temperature=c.temperature, top_k=c.top_k,
                  top_p=c.top_p, response_length=c.response_length)

@@ -13,7 +13,7 @@ def test_version_and_help():
     assert res.exit_code == 0 and res.output.strip() == f"minihf {__version__}"
     res = CliRunner().invoke(app, ["--help"])
     assert res.exit_code == 0
-    for command in ("doctor", "init-model", "make-data", "generate", "sft", "export"):
+    for command in ("doctor", "init-model", "make-data", "generate", "train", "sft", "export"):
         assert command in res.output, command
 
 
@@ -34,3 +34,10 @@ def test_doctor_survives_a_broken_install(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     assert _version_of("broken_ext_mod").startswith("installed but fails to import (ImportError")
     assert _version_of("surely_not_a_module_xyz") == "not installed"
+
+
+def test_train_refuses_bad_recipes_and_keys_with_one_line():
+    res = CliRunner().invoke(app, ["train", "grpoo"])
+    assert res.exit_code == 2 and "did you mean 'grpo'" in res.output, res.output
+    res = CliRunner().invoke(app, ["train", "ppo", "algorithm.adv_estimatr=gae"])
+    assert res.exit_code == 2 and "adv_estimator" in res.output, res.output

@@ -1,7 +1,8 @@
 """Resharding FSDP2 shards into the TP rollout engine on 2 and 4 gloo ranks: every engine
 weight equals the exact slice of the full parameters (bitwise), for every TP size that
 divides N, all four architectures (GQA, tied and untied heads, an odd vocabulary whose LM
-head stays replicated), in ``hybrid`` and ``naive`` mode; both modes generate the same
+head is gathered whole, a down_proj that FSDP shards on dim 0), in ``hybrid`` and ``naive``
+mode; both modes generate the same
 tokens; the engine sleeps (no weights) between calls."""
 
 import pytest
@@ -27,10 +28,10 @@ def _rank(rank, world, cases):
     out = {}
     tps = [t for t in (1, 2, 4) if world % t == 0]
     groups = {t: rollout_groups(t) for t in tps}  # every rank creates every group, in order
-    for name, path in cases:
+    for name, path, max_tp in cases:
         full = dict(load_hf(path).named_parameters(remove_duplicate=False))
         fsdp = apply_fsdp(load_hf(path), fsdp_mesh(dist.group.WORLD, "cpu"))
-        for t in tps:
+        for t in [t for t in tps if t <= max_tp]:
             gather, tp_group, tp_rank = groups[t]
             tokens = {}
             for mode in ("hybrid", "naive"):
@@ -58,7 +59,10 @@ def _rank(rank, world, cases):
                 eng.sleep()
                 out[name, t, mode] = dict(worst=worst, weight_bytes=weight_bytes,
                                           asleep=eng.engine_weight_bytes() == 0,
-                                          as_planned=moved_as_planned)
+                                          as_planned=moved_as_planned,
+                                          row_parallel_whole=any(
+                                              p.over == "all" and p.targets[0][1] == 1
+                                              for b in eng.buckets for p in b.tensors))
             out[name, t, "same_tokens"] = tokens["hybrid"] == tokens["naive"]
     return out
 
@@ -69,14 +73,17 @@ def model_dirs(tmp_path_factory):
     build_tiny("llama", root / "llama", heads=8, kv_heads=4, attention_bias=True, mlp_bias=True)
     build_tiny("qwen2", root / "qwen2", heads=8, kv_heads=4)  # tied head, qkv bias
     build_tiny("qwen3", root / "qwen3", heads=8, kv_heads=4, vocab_size=130)  # q/k norm; 130 % 4
-    build_tiny("mistral", root / "mistral", heads=4, kv_heads=4, intermediate_size=120)
-    return {a: str(root / a) for a in ("llama", "qwen2", "qwen3", "mistral")}
+    # intermediate 122: down_proj's dim 1 does not divide by 4, so at N=4 FSDP shards it on
+    # dim 0 and the reshard gathers it whole, then slices (TP 2 at most: 122 = 2 x 61)
+    build_tiny("mistral", root / "mistral", heads=4, kv_heads=4, intermediate_size=122)
+    return {a: (str(root / a), 2 if a == "mistral" else 4)
+            for a in ("llama", "qwen2", "qwen3", "mistral")}
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_reshard_exact_slices(model_dirs, world):
-    cases = list(model_dirs.items()) if world == 4 else [("llama", model_dirs["llama"]),
-                                                         ("qwen2", model_dirs["qwen2"])]
+    cases = [(name, *spec) for name, spec in model_dirs.items()
+             if world == 4 or name in ("llama", "qwen2")]
     results = spawn_ranks(_rank, world, cases, timeout_s=400)
     for rank, res in enumerate(results):
         for key, r in res.items():
@@ -85,6 +92,9 @@ def test_reshard_exact_slices(model_dirs, world):
                 continue
             assert r["worst"] == 0.0, (rank, key, r["worst"])
             assert r["asleep"] and r["as_planned"], (rank, key)
+    if world == 4:  # the dim-0 fallback was exercised
+        assert results[0]["mistral", 2, "hybrid"]["row_parallel_whole"]
+        assert not results[0]["llama", 2, "hybrid"]["row_parallel_whole"]
     # hybrid and naive engines hold the same TP slice: model / t plus replicated tensors
     for key, r in results[0].items():
         if key[2] == "hybrid":

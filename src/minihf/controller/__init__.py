@@ -3,9 +3,10 @@
 Rank 0 runs the driver (a plain sequential program) and calls role worker groups as if
 they were local objects; every other rank serves commands until STOP. See ``launch`` (entry,
 groups, threads), ``worker`` (``Worker``, ``@register``), ``dispatch`` (the dispatch/collect
-table), ``layout`` (DP x TP arrangements of a role's ranks), ``group`` (``WorkerGroup``), ``driver`` (futures, ordering, heartbeat), ``peer``
-(rank 0's link to one worker rank), ``transport`` (wire format), ``serve`` (the
-worker-side loop) and ``config`` (``ControllerConfig``, role placement).
+table), ``layout`` (DP x TP arrangements of a role's ranks), ``group`` (``WorkerGroup``),
+``driver`` (futures, ordering, heartbeat), ``peer`` (rank 0's link to one worker rank),
+``transport`` (wire format), ``serve`` (the worker-side loop) and ``config``
+(``ControllerConfig``, role placement).
 """
 
 from minihf.controller.dispatch import (
@@ -26,7 +27,8 @@ from minihf.controller.worker import (MethodSpec, ParallelInfo, Worker, WorkerCo
 
 __all__ = [
     "CallFuture", "ControllerAborted", "ControllerError", "DEFAULT_LAYOUT", "DISPATCH_MODES",
-    "Dispatch", "DispatchMode", "MethodSpec", "ParallelInfo", "Plan", "RankLostError", "RemoteError", "Role", "RoleLayout",
-    "Worker", "WorkerContext", "WorkerGroup", "create_worker", "get_dispatch_mode", "launch", "launch_job",
-    "register", "register_dispatch_mode", "resolve_backend", "run",
+    "Dispatch", "DispatchMode", "MethodSpec", "ParallelInfo", "Plan", "RankLostError",
+    "RemoteError", "Role", "RoleLayout", "Worker", "WorkerContext", "WorkerGroup",
+    "create_worker", "get_dispatch_mode", "launch", "launch_job", "register",
+    "register_dispatch_mode", "resolve_backend", "run",
 ]

@@ -1,17 +1,18 @@
 """Starting a controller job: process groups, workers on every rank, driver or serve loop.
 
-``launch`` is the entry helper for scripts run with ``python`` or ``torchrun``; it is the
-only place in minihf that reads torchrun's environment (``RANK``, ``WORLD_SIZE``,
-``LOCAL_RANK``; ``MASTER_ADDR``/``MASTER_PORT`` via ``env://``). Without them it starts a
-one-process job. It exits the process non-zero on any error, on every rank, so a failure
+``launch`` is the entry helper for scripts run with ``python`` or ``torchrun``
+(``launch_job`` for a job of several runs, e.g. SFT then RL); it is the only place in
+minihf that reads torchrun's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``;
+``MASTER_ADDR``/``MASTER_PORT`` via ``env://``). Without them it starts a one-process job. It exits the process non-zero on any error, on every rank, so a failure
 never leaves a job hanging; a user error (bad value, missing file) is printed as one line
 and where it was raised, anything else with its full traceback (``failure_report``).
 ``run`` is the same job on an already initialised default process group (used by
 ``launch`` and by multi-process tests); it raises instead of exiting.
 
 Groups: per role, one over its ranks (colocated roles get separate groups) plus the DP and
-TP groups of each of its layouts (``minihf.controller.layout``); and two per worker rank r (driver->r, r->driver; see ``transport``). With CUDA
-the backend is "cpu:gloo,cuda:nccl": pickled control records go over gloo, tensors over NCCL.
+TP groups of each of its layouts (``minihf.controller.layout``); and two per worker rank r
+(driver->r, r->driver; see ``transport``). With CUDA the backend is "cpu:gloo,cuda:nccl":
+pickled control records go over gloo, tensors over NCCL.
 
 Threads: on every rank, workers are built and their methods run on one thread owned by the
 run (rank 0's local executor, the serve loop elsewhere), never on the caller's long-lived

@@ -178,3 +178,58 @@ def test_main_job_learns(tmp_path):
     print(f"main job: validation {before:.3f} -> {after:.3f} in {elapsed:.0f}s")
     assert after - before >= 0.3 and after >= 0.75, log
     assert elapsed <= 600, log
+
+
+LONG_JOB = """
+import os, sys, time
+from minihf.controller import Dispatch, Worker, launch, register
+
+class Slow(Worker):
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def work(self, out):
+        open(f"{out}/pid{self.rank}", "w").write(str(os.getpid()))
+        time.sleep(120)
+
+def driver(groups):
+    groups["slow"].work(sys.argv[1])
+
+launch(driver, {"slow": Slow})
+"""
+
+
+def test_workers_exit_when_torchrun_is_killed(tmp_path):
+    """SIGKILL of the launcher (torchrun) takes its workers down with it, at once."""
+    script = tmp_path / "long_job.py"
+    script.write_text(textwrap.dedent(LONG_JOB))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(TORCHRUN + [str(script), str(tmp_path)], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        pids = []
+        while time.monotonic() < deadline and len(pids) < 2:
+            pids = [int(p.read_text()) for p in tmp_path.glob("pid*") if p.read_text()]
+            time.sleep(0.5)
+        assert len(pids) == 2, "the workers never started"
+        os.kill(proc.pid, signal.SIGKILL)  # the torchrun agent
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 15
+        alive = pids
+        while alive and time.monotonic() < deadline:
+            alive = [p for p in alive if _alive(p)]
+            time.sleep(0.2)
+        assert not alive, f"workers {alive} outlived their launcher"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (dead, not yet reaped) counts as gone
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False

@@ -58,6 +58,22 @@ def test_sft_two_ranks_loss_decreases_resume_matches_export_loads(tmp_path):
 
     # resumed at step 3: steps 4..8 equal the uninterrupted run's (data order, LR, Adam)
     assert [m["step"] for m in hist_b] == [4, 5, 6, 7, 8]
+
+    # resuming under another learning rate is refused, naming the key; a longer run is fine
+    import pytest
+
+    from minihf.config import ConfigError
+    from minihf.trainer.common import resume_config_changes
+
+    ckpt = tmp_path / "split" / "global_step_8"
+    assert resume_config_changes(ckpt, second) == []
+    longer = config(model, data, str(tmp_path / "split"), 10, save_freq=3)
+    assert resume_config_changes(ckpt, longer) == ["trainer.total_training_steps"]
+    other_lr = config(model, data, str(tmp_path / "split"), 8, save_freq=3)
+    other_lr.optim.lr = 1e-3
+    with pytest.raises(ConfigError, match=r"optim.lr: 0.003 in the checkpoint, 0.001 now.*"
+                                          r"trainer.resume_mode=disable"):
+        resume_config_changes(ckpt, other_lr)
     for a, b in zip(hist_full[3:], hist_b):
         assert a["train/loss"] == b["train/loss"] and a["train/lr"] == b["train/lr"]
     lines = (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()

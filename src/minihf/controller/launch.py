@@ -261,12 +261,29 @@ def _init_from_env(config: ControllerConfig) -> tuple[int, torch.device]:
     return rank, torch.device("cuda", local_rank) if cuda else torch.device("cpu")
 
 
+def _die_with_launcher() -> None:
+    """Under torchrun, have Linux SIGKILL this worker when its launcher dies (a SIGKILLed
+    torchrun cannot stop its workers, which would otherwise train on as orphans)."""
+    if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    import ctypes
+    import signal
+
+    parent = os.getppid()
+    pr_set_pdeathsig = 1
+    if ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL) != 0:
+        return  # best effort: the controller's timeouts still end the job
+    if os.getppid() != parent:  # the launcher died before the request was in place
+        os._exit(1)
+
+
 def launch_job(job: Callable[[torch.device], Any], config: ControllerConfig | None = None) -> Any:
     """Like ``launch``, for a job of several controller runs: ``job(device)`` runs on every
     rank inside the initialised default group and calls ``run`` as often as it needs (e.g.
     an SFT warm start, then RL). Returns its result on rank 0, ``None`` elsewhere; any error
     on any rank prints the error and exits the process with status 1."""
     config = config or ControllerConfig()
+    _die_with_launcher()
     rank, device = _init_from_env(config)
     try:
         result = job(device)

@@ -15,6 +15,11 @@ from pathlib import Path
 from typing import Callable, Optional
 
 LATEST = "latest_checkpointed_iteration.txt"
+CONFIG_FILE = "config.json"  # the run's config, saved with each checkpoint
+# what may change between a run and its resumption: when/how long to train, log, save, and
+# where ranks run; anything else (learning rate, batch sizes, model, data) would silently
+# not apply to, or not match, the state being restored
+RESUMABLE_CHANGES = ("trainer.", "controller.", "prepare.")
 
 
 def find_resume_path(default_local_dir: str, resume_mode: str,
@@ -34,6 +39,53 @@ def find_resume_path(default_local_dir: str, resume_mode: str,
     if not latest.exists():
         return None
     return Path(default_local_dir) / f"global_step_{int(latest.read_text().strip())}"
+
+
+def flatten(cfg: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in cfg.items():
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def config_json(cfg) -> dict:
+    """The config as plain JSON data (what ``save_config`` writes)."""
+    from minihf.config import to_dict
+
+    return json.loads(json.dumps(to_dict(cfg)))
+
+
+def save_config(ckpt_dir: Path, cfg) -> None:
+    write_atomic(Path(ckpt_dir) / CONFIG_FILE, json.dumps(config_json(cfg), indent=1))
+
+
+def resume_config_changes(ckpt_dir: Path, cfg) -> list[str]:
+    """``check_resume_config`` against the config saved in ``ckpt_dir`` (none saved: [])."""
+    path = Path(ckpt_dir) / CONFIG_FILE
+    if not path.exists():
+        return []
+    return check_resume_config(json.loads(path.read_text()), config_json(cfg), Path(ckpt_dir))
+
+
+def check_resume_config(saved: dict, current: dict, checkpoint: Path) -> list[str]:
+    """Refuse to resume under a config that differs from the checkpoint's in a key outside
+    ``RESUMABLE_CHANGES`` (naming each key and both values); returns the keys that changed
+    and may (say so to the user)."""
+    from minihf.config import ConfigError
+
+    a, b = flatten(saved), flatten(current)
+    changed = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+    bad = [k for k in changed if not k.startswith(RESUMABLE_CHANGES)]
+    if bad:
+        lines = "; ".join(f"{k}: {a.get(k)!r} in the checkpoint, {b.get(k)!r} now" for k in bad)
+        raise ConfigError(f"resuming from {checkpoint} under a different config: {lines}. The "
+                          "restored state was trained with the saved values, so the change would "
+                          "not apply; rerun with them, or start a new run "
+                          "(trainer.default_local_dir=NEW_DIR or trainer.resume_mode=disable)")
+    return changed
 
 
 def write_atomic(path: Path, text: str) -> None:

@@ -33,7 +33,8 @@ from minihf.algorithms import (AdaptiveKLController, FixedKLController, apply_kl
                                get_adv_estimator_fn, masked_mean)
 from minihf.protocol import Batch
 from minihf.trainer.common import (Log, MetricsLog, every, find_resume_path, format_line,
-                                   mark_latest, write_atomic)
+                                   mark_latest, resume_config_changes, save_config,
+                                   write_atomic)
 from minihf.trainer.metrics import data_metrics, throughput
 from minihf.trainer.ppo_config import PPOConfig
 from minihf.trainer.reward import RuleReward, at_last_token, load_reward
@@ -225,6 +226,7 @@ class PPOTrainer:
         state = {"step": step, "loader": self.loader.state_dict(),
                  "kl_ctrl": self.kl_ctrl.state_dict()}
         write_atomic(path / "driver_state.json", json.dumps(state))
+        save_config(path, self.cfg)
         mark_latest(self.out, step)
         return path
 
@@ -233,6 +235,7 @@ class PPOTrainer:
         path = find_resume_path(t.default_local_dir, t.resume_mode, t.resume_from_path)
         if path is None:
             return 0
+        changed = resume_config_changes(path, self.cfg)  # refuses changes that cannot apply
         state = json.loads((path / "driver_state.json").read_text())
         self.actor.load_checkpoint(str(path / "actor"))
         if self.critic is not None:
@@ -240,7 +243,8 @@ class PPOTrainer:
         self.loader.load_state_dict(state["loader"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         self.metrics_log.resume_at(state["step"])
-        self.log(f"resumed from {path} at step {state['step']}")
+        self.log(f"resumed from {path} at step {state['step']}"
+                 + (f" (changed: {', '.join(changed)})" if changed else ""))
         return int(state["step"])
 
     # -- the loop -------------------------------------------------------------------------

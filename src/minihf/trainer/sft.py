@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Literal, Optional, Union
 
 from minihf.controller.config import ControllerConfig
-from minihf.trainer.common import MetricsLog, find_resume_path, mark_latest
+from minihf.trainer.common import (MetricsLog, find_resume_path, mark_latest,
+                                   resume_config_changes, save_config)
 from minihf.trainer.optim import OptimConfig
 from minihf.workers.config import FSDPConfig, ModelConfig
 
@@ -111,6 +112,7 @@ class SFTDriver:
     def save(self, step: int) -> Path:
         path = self.out / f"global_step_{step}"
         self.sft.save_checkpoint(str(path), extra={"sampler": self.sampler.state_dict(), "step": step})
+        save_config(path, self.cfg)
         mark_latest(self.out, step)
         return path
 
@@ -128,11 +130,13 @@ class SFTDriver:
         step = 0
         resume = find_resume_path(t.default_local_dir, t.resume_mode, t.resume_from_path)
         if resume is not None:
+            changed = resume_config_changes(resume, self.cfg)  # refuses changes that cannot apply
             extra = self.sft.load_checkpoint(str(resume))
             self.sampler.load_state_dict(extra["sampler"])
             step = int(extra["step"])
             self.metrics_log.resume_at(step)
-            self.log(f"resumed from {resume} at step {step}")
+            self.log(f"resumed from {resume} at step {step}"
+                     + (f" (changed: {', '.join(changed)})" if changed else ""))
         last = None
         end = self.total_steps if stop_after is None else min(self.total_steps, step + stop_after)
         while step < end:

@@ -1,0 +1,74 @@
+"""Driver scaffolding: metrics.jsonl cut back on resume, the resume config check, the
+verl schedule, the atomic HF export."""
+
+import json
+
+import pytest
+
+from minihf.config import ConfigError
+from minihf.trainer.common import MetricsLog, check_resume_config, every
+
+
+def test_metrics_log_cut_back_to_the_resumed_step(tmp_path):
+    log = MetricsLog(tmp_path)
+    for step in (0, 1, 2, 3, 4, 5):  # a run that died after step 5, checkpointed at 3
+        log.append({"step": step, "x": step * 1.5})
+    log.resume_at(3)
+    log.append({"step": 4, "x": -1.0})
+    rows = [json.loads(r) for r in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4] and rows[-1]["x"] == -1.0
+    MetricsLog(tmp_path / "fresh").resume_at(3)  # nothing written yet: nothing to cut
+
+
+def test_resume_config_check():
+    saved = {"optim": {"lr": 0.1, "betas": [0.9, 0.99]}, "trainer": {"total_training_steps": 4},
+             "controller": {"timeout_s": 60}}
+    now = {"optim": {"lr": 0.1, "betas": [0.9, 0.99]}, "trainer": {"total_training_steps": 8},
+           "controller": {"timeout_s": 90}}
+    assert check_resume_config(saved, now, "ck") == ["controller.timeout_s",
+                                                      "trainer.total_training_steps"]
+    now["optim"]["lr"] = 0.2
+    now["data"] = {"train_batch_size": 8}
+    with pytest.raises(ConfigError, match=r"data.train_batch_size: None in the checkpoint, 8 "
+                                          r"now; optim.lr: 0.1 in the checkpoint, 0.2 now"):
+        check_resume_config(saved, now, "ck")
+
+
+def test_verl_schedule():
+    assert [s for s in range(1, 11) if every(4, s, 10)] == [4, 8, 10]
+    assert [s for s in range(1, 11) if every(-1, s, 10)] == []
+
+
+def test_interrupted_export_is_redone(tmp_path, monkeypatch):
+    """An export killed half way leaves no model at the target; the next one writes it."""
+    import minihf.utils.checkpoint as ckpt
+    from minihf.data import init_model
+    from minihf.models import load_hf, save_hf
+    from minihf.utils.spawn import spawn_ranks
+
+    model_dir = init_model(tmp_path / "m", task="digits")
+    spawn_ranks(_save, 1, str(model_dir), str(tmp_path / "ck"), timeout_s=120)
+
+    def dies(model, out):
+        raise KeyboardInterrupt  # as if killed while writing
+
+    monkeypatch.setattr("minihf.models.save_hf", dies)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.export_hf(tmp_path / "ck", tmp_path / "hf")
+    assert not (tmp_path / "hf" / "config.json").exists()
+    monkeypatch.setattr("minihf.models.save_hf", save_hf)
+    ckpt.export_hf(tmp_path / "ck", tmp_path / "hf")
+    assert load_hf(tmp_path / "hf") is not None
+
+
+def _save(rank, world, model_dir, out):
+    import torch.distributed as dist
+
+    from minihf.models import load_hf
+    from minihf.parallel.fsdp import apply_fsdp, fsdp_mesh
+    from minihf.trainer.optim import OptimConfig, build_optimizer
+    from minihf.utils.checkpoint import save_checkpoint
+
+    model = apply_fsdp(load_hf(model_dir), fsdp_mesh(dist.group.WORLD, "cpu"))
+    opt = build_optimizer(model.parameters(), OptimConfig())
+    save_checkpoint(out, model, opt, None, group=dist.group.WORLD, hf_source=model_dir)

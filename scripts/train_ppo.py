@@ -17,6 +17,7 @@ from __future__ import annotations
 import sys
 
 from minihf.config import find_recipe, load_config, split_cli_args
+from minihf.controller import run_script
 from minihf.trainer.ppo_job import DEFAULT_RECIPE, PPOJobConfig, run_ppo
 
 
@@ -28,4 +29,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_script(main, sys.argv[1:])

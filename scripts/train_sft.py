@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 
 from minihf.config import load_config, split_cli_args
+from minihf.controller import run_script
 from minihf.trainer.sft import SFTConfig, run_sft
 
 
@@ -21,4 +22,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_script(main, sys.argv[1:])

@@ -233,3 +233,12 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
     except OSError:
         return False
+
+
+def test_script_config_error_is_one_line_from_rank_zero():
+    job = _run(TORCHRUN + ["scripts/train_ppo.py", "algorithm.adv_estimatr=gae"])
+    assert job.returncode not in (0, None), job.log
+    assert job.stderr.count("job failed: ConfigError: unknown key 'algorithm.adv_estimatr'; "
+                            "did you mean 'adv_estimator'?") == 1, job.log
+    ours = [line for line in job.stderr.splitlines() if 'File "' in line and "minihf" in line]
+    assert not ours, job.log  # (torchrun's own report of the failed child has a traceback)

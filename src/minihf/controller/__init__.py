@@ -20,7 +20,7 @@ from minihf.controller.dispatch import (
 from minihf.controller.driver import CallFuture
 from minihf.controller.errors import ControllerAborted, ControllerError, RankLostError, RemoteError
 from minihf.controller.group import WorkerGroup
-from minihf.controller.launch import Role, launch, launch_job, resolve_backend, run
+from minihf.controller.launch import Role, launch, launch_job, resolve_backend, run, run_script
 from minihf.controller.layout import DEFAULT_LAYOUT, RoleLayout
 from minihf.controller.worker import (MethodSpec, ParallelInfo, Worker, WorkerContext,
                                       create_worker, register)
@@ -30,5 +30,5 @@ __all__ = [
     "Dispatch", "DispatchMode", "MethodSpec", "ParallelInfo", "Plan", "RankLostError",
     "RemoteError", "Role", "RoleLayout", "Worker", "WorkerContext", "WorkerGroup",
     "create_worker", "get_dispatch_mode", "launch", "launch_job", "register",
-    "register_dispatch_mode", "resolve_backend", "run",
+    "register_dispatch_mode", "resolve_backend", "run", "run_script",
 ]

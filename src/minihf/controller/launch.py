@@ -261,6 +261,18 @@ def _init_from_env(config: ControllerConfig) -> tuple[int, torch.device]:
     return rank, torch.device("cuda", local_rank) if cuda else torch.device("cpu")
 
 
+def run_script(main: Callable[[list[str]], Any], argv: list[str]) -> None:
+    """Entry of ``scripts/*.py``: ``main(argv)``; an error raised before the job starts (a
+    bad config key, a missing file) is reported like a job failure (``failure_report``: one
+    line for user errors), by rank 0 only under torchrun, and the process exits 1."""
+    try:
+        main(argv)
+    except Exception as e:  # noqa: BLE001 - the job itself exits through launch_job
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"[minihf] {failure_report(e)}", file=sys.stderr)
+        sys.exit(1)
+
+
 def _die_with_launcher() -> None:
     """Under torchrun, have Linux SIGKILL this worker when its launcher dies (a SIGKILLed
     torchrun cannot stop its workers, which would otherwise train on as orphans)."""

@@ -81,9 +81,15 @@ def tiny_job(tmp_path_factory):
 
 def test_grpo_and_ppo_one_process(tiny_job, tmp_path):
     model, data = tiny_job
-    cases = [("grpo", "grpo", None, "grpo", {}), ("ppo", "ppo", None, "ppo", {})]
+    cosine = {"actor_rollout_ref.actor.optim.lr_scheduler": "cosine",
+              "actor_rollout_ref.actor.optim.min_lr_ratio": 0.1}
+    cases = [("grpo", "grpo", None, "grpo", cosine), ("ppo", "ppo", None, "ppo", {})]
     res = spawn_ranks(_runs, 1, model, data, str(tmp_path), cases, timeout_s=300)[0]
     check_metrics(res["grpo"], with_critic=False)
+    # cosine over the run's 3 steps x 2 mini-batches x 2 epochs = 12 optimizer steps:
+    # actor/lr is the mean over a step's 4 optimizer steps, decreasing
+    lrs = [h["actor/lr"] for h in res["grpo"] if "actor/lr" in h]
+    assert lrs[0] < 1e-3 and lrs[0] > lrs[1] > lrs[2] > 1e-4, lrs
     check_metrics(res["ppo"], with_critic=True)
     assert "actor/kl_loss" in res["grpo"][-1] and "actor/reward_kl_penalty" in res["ppo"][-1]
 

@@ -64,7 +64,7 @@ def lr_factor(step: int, cfg: OptimConfig) -> float:
         return 1.0
     if cfg.total_training_steps is None:
         raise ValueError("lr_scheduler='cosine' needs optim.total_training_steps; set it (the "
-                         "trainer does from the epoch/step counts) or use 'constant'")
+                         "SFT and RL trainers do, from their step counts) or use 'constant'")
     span = max(1, cfg.total_training_steps - cfg.warmup_steps)
     progress = min(1.0, (step - cfg.warmup_steps) / span)
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))

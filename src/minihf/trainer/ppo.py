@@ -247,6 +247,12 @@ class PPOTrainer:
                  + (f" (changed: {', '.join(changed)})" if changed else ""))
         return int(state["step"])
 
+    def optimizer_steps(self, section) -> int:
+        """Optimizer steps of a role over the run (for its LR schedule): steps x
+        mini-batches per step x ppo_epochs."""
+        rows = self.cfg.data.train_batch_size * self.cfg.actor_rollout_ref.rollout.n
+        return self.total_steps * (rows // section.ppo_mini_batch_size) * section.ppo_epochs
+
     # -- the loop -------------------------------------------------------------------------
     def record(self, metrics: dict) -> None:
         self.history.append(metrics)
@@ -257,9 +263,11 @@ class PPOTrainer:
     def fit(self, stop_after: int | None = None) -> list[dict]:
         """Train to ``total_steps`` (or ``stop_after`` more steps, as if preempted)."""
         t0 = time.perf_counter()
-        for group in (self.actor, self.critic, self.rm):
-            if group is not None:
-                group.init_model()
+        self.actor.init_model(self.optimizer_steps(self.cfg.actor_rollout_ref.actor))
+        if self.critic is not None:
+            self.critic.init_model(self.optimizer_steps(self.cfg.critic))
+        if self.rm is not None:
+            self.rm.init_model()
         step = self.resume()
         if self.cfg.trainer.val_before_train and step == 0 and self.val is not None:
             self.record({"step": 0, **self.validate(0)})

@@ -66,12 +66,14 @@ class ActorRolloutRefWorker(Worker):
 
     # -- set-up ---------------------------------------------------------------------------
     @register(dispatch=Dispatch.ONE_TO_ALL)
-    def init_model(self) -> None:
+    def init_model(self, total_training_steps: int | None = None) -> None:
+        """``total_training_steps``: the run's optimizer steps (for a cosine schedule)."""
         cfg = self.config
         get_policy_loss_fn(cfg.actor.policy_loss.loss_mode)  # an unknown name fails here
         self.actor = build_fsdp_model(cfg.model, cfg.actor.fsdp, head="lm", group=self.group,
                                       device=self.device)
-        self.optimizer, self.lr_scheduler = build_optim(self.actor, cfg.actor.optim)
+        self.optimizer, self.lr_scheduler = build_optim(self.actor, cfg.actor.optim,
+                                                        total_training_steps)
         if self.with_ref:
             self.ref = build_fsdp_model(cfg.model, cfg.ref.fsdp, head="lm", group=self.group,
                                         device=self.device, trainable=False)

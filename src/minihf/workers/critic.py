@@ -33,11 +33,12 @@ class CriticWorker(Worker):
         self.critic = self.optimizer = self.lr_scheduler = None
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
-    def init_model(self) -> None:
+    def init_model(self, total_training_steps: int | None = None) -> None:
+        """``total_training_steps``: the run's optimizer steps (for a cosine schedule)."""
         c = self.config
         self.critic = build_fsdp_model(c.model, c.fsdp, head="value", group=self.group,
                                        device=self.device)
-        self.optimizer, self.lr_scheduler = build_optim(self.critic, c.optim)
+        self.optimizer, self.lr_scheduler = build_optim(self.critic, c.optim, total_training_steps)
 
     def _model(self):
         if self.critic is None:

@@ -9,6 +9,7 @@ and fine for the small models this targets, at the cost of host memory x ranks.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import torch
@@ -45,8 +46,11 @@ def shard_model(model: nn.Module, fsdp_cfg: FSDPConfig, *, group, device: torch.
                       reshard_after_forward=fsdp_cfg.reshard_after_forward)
 
 
-def build_optim(model: nn.Module, cfg: OptimConfig):
-    """AdamW + LR scheduler for ``model``."""
+def build_optim(model: nn.Module, cfg: OptimConfig, total_steps: int | None = None):
+    """AdamW + LR scheduler for ``model``; ``total_steps`` (optimizer steps of the run, from
+    the driver) fills ``cfg.total_training_steps`` when the config leaves it unset."""
+    if total_steps is not None and cfg.total_training_steps is None:
+        cfg = dataclasses.replace(cfg, total_training_steps=total_steps)
     optimizer = build_optimizer(model.parameters(), cfg)
     return optimizer, build_lr_scheduler(optimizer, cfg)
 

@@ -223,3 +223,58 @@ def test_dp_compute_exact_refuses_padding():
     with pytest.raises(ControllerError, match=r"len\(batch\)=5 .* 2 DP ranks.* multiple of 2, "
                                               r"e\.g\. ppo_mini_batch_size"):
         get_dispatch_mode(Dispatch.DP_COMPUTE_EXACT).dispatch_fn(layout, (_batch(5),), {})
+
+
+def test_collect_mode_decides_who_replies():
+    """A DP_COMPUTE method collected with RANK_ZERO asks only the first DP head for data (the
+    driver sends the others reply=False); its own collect keeps every DP head."""
+    from minihf.controller.dispatch import dispatch_dp_compute
+
+    class W(Worker):
+        @register(dispatch=Dispatch.DP_COMPUTE, collect=Dispatch.RANK_ZERO)
+        def metrics(self, batch):
+            return {}
+
+        @register(dispatch=Dispatch.DP_COMPUTE, layout="rollout")
+        def rows(self, batch):
+            return batch
+
+    layout = RoleLayout("r", (0, 1, 2, 3), 2, tp_strided=True, name="rollout")
+    plan = dispatch_dp_compute(layout, (Batch({"x": torch.arange(4)}),), {})
+    assert plan.collect_from == [0, 1]  # strided: role ranks 0, 1 are TP rank 0 of each replica
+    assert W.remote_methods["metrics"].replies(plan.collect_from) == [0]
+    assert W.remote_methods["rows"].replies(plan.collect_from) == [0, 1]
+    assert W.remote_methods["rows"].layout == "rollout"
+    assert W.remote_methods["metrics"].layout == "default"
+
+
+def test_role_layouts_from_declarations():
+    from minihf.controller import Role
+    from minihf.controller.launch import role_layouts
+
+    class Gen(Worker):
+        def __init__(self, tp):
+            super().__init__()
+
+        @classmethod
+        def declare_layouts(cls, tp):
+            return {"rollout": tp}
+
+        @register(dispatch=Dispatch.DP_COMPUTE, layout="rollout")
+        def generate(self, batch):
+            return batch
+
+    class Undeclared(Worker):
+        @register(dispatch=Dispatch.DP_COMPUTE, layout="rollout")
+        def generate(self, batch):
+            return batch
+
+    default = RoleLayout("g", (0, 1, 2, 3))
+    out = role_layouts({"g": Role(Gen, (2,))}, {"g": default})["g"]
+    assert out["default"] is default
+    assert out["rollout"] == RoleLayout("g", (0, 1, 2, 3), 2, tp_strided=True, name="rollout")
+    with pytest.raises(ControllerError, match=r"Undeclared.generate uses layout 'rollout', which "
+                                              r"the role does not declare"):
+        role_layouts({"g": Role(Undeclared)}, {"g": default})
+    with pytest.raises(ConfigError, match=r"layout 'rollout': tp_size=3 does not divide"):
+        role_layouts({"g": Role(Gen, (3,))}, {"g": default})

@@ -184,11 +184,6 @@ def apply_tp(model: nn.Module, tp_group=None) -> nn.Module:
     return model
 
 
-def is_vocab_parallel(model: nn.Module) -> bool:
-    """Whether ``tp_rewrite`` made this model's LM head vocab-parallel."""
-    return isinstance(getattr(model, "lm_head", None), VocabParallelLMHead)
-
-
 @torch.no_grad()
 def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor], tp_group=None) -> None:
     """Copy full (unsharded) tensors ``state`` (HF keys) into a TP-sharded ``model``, slicing

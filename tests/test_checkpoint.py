@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from minihf.cli import app
 from minihf.models import ModelArgs, build_model, init_weights
-from minihf.trainer.optim import OptimConfig, build_lr_scheduler, build_optimizer
+from minihf.workers.optim import OptimConfig, build_lr_scheduler, build_optimizer
 from minihf.utils.checkpoint import (capture_rng_state, export_hf, load_checkpoint,
                                      restore_rng_state, save_checkpoint)
 

@@ -12,7 +12,7 @@ from minihf.algorithms import agg_loss
 from minihf.models import ModelArgs, build_model, init_weights
 from minihf.parallel.fsdp import apply_fsdp, default_mixed_precision, fsdp_mesh
 from minihf.parallel.placement import fsdp_dim as shard_dim
-from minihf.trainer.optim import OptimConfig, build_lr_scheduler, build_optimizer
+from minihf.workers.optim import OptimConfig, build_lr_scheduler, build_optimizer
 from minihf.utils.spawn import spawn_ranks
 from minihf.workers.forward import forward_log_probs
 from minihf.workers.train_step import global_normalizer, take_rows, train_minibatch
@@ -201,7 +201,7 @@ def test_update_invariant_to_micro_batches_and_ranks():
 def test_lr_schedule_by_hand():
     import math
 
-    from minihf.trainer.optim import lr_factor
+    from minihf.workers.optim import lr_factor
     cos = OptimConfig(lr=1.0, warmup_steps=2, lr_scheduler="cosine", total_training_steps=6,
                       min_lr_ratio=0.1)
     assert [lr_factor(s, cos) for s in range(2)] == [0.5, 1.0]
@@ -214,7 +214,7 @@ def test_lr_schedule_by_hand():
 
 
 def test_clip_grad_norm_matches_torch_single_process():
-    from minihf.trainer.optim import clip_grad_norm_
+    from minihf.workers.optim import clip_grad_norm_
     a, b = tiny_model(), tiny_model()
     batch = make_batch(3, 4, 3)
     for m in (a, b):
@@ -223,3 +223,55 @@ def test_clip_grad_norm_matches_torch_single_process():
     theirs = torch.nn.utils.clip_grad_norm_(b.parameters(), 0.05)
     assert ours.item() == pytest.approx(theirs.item(), rel=1e-6) and ours > 0.05
     assert all(torch.allclose(p.grad, q.grad, atol=1e-8) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def _meta_build(rank, world, root):
+    """The workers' build (meta -> FSDP -> this rank's rows) vs loading the whole
+    checkpoint and sharding it, for tied/untied LMs with an odd vocabulary and a critic
+    whose head is drawn fresh from an LM checkpoint; counts the elements each rank reads."""
+    from minihf.models import CheckpointReader, load_hf
+    from minihf.workers.config import FSDPConfig, ModelConfig
+    from minihf.workers.engine import build_fsdp_model
+
+    out = {}
+    read = []
+    original = CheckpointReader.read
+
+    def counting(self, name, dim=None, start=0, end=None):
+        t = original(self, name, dim, start, end)
+        read.append(t.numel())
+        return t
+    CheckpointReader.read = counting
+    try:
+        for tie, head in ((False, "lm"), (True, "lm"), (True, "value")):
+            path = f"{root}/tie{tie}"
+            read.clear()
+            ours = build_fsdp_model(ModelConfig(path=path), FSDPConfig(), head=head,
+                                    group=dist.group.WORLD, device=torch.device("cpu"))
+            elems = sum(read)
+            full = apply_fsdp(load_hf(path, head=head), fsdp_mesh(dist.group.WORLD, "cpu"))
+            pairs = list(zip(dict(ours.named_parameters()).items(), full.parameters()))
+            same = all(torch.equal(a.to_local(), b.to_local()) for (_, a), b in pairs)
+            tied = tie and head == "lm" and ours.lm_head.weight is ours.model.embed_tokens.weight
+            total = sum(p.numel() for p in full.parameters())
+            x = torch.randint(0, 47, (3, 7))
+            out[(tie, head)] = (same, torch.equal(ours(x), full(x)), tied, elems / total)
+    finally:
+        CheckpointReader.read = original
+    return out
+
+
+def test_meta_build_reads_only_this_ranks_rows(tmp_path):
+    import warnings
+
+    from minihf.models import save_hf
+    for tie in (False, True):
+        save_hf(tiny_model(tie=tie, vocab_size=47), tmp_path / f"tie{tie}")  # 47: uneven rows
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = spawn_ranks(_meta_build, 2, str(tmp_path))
+    for r in res:
+        for (tie, head), (same, same_out, tied, fraction) in r.items():
+            assert same and same_out, (tie, head)
+            assert tied == (tie and head == "lm")
+            assert 0.45 < fraction < 0.56, (tie, head, fraction)  # about half, not all

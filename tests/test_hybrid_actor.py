@@ -16,7 +16,7 @@ import torch
 from minihf.controller import Dispatch, Role, register, run
 from minihf.controller.config import ControllerConfig
 from minihf.protocol import Batch
-from minihf.trainer.optim import OptimConfig
+from minihf.workers.optim import OptimConfig
 from minihf.utils.spawn import spawn_ranks
 from minihf.workers.actor import ActorRolloutRefWorker
 from minihf.workers.config import (ActorConfig, ActorRolloutRefConfig, ModelConfig,
@@ -178,7 +178,7 @@ def _tp2_rank(rank, world, path):
         raw = make_batch(8, 6, 5, seed=4, vocab=128)
         batch = Batch(raw, meta={"temperature": 0.8})
         full = batch | actor.compute_log_prob(batch) | actor.compute_ref_log_prob(batch)
-        la = local_worker(ActorRolloutRefWorker, cfg, "lm", path)
+        la = local_worker(ActorRolloutRefWorker, actor_cfg(path, 1))  # no rollout: updates only
         # rank r holds rows 2r, 2r+1; mini-batch k takes row k of every rank
         order = [0, 2, 4, 6, 1, 3, 5, 7]
         m, m_ref = actor.update_actor(full), la.update_actor(full[order])

@@ -6,7 +6,7 @@ import json
 import torch
 
 from minihf.controller import run
-from minihf.trainer.optim import OptimConfig
+from minihf.workers.optim import OptimConfig
 from minihf.trainer.sft import SFTConfig, SFTDataConfig, SFTDriver, SFTTrainerConfig, sft_roles
 from minihf.utils.spawn import spawn_ranks
 from minihf.workers.config import ModelConfig

@@ -66,7 +66,7 @@ def _save(rank, world, model_dir, out):
 
     from minihf.models import load_hf
     from minihf.parallel.fsdp import apply_fsdp, fsdp_mesh
-    from minihf.trainer.optim import OptimConfig, build_optimizer
+    from minihf.workers.optim import OptimConfig, build_optimizer
     from minihf.utils.checkpoint import save_checkpoint
 
     model = apply_fsdp(load_hf(model_dir), fsdp_mesh(dist.group.WORLD, "cpu"))

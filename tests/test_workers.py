@@ -10,14 +10,13 @@ from minihf.controller import (Dispatch, Role, RoleLayout, WorkerContext, create
                                register, run)
 from minihf.models import ModelArgs, build_model, init_weights, load_hf, save_hf
 from minihf.protocol import Batch
-from minihf.trainer.optim import OptimConfig
+from minihf.workers.optim import OptimConfig
 from minihf.utils.checkpoint import export_hf
 from minihf.utils.spawn import spawn_ranks
 from minihf.workers.actor import ActorRolloutRefWorker
 from minihf.workers.config import (ActorConfig, ActorRolloutRefConfig, CriticConfig, FSDPConfig,
                                    ModelConfig, RefConfig, RewardModelConfig)
 from minihf.workers.critic import CriticWorker
-from minihf.workers.engine import build_optim
 from minihf.workers.forward import forward_scores
 from minihf.workers.reward_model import RewardModelWorker
 
@@ -51,19 +50,12 @@ def critic_cfg(path, micro, max_tokens=None):
                         optim=OptimConfig(lr=1e-2))
 
 
-def local_worker(cls, cfg, head, path, **kw):
+def local_worker(cls, cfg, **kw):
     """The same worker class on one process, unsharded (group=None: no collectives)."""
     ctx = WorkerContext(rank=0, layout=RoleLayout("local", (0,)), group=None,
                         device=torch.device("cpu"))
     w = create_worker(cls, ctx, (cfg,), kw)
-    model = load_hf(path, head=head)
-    if cls is ActorRolloutRefWorker:
-        w.actor = model
-        w.optimizer, w.lr_scheduler = build_optim(model, cfg.actor.optim)
-        w.ref = load_hf(path, head=head).requires_grad_(False)
-    else:
-        w.critic = model
-        w.optimizer, w.lr_scheduler = build_optim(model, cfg.optim)
+    w.init_model()
     return w
 
 
@@ -89,8 +81,8 @@ def _driver(path, tmp):
 
         # the same on one process; reorder rows so mini-batches hold the same rows as the
         # 2-rank run (rank r holds rows 4r..4r+3; each mini-batch takes 2 from each rank)
-        la = local_worker(ActorRolloutRefWorker, actor_cfg(path, 4), "lm", path)
-        lc = local_worker(CriticWorker, critic_cfg(path, 4), "value", path)
+        la = local_worker(ActorRolloutRefWorker, actor_cfg(path, 4))
+        lc = local_worker(CriticWorker, critic_cfg(path, 4))
         ref_old = la.compute_log_prob(batch, calc_entropy=True)
         res["logp_err"] = max_diff(old.tensors, ref_old.tensors)
         res["ref_eq_old"] = torch.allclose(ref["ref_log_prob"], old["old_log_probs"])

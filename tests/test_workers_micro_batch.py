@@ -95,7 +95,7 @@ def test_packed_equals_padded_log_probs_entropy_values_scores():
 
 
 def test_mini_batch_rows_epochs_shuffle_and_divisibility():
-    from minihf.workers.engine import mini_batch_rows
+    from minihf.workers.train_state import mini_batch_rows
 
     # group=None: one rank holds the whole global mini-batch
     assert mini_batch_rows(5, 2, None, epochs=2, shuffle=False, seed=0) == [[0, 1], [2, 3], [4]] * 2

@@ -2,12 +2,12 @@
 default KV cache and Hugging Face checkpoint I/O. See model.py for the build order."""
 
 from .args import SUPPORTED_ARCHITECTURES, ModelArgs
-from .hf_io import load_args, load_hf, read_safetensors, save_hf
+from .hf_io import CheckpointReader, load_args, load_hf, read_safetensors, save_hf
 from .kv_cache import KVCache
 from .model import CausalLM, ScoreModel, ValueModel, build_model, init_weights, materialize
 
 __all__ = [
-    "SUPPORTED_ARCHITECTURES", "ModelArgs", "load_args", "load_hf", "read_safetensors",
+    "CheckpointReader", "SUPPORTED_ARCHITECTURES", "ModelArgs", "load_args", "load_hf", "read_safetensors",
     "save_hf", "KVCache", "CausalLM", "ScoreModel", "ValueModel", "build_model",
     "init_weights", "materialize",
 ]

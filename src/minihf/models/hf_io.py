@@ -38,78 +38,135 @@ def load_hf(path: str | Path, dtype: torch.dtype = torch.float32,
 
     Built on the meta device, materialised on ``device`` and filled from the safetensors
     files, cast to ``dtype``."""
-    if head not in HEADS:
-        raise ValueError(f"unknown head {head!r}; choose one of {HEADS}")
-    path = Path(path)
-    args = load_args(path)
-    if head == "lm" and args.head != "lm":
-        raise ValueError(f"{path} holds a {args.hf_config['architectures'][0]} (no LM head); "
-                         "load it with head='value' or head='score', or pass a causal-LM checkpoint")
-    if args.sliding_window is not None and args.sliding_window < args.max_position_embeddings:
-        warnings.warn(f"{path}: sliding-window attention (window {args.sliding_window}) is not "
-                      "implemented; minihf attends over the full context, which matches "
-                      f"transformers only for sequences up to {args.sliding_window} tokens.")
-    model = materialize(build_model(args, head, device="meta", dtype=dtype), device)
-    state = _rename_for_load(read_safetensors(path), args.head, head)
-    fresh_head = args.head != head
-    expected = {n: p for n, p in model.named_parameters()}  # dedups tied lm_head
-    if fresh_head:
-        head_params = {n: expected.pop(n) for n in list(expected) if not n.startswith("model.")}
-    if args.tie_word_embeddings:
-        state.pop("lm_head.weight", None)  # some tied checkpoints carry a copy; the embedding rules
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    if missing or unexpected:
-        raise ValueError(f"checkpoint {path} does not match the {args.arch} {head} model: "
-                         f"missing {missing[:8]}{'...' if len(missing) > 8 else ''}, "
-                         f"unexpected {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}")
+    reader = CheckpointReader(path, head)
+    model = materialize(build_model(reader.args, head, device="meta", dtype=dtype), device)
+    params = dict(model.named_parameters())  # dedups tied lm_head
+    reader.check({n: tuple(p.shape) for n, p in params.items()})
     with torch.no_grad():
-        for name, p in expected.items():
-            t = state[name]
-            if t.shape != p.shape:
-                raise ValueError(f"{path}: {name} has shape {tuple(t.shape)}, the config implies "
-                                 f"{tuple(p.shape)}; config.json and weights disagree")
-            p.copy_(t)
-        if fresh_head:
-            gen = torch.Generator().manual_seed(0)
-            for name, p in head_params.items():
-                init = torch.randn(p.shape, generator=gen) * args.initializer_range
-                p.copy_(torch.zeros(p.shape) if name.endswith(".bias") else init)
-    if fresh_head:
-        warnings.warn(f"{path} is a {args.head} checkpoint: loaded its backbone into a {head} "
-                      f"model and initialised the new head {sorted(head_params)} randomly "
-                      f"(normal, std={args.initializer_range}).")
+        for name, p in params.items():
+            p.copy_(reader.read(name))
     return model
+
+
+class CheckpointReader:
+    """The tensors of an HF checkpoint dir by minihf parameter name, read lazily: whole, or
+    one slice along one dim (``read(name, dim, start, end)``), so a sharded model reads only
+    its rank's bytes (safetensors files are memory-mapped).
+
+    Knows the renames (critic ``score`` <-> ``value_head``), tied embeddings (a tied
+    ``lm_head.weight`` is never read) and a fresh head (a critic or reward model loaded
+    from a causal-LM checkpoint: the backbone is read, the head drawn from
+    N(0, initializer_range) with seed 0, biases 0, one warning). Call :meth:`check` with
+    the model's parameter shapes before reading: it reports missing, unexpected and
+    mis-shaped tensors in one error.
+    """
+
+    def __init__(self, path: str | Path, head: str = "lm"):
+        if head not in HEADS:
+            raise ValueError(f"unknown head {head!r}; choose one of {HEADS}")
+        self.path, self.head = Path(path), head
+        self.args = args = load_args(self.path)
+        if head == "lm" and args.head != "lm":
+            raise ValueError(f"{self.path} holds a {args.hf_config['architectures'][0]} (no LM "
+                             "head); load it with head='value' or head='score', or pass a "
+                             "causal-LM checkpoint")
+        if args.sliding_window is not None and args.sliding_window < args.max_position_embeddings:
+            warnings.warn(f"{self.path}: sliding-window attention (window {args.sliding_window}) "
+                          "is not implemented; minihf attends over the full context, which "
+                          f"matches transformers only for sequences up to {args.sliding_window} "
+                          "tokens.")
+        self._files = {}  # minihf name -> (file, checkpoint key)
+        for f, keys in _checkpoint_keys(self.path).items():
+            for key in keys:
+                name = self._rename(key)
+                if name is not None:
+                    self._files[name] = (f, key)
+        if args.tie_word_embeddings:
+            self._files.pop("lm_head.weight", None)  # a tied copy; the embedding rules
+        self._fresh: dict[str, torch.Tensor] = {}
+        self._handles: dict[str, object] = {}
+
+    def _rename(self, key: str) -> str | None:
+        if _IGNORED.match(key):
+            return None
+        if self.args.head != self.head:  # the checkpoint's head is dropped; a new one is drawn
+            return key if key.startswith("model.") else None
+        if self.head == "value" and key.startswith("score."):
+            return "value_head" + key[len("score"):]
+        return key
+
+    def check(self, expected: dict[str, tuple[int, ...]]) -> None:
+        """Raise ValueError unless the checkpoint holds exactly ``expected`` (name -> full
+        shape, tied weights once); draws the fresh head's values."""
+        fresh = {n: s for n, s in expected.items() if self.args.head != self.head
+                 and not n.startswith("model.")}
+        wanted = {n: s for n, s in expected.items() if n not in fresh}
+        missing = sorted(set(wanted) - set(self._files))
+        unexpected = sorted(set(self._files) - set(wanted))
+        if missing or unexpected:
+            raise ValueError(f"checkpoint {self.path} does not match the {self.args.arch} "
+                             f"{self.head} model: missing {missing[:8]}"
+                             f"{'...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}"
+                             f"{'...' if len(unexpected) > 8 else ''}")
+        for name, shape in wanted.items():
+            found = tuple(self._slice(name).get_shape())
+            if found != tuple(shape):
+                raise ValueError(f"{self.path}: {name} has shape {found}, the config implies "
+                                 f"{tuple(shape)}; config.json and weights disagree")
+        gen = torch.Generator().manual_seed(0)
+        for name, shape in fresh.items():
+            init = torch.randn(shape, generator=gen) * self.args.initializer_range
+            self._fresh[name] = torch.zeros(shape) if name.endswith(".bias") else init
+        if fresh:
+            warnings.warn(f"{self.path} is a {self.args.head} checkpoint: loaded its backbone "
+                          f"into a {self.head} model and initialised the new head "
+                          f"{sorted(fresh)} randomly (normal, std={self.args.initializer_range}).")
+
+    def _slice(self, name: str):
+        f, key = self._files[name]
+        if f not in self._handles:
+            self._handles[f] = safe_open(str(self.path / f), framework="pt")
+        return self._handles[f].get_slice(key)
+
+    def read(self, name: str, dim: int | None = None, start: int = 0,
+             end: int | None = None) -> torch.Tensor:
+        """Tensor ``name`` (on CPU, the file's dtype), whole or ``[start:end]`` along ``dim``."""
+        if name in self._fresh:
+            full = self._fresh[name]
+            return full if dim is None else full.narrow(dim, start, (end or full.shape[dim]) - start)
+        if dim is None:
+            return self._slice(name)[:]
+        index = (slice(None),) * dim + (slice(start, end),)
+        return self._slice(name)[index]
+
+
+def _checkpoint_keys(path: Path) -> dict[str, list[str]]:
+    """File name -> tensor keys of a checkpoint dir (single file or sharded with an index)."""
+    if (path / INDEX).exists():
+        weight_map = json.loads((path / INDEX).read_text())["weight_map"]
+        files: dict[str, list[str]] = {}
+        for key, f in weight_map.items():
+            files.setdefault(f, []).append(key)
+        return files
+    if (path / SINGLE).exists():
+        with safe_open(str(path / SINGLE), framework="pt") as fh:
+            return {SINGLE: list(fh.keys())}
+    found = sorted(p.name for p in path.glob("pytorch_model*.bin"))
+    hint = f"found {found[0]}, a PyTorch pickle; " if found else ""
+    raise FileNotFoundError(f"no {SINGLE} or {INDEX} in {path}: {hint}minihf reads safetensors "
+                            "checkpoints only (convert .bin files with transformers: "
+                            "from_pretrained(dir).save_pretrained(out) writes safetensors)")
 
 
 def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
     """All tensors of a checkpoint dir (single file or sharded with an index), on CPU."""
     path = Path(path)
-    if (path / INDEX).exists():
-        weight_map = json.loads((path / INDEX).read_text())["weight_map"]
-        files = sorted(set(weight_map.values()))
-    elif (path / SINGLE).exists():
-        files = [SINGLE]
-    else:
-        found = sorted(p.name for p in path.glob("pytorch_model*.bin"))
-        hint = f"found {found[0]}, a PyTorch pickle; " if found else ""
-        raise FileNotFoundError(f"no {SINGLE} or {INDEX} in {path}: {hint}minihf reads safetensors "
-                                "checkpoints only (convert .bin files with transformers: "
-                                "from_pretrained(dir).save_pretrained(out) writes safetensors)")
     state = {}
-    for f in files:
+    for f, keys in _checkpoint_keys(path).items():
         with safe_open(str(path / f), framework="pt") as fh:
-            for k in fh.keys():
+            for k in keys:
                 if not _IGNORED.match(k):
                     state[k] = fh.get_tensor(k)
-    return state
-
-
-def _rename_for_load(state: dict, ckpt_head: str, head: str) -> dict:
-    if ckpt_head != head:  # drop the checkpoint's head; the new one is initialised fresh
-        return {k: v for k, v in state.items() if k.startswith("model.")}
-    if head == "value":
-        return {("value_head" + k[5:] if k.startswith("score.") else k): v for k, v in state.items()}
     return state
 
 

@@ -24,10 +24,10 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy,
                                     fully_shard)
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard
 from torch.utils.checkpoint import checkpoint
 
-from minihf.parallel.placement import fsdp_dim
+from minihf.parallel.placement import chunk_rows, fsdp_dim
 
 
 def default_mixed_precision(device_type: str) -> tuple[torch.dtype | None, torch.dtype | None]:
@@ -109,3 +109,36 @@ def reshard(model: nn.Module) -> None:
 def fsdp_mesh(group, device_type: str) -> DeviceMesh:
     """A 1-D mesh over an existing process group (a role's group from the controller)."""
     return DeviceMesh.from_group(group, device_type)
+
+
+def local_range(param: DTensor) -> tuple[int, int, int]:
+    """``(dim, start, end)``: the rows of the full tensor this rank's FSDP shard holds
+    (FSDP2 chunks like ``torch.chunk``; a trailing rank may hold none)."""
+    (placement,) = param.placements
+    if not isinstance(placement, Shard):
+        raise TypeError(f"expected a Shard placement, got {placement}")
+    dim, size = placement.dim, param.shape[placement.dim]
+    rows = chunk_rows(size, param.device_mesh.size())
+    start = min(param.device_mesh.get_local_rank() * rows, size)
+    return dim, start, min(start + rows, size)
+
+
+@torch.no_grad()
+def load_sharded(model: nn.Module, reader) -> nn.Module:
+    """Fill ``model`` (built on meta, sharded by :func:`apply_fsdp`, then materialised with
+    ``to_empty``) from ``reader`` (``minihf.models.CheckpointReader``): each rank reads only
+    its own rows of each parameter from the files. Returns ``model``."""
+    params = dict(model.named_parameters())  # tied weights once
+    reader.check({n: tuple(p.shape) for n, p in params.items()})
+    for name, p in params.items():
+        if not isinstance(p, DTensor):
+            p.copy_(reader.read(name))
+            continue
+        dim, start, end = local_range(p)
+        local = p.to_local()
+        if local.shape[dim] != end - start:
+            raise RuntimeError(f"{name}: FSDP holds {local.shape[dim]} rows on this rank, "
+                               f"expected {end - start} (rows {start}:{end} of {p.shape[dim]})")
+        if end > start:
+            local.copy_(reader.read(name, dim, start, end))
+    return model

@@ -18,7 +18,7 @@ from typing import Literal, Optional, Union
 from minihf.controller.config import ControllerConfig
 from minihf.trainer.common import (MetricsLog, find_resume_path, mark_latest,
                                    resume_config_changes, save_config)
-from minihf.trainer.optim import OptimConfig
+from minihf.workers.optim import OptimConfig
 from minihf.workers.config import FSDPConfig, ModelConfig
 
 @dataclass

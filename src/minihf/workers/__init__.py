@@ -2,9 +2,12 @@
 
 ``ActorRolloutRefWorker`` (policy + its rollout engine + frozen reference),
 ``CriticWorker`` and ``RewardModelWorker``; their config sections live in ``config.py``.
-Shared mechanics: ``engine`` (build/shard, inference over micro-batches), ``train_step``
+Shared mechanics: ``engine`` (meta build + sharded load, inference over micro-batches),
+``train_state`` (``TrainState``: model + optimizer + schedule, update, save/load, used by
+every trained role), ``optim`` (AdamW, LR schedule, global grad clipping), ``train_step``
 (exactly normalised gradient accumulation), ``micro_batch`` (pure planning), ``packing``
-(padding-free rows), ``forward`` (response-aligned log-probs / values / scores).
+(padding-free rows), ``forward`` (response-aligned log-probs / values / scores). Nothing
+here imports ``minihf.trainer``: drivers sit above workers.
 """
 
 from minihf.workers.actor import ActorRolloutRefWorker

@@ -8,7 +8,8 @@ groups strided), through the ``HybridEngine`` (``minihf.hybrid``).
 
 Methods the driver calls (dispatch ``DP_COMPUTE`` unless noted):
 
-* ``init_model`` (ONE_TO_ALL): load and shard the actor (+ optimizer) and the reference;
+* ``init_model`` (ONE_TO_ALL): build the actor's ``TrainState`` (sharded model, optimizer,
+  schedule) and the reference;
   plan the reshard and build the (sleeping) rollout engine.
 * ``generate_sequences(batch) -> Batch`` (rollout layout; see ``HybridEngine``): prompts ->
   ``prompts, responses, input_ids, attention_mask, position_ids, response_mask,
@@ -38,11 +39,10 @@ from minihf.controller import Dispatch, Worker, register
 from minihf.hybrid import HybridEngine, collect_rollout
 from minihf.protocol import Batch
 from minihf.rollout.llm import eos_ids_from_dir
-from minihf.utils import checkpoint as ckpt
 from minihf.workers.config import ActorRolloutRefConfig
-from minihf.workers.engine import (build_fsdp_model, build_optim, move_optimizer_state, prefixed,
-                                   run_micro_batches, run_update, tensors_of)
+from minihf.workers.engine import build_fsdp_model, prefixed, run_micro_batches, tensors_of
 from minihf.workers.forward import forward_log_probs
+from minihf.workers.train_state import TrainState
 
 INPUT_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
 UPDATE_KEYS = INPUT_KEYS + ("response_mask", "old_log_probs", "advantages")
@@ -57,7 +57,8 @@ class ActorRolloutRefWorker(Worker):
                              "actor_rollout_ref.rollout.tensor_model_parallel_size instead")
         self.config = config
         self.with_ref = with_ref
-        self.actor = self.ref = self.optimizer = self.lr_scheduler = None
+        self.state: TrainState | None = None  # the trained policy (model, optimizer, schedule)
+        self.actor = self.ref = None           # self.actor is self.state.model
         self.rollout: HybridEngine | None = None
 
     @classmethod
@@ -70,10 +71,10 @@ class ActorRolloutRefWorker(Worker):
         """``total_training_steps``: the run's optimizer steps (for a cosine schedule)."""
         cfg = self.config
         get_policy_loss_fn(cfg.actor.policy_loss.loss_mode)  # an unknown name fails here
-        self.actor = build_fsdp_model(cfg.model, cfg.actor.fsdp, head="lm", group=self.group,
-                                      device=self.device)
-        self.optimizer, self.lr_scheduler = build_optim(self.actor, cfg.actor.optim,
-                                                        total_training_steps)
+        self.state = TrainState.build(cfg.model, cfg.actor.fsdp, cfg.actor.optim, head="lm",
+                                      group=self.group, device=self.device,
+                                      total_steps=total_training_steps)
+        self.actor = self.state.model
         if self.with_ref:
             self.ref = build_fsdp_model(cfg.model, cfg.ref.fsdp, head="lm", group=self.group,
                                         device=self.device, trainable=False)
@@ -95,14 +96,8 @@ class ActorRolloutRefWorker(Worker):
         """Sample responses with the current weights (reshard -> generate -> sleep). With
         ``actor.fsdp.optimizer_offload`` on CUDA the optimizer state waits on the host."""
         self._require("rollout")
-        offload = self.config.actor.fsdp.optimizer_offload and self.device.type == "cuda"
-        if offload:
-            move_optimizer_state(self.optimizer, "cpu")
-        try:
+        with self.state.optimizer_on_host(self.config.actor.fsdp.optimizer_offload):
             return self.rollout.generate_sequences(batch, int(batch.meta.get("global_step", 0)))
-        finally:
-            if offload:
-                move_optimizer_state(self.optimizer, self.device)
 
     def _require(self, name: str):
         model = getattr(self, name)
@@ -185,14 +180,12 @@ class ActorRolloutRefWorker(Worker):
         keys = UPDATE_KEYS + (("ref_log_prob",) if a.use_kl_loss else ())
         data = tensors_of(batch, keys, self.device)
         temperature = float(batch.meta.get("temperature", 1.0))
-        stats = run_update(self.actor, self.optimizer, self.lr_scheduler, data,
-                           mini_batch_size=a.ppo_mini_batch_size,
-                           micro_batch_size=a.ppo_micro_batch_size_per_gpu,
-                           max_tokens=a.max_tokens_per_micro_batch, epochs=a.ppo_epochs,
-                           shuffle=a.shuffle, seed=int(batch.meta.get("global_step", 0)),
-                           loss_agg_mode=a.loss_agg_mode,
-                           make_loss_fn=lambda norm, tokens: self._loss_fn(norm, tokens, temperature),
-                           clip_grad=a.optim.clip_grad, group=self.group)
+        stats = self.state.update(
+            data, mini_batch_size=a.ppo_mini_batch_size,
+            micro_batch_size=a.ppo_micro_batch_size_per_gpu,
+            max_tokens=a.max_tokens_per_micro_batch, epochs=a.ppo_epochs, shuffle=a.shuffle,
+            seed=int(batch.meta.get("global_step", 0)), loss_agg_mode=a.loss_agg_mode,
+            make_loss_fn=lambda norm, tokens: self._loss_fn(norm, tokens, temperature))
         metrics = prefixed(stats, "actor")
         if a.use_kl_loss:
             metrics["actor/kl_coef"] = a.kl_loss_coef
@@ -202,14 +195,11 @@ class ActorRolloutRefWorker(Worker):
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Dispatch.RANK_ZERO)
     def save_checkpoint(self, path: str, extra: dict | None = None) -> str:
         """Sharded actor + optimizer + schedule + RNG (+ ``extra``) under ``path``."""
-        state = dict(extra or {})
-        ckpt.save_checkpoint(path, self._require("actor"), self.optimizer, self.lr_scheduler,
-                        group=self.group, extra=state, hf_source=self.config.model.path)
-        return str(path)
+        self._require("actor")
+        return self.state.save(path, extra)
 
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Dispatch.RANK_ZERO)
     def load_checkpoint(self, path: str) -> dict:
         """Restore what ``save_checkpoint`` wrote; returns the saved ``extra``."""
-        extra = ckpt.load_checkpoint(path, self._require("actor"), self.optimizer, self.lr_scheduler,
-                                group=self.group)
-        return extra
+        self._require("actor")
+        return self.state.load(path)

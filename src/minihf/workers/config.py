@@ -12,7 +12,7 @@ from typing import Literal, Optional
 
 from minihf.algorithms import LOSS_AGG_MODES
 from minihf.algorithms.kl import KL_PENALTIES
-from minihf.trainer.optim import OptimConfig
+from minihf.workers.optim import OptimConfig
 
 
 @dataclass

@@ -16,11 +16,10 @@ from __future__ import annotations
 from minihf.algorithms import compute_value_loss, masked_mean
 from minihf.controller import Dispatch, Worker, register
 from minihf.protocol import Batch
-from minihf.utils import checkpoint as ckpt
 from minihf.workers.config import CriticConfig
-from minihf.workers.engine import (build_fsdp_model, build_optim, prefixed, run_micro_batches,
-                                   run_update, tensors_of)
+from minihf.workers.engine import prefixed, run_micro_batches, tensors_of
 from minihf.workers.forward import forward_values
+from minihf.workers.train_state import TrainState
 
 INPUT_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
 UPDATE_KEYS = INPUT_KEYS + ("response_mask", "values", "returns")
@@ -30,15 +29,16 @@ class CriticWorker(Worker):
     def __init__(self, config: CriticConfig):
         super().__init__()
         self.config = config
-        self.critic = self.optimizer = self.lr_scheduler = None
+        self.state: TrainState | None = None
+        self.critic = None  # self.state.model
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def init_model(self, total_training_steps: int | None = None) -> None:
         """``total_training_steps``: the run's optimizer steps (for a cosine schedule)."""
         c = self.config
-        self.critic = build_fsdp_model(c.model, c.fsdp, head="value", group=self.group,
-                                       device=self.device)
-        self.optimizer, self.lr_scheduler = build_optim(self.critic, c.optim, total_training_steps)
+        self.state = TrainState.build(c.model, c.fsdp, c.optim, head="value", group=self.group,
+                                      device=self.device, total_steps=total_training_steps)
+        self.critic = self.state.model
 
     def _model(self):
         if self.critic is None:
@@ -78,24 +78,20 @@ class CriticWorker(Worker):
         c = self.config
         self._model()
         data = tensors_of(batch, UPDATE_KEYS, self.device)
-        stats = run_update(self.critic, self.optimizer, self.lr_scheduler, data,
-                           mini_batch_size=c.ppo_mini_batch_size,
-                           micro_batch_size=c.ppo_micro_batch_size_per_gpu,
-                           max_tokens=c.max_tokens_per_micro_batch, epochs=c.ppo_epochs,
-                           shuffle=c.shuffle, seed=int(batch.meta.get("global_step", 0)),
-                           loss_agg_mode=c.loss_agg_mode, make_loss_fn=self._loss_fn,
-                           clip_grad=c.optim.clip_grad, group=self.group)
+        stats = self.state.update(
+            data, mini_batch_size=c.ppo_mini_batch_size,
+            micro_batch_size=c.ppo_micro_batch_size_per_gpu,
+            max_tokens=c.max_tokens_per_micro_batch, epochs=c.ppo_epochs, shuffle=c.shuffle,
+            seed=int(batch.meta.get("global_step", 0)), loss_agg_mode=c.loss_agg_mode,
+            make_loss_fn=self._loss_fn)
         return prefixed(stats, "critic")
 
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Dispatch.RANK_ZERO)
     def save_checkpoint(self, path: str, extra: dict | None = None) -> str:
-        ckpt.save_checkpoint(path, self._model(), self.optimizer, self.lr_scheduler,
-                             group=self.group, extra=dict(extra or {}),
-                             hf_source=self.config.model.path)
-        return str(path)
+        self._model()
+        return self.state.save(path, extra)
 
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Dispatch.RANK_ZERO)
     def load_checkpoint(self, path: str) -> dict:
-        extra = ckpt.load_checkpoint(path, self._model(), self.optimizer, self.lr_scheduler,
-                                     group=self.group)
-        return extra
+        self._model()
+        return self.state.load(path)

@@ -9,20 +9,17 @@ DP_COMPUTE_EXACT: a batch must split evenly over the DP ranks, no row is repeate
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from minihf.algorithms import agg_loss
 from minihf.controller import Dispatch, Worker, register
 from minihf.protocol import Batch
-from minihf.trainer.optim import OptimConfig
-from minihf.utils import checkpoint as ckpt
+from minihf.workers.optim import OptimConfig
 from minihf.workers.config import FSDPConfig, ModelConfig
-from minihf.workers.engine import build_fsdp_model, build_optim, prefixed, tensors_of
+from minihf.workers.engine import prefixed, tensors_of
 from minihf.workers.forward import forward_token_log_probs
-from minihf.workers.train_step import (all_reduce_, global_normalizer, plan_micro_batches,
-                                       take_rows, train_minibatch)
+from minihf.workers.train_state import TrainState
+from minihf.workers.train_step import all_reduce_, global_normalizer, plan_micro_batches, take_rows
 
 KEYS = ("input_ids", "attention_mask", "position_ids", "loss_mask")
 
@@ -33,14 +30,15 @@ class SFTWorker(Worker):
         super().__init__()
         self.model_cfg, self.optim_cfg, self.fsdp_cfg = model, optim, fsdp
         self.micro, self.max_tokens = micro_batch_size_per_gpu, max_tokens_per_micro_batch
-        self.model = self.optimizer = self.lr_scheduler = None
+        self.state: TrainState | None = None
+        self.model = None  # self.state.model
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def init_model(self, total_training_steps: int) -> None:
-        self.model = build_fsdp_model(self.model_cfg, self.fsdp_cfg, head="lm", group=self.group,
-                                      device=self.device)
-        optim = dataclasses.replace(self.optim_cfg, total_training_steps=total_training_steps)
-        self.optimizer, self.lr_scheduler = build_optim(self.model, optim)
+        self.state = TrainState.build(self.model_cfg, self.fsdp_cfg, self.optim_cfg, head="lm",
+                                      group=self.group, device=self.device,
+                                      total_steps=total_training_steps)
+        self.model = self.state.model
 
     def _data(self, batch: Batch) -> dict:
         data = tensors_of(batch, KEYS, self.device)
@@ -62,9 +60,7 @@ class SFTWorker(Worker):
             nll = -forward_token_log_probs(self.model, mb, use_remove_padding=rmpad)  # [b, T-1]
             loss = agg_loss(nll, mb["loss_mask"], "token-mean", norm)
             return loss, {"loss": loss}
-        stats = train_minibatch(self.model, self.optimizer, self.lr_scheduler,
-                                [take_rows(data, p) for p in self._plan(data)], loss_fn,
-                                clip_grad=self.optim_cfg.clip_grad, group=self.group)
+        stats = self.state.step([take_rows(data, p) for p in self._plan(data)], loss_fn)
         return prefixed(stats, "train")
 
     @register(dispatch=Dispatch.DP_COMPUTE_EXACT, collect=Dispatch.RANK_ZERO)
@@ -83,11 +79,8 @@ class SFTWorker(Worker):
 
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Dispatch.RANK_ZERO)
     def save_checkpoint(self, path: str, extra: dict | None = None) -> str:
-        ckpt.save_checkpoint(path, self.model, self.optimizer, self.lr_scheduler, group=self.group,
-                             extra=extra, hf_source=self.model_cfg.path)
-        return str(path)
+        return self.state.save(path, extra)
 
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Dispatch.RANK_ZERO)
     def load_checkpoint(self, path: str) -> dict:
-        return ckpt.load_checkpoint(path, self.model, self.optimizer, self.lr_scheduler,
-                                    group=self.group)
+        return self.state.load(path)

@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from minihf.algorithms import loss_normalizer
-from minihf.trainer.optim import clip_grad_norm_
+from minihf.workers.optim import clip_grad_norm_
 from minihf.workers.micro_batch import count_token_budget, plan_fixed, plan_token_budget
 
 

@@ -1,4 +1,4 @@
-"""Optimisation pieces shared by the actor, the critic and SFT.
+"""Optimisation pieces shared by the actor, the critic and SFT (through ``TrainState``).
 
 * :func:`build_optimizer`: AdamW over the (FSDP-sharded) parameters.
 * :func:`build_lr_scheduler`: linear warmup then constant or cosine decay to

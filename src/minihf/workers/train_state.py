@@ -1,0 +1,138 @@
+"""``TrainState``: a trained FSDP model with its optimizer and LR schedule, shared by every
+role that trains (actor, critic, SFT; the reward-model trainer next).
+
+One object owns what an optimizer step depends on, so the roles say only which model,
+which loss and which rows:
+
+* :meth:`TrainState.build`: the model built on the meta device, sharded, then filled with
+  this rank's rows of the checkpoint (``minihf.workers.engine.build_fsdp_model``); AdamW
+  and the warmup/cosine schedule (``minihf.workers.optim``).
+* :meth:`step`: one optimizer step over micro-batches (``train_step.train_minibatch``:
+  exact normalisation across micro-batches and ranks).
+* :meth:`update`: a PPO-style update call, ``epochs`` x mini-batches x micro-batches.
+* :meth:`save` / :meth:`load`: the sharded checkpoint (model, optimizer, schedule, RNG and
+  the caller's ``extra``; ``minihf.utils.checkpoint``).
+* :meth:`optimizer_on_host`: park the optimizer state on the host while something else
+  (the rollout engine) needs the accelerator.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn as nn
+
+from minihf.utils import checkpoint as ckpt
+from minihf.workers.config import FSDPConfig, ModelConfig
+from minihf.workers.engine import build_fsdp_model
+from minihf.workers.optim import OptimConfig, build_lr_scheduler, build_optimizer
+from minihf.workers.train_step import (LossFn, global_normalizer, global_token_count, group_size,
+                                       mean_metrics, plan_micro_batches, take_rows,
+                                       train_minibatch)
+
+
+class TrainState:
+    def __init__(self, model: nn.Module, optim: OptimConfig, *, group=None,
+                 total_steps: int | None = None, hf_source: str | None = None):
+        """``total_steps`` (the run's optimizer steps, from the driver) fills
+        ``optim.total_training_steps`` when the config leaves it unset (cosine needs it).
+        ``group`` None: one unsharded process, no collectives."""
+        if total_steps is not None and optim.total_training_steps is None:
+            optim = dataclasses.replace(optim, total_training_steps=total_steps)
+        self.model, self.optim, self.group, self.hf_source = model, optim, group, hf_source
+        self.optimizer = build_optimizer(model.parameters(), optim)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, optim)
+
+    @classmethod
+    def build(cls, model_cfg: ModelConfig, fsdp_cfg: FSDPConfig, optim: OptimConfig, *,
+              head: str, group, device: torch.device,
+              total_steps: int | None = None) -> "TrainState":
+        model = build_fsdp_model(model_cfg, fsdp_cfg, head=head, group=group, device=device)
+        return cls(model, optim, group=group, total_steps=total_steps, hf_source=model_cfg.path)
+
+    def step(self, micro_batches: Sequence[dict], loss_fn: LossFn) -> dict[str, float]:
+        """One optimizer step; metrics summed over micro-batches and ranks (+ grad_norm, lr)."""
+        return train_minibatch(self.model, self.optimizer, self.lr_scheduler, micro_batches,
+                               loss_fn, clip_grad=self.optim.clip_grad, group=self.group)
+
+    def update(self, data: dict[str, torch.Tensor], *, mini_batch_size: int,
+               micro_batch_size: int | None, max_tokens: int | None, epochs: int, shuffle: bool,
+               seed: int, loss_agg_mode: str,
+               make_loss_fn: Callable[[torch.Tensor, torch.Tensor], LossFn]) -> dict[str, float]:
+        """One update call of a PPO role: epochs x mini-batches x micro-batches.
+
+        For each mini-batch the global loss normaliser and token count (over all DP ranks)
+        are computed first; ``make_loss_fn(norm, tokens)`` builds the micro-batch loss that
+        divides by them (exact accumulation, see ``train_step``). Returns the per-step
+        metrics averaged over the call's optimizer steps.
+        """
+        steps = []
+        num_rows = len(next(iter(data.values())))
+        for rows in mini_batch_rows(num_rows, mini_batch_size, self.group, epochs=epochs,
+                                    shuffle=shuffle, seed=seed):
+            mini = take_rows(data, rows)
+            norm = global_normalizer(mini["response_mask"], loss_agg_mode, self.group)
+            tokens = global_token_count(mini["response_mask"], self.group)
+            plan = plan_micro_batches(mini["attention_mask"], micro_batch_size=micro_batch_size,
+                                      max_tokens=max_tokens, group=self.group)
+            steps.append(self.step([take_rows(mini, p) for p in plan], make_loss_fn(norm, tokens)))
+        return mean_metrics(steps)
+
+    def save(self, path: str, extra: dict | None = None) -> str:
+        """Sharded model + optimizer + schedule + RNG (+ ``extra``) under ``path``; every
+        rank of the group calls it."""
+        ckpt.save_checkpoint(path, self.model, self.optimizer, self.lr_scheduler,
+                             group=self.group, extra=dict(extra or {}), hf_source=self.hf_source)
+        return str(path)
+
+    def load(self, path: str) -> dict:
+        """Restore what :meth:`save` wrote; returns the saved ``extra``."""
+        return ckpt.load_checkpoint(path, self.model, self.optimizer, self.lr_scheduler,
+                                    group=self.group)
+
+    @contextlib.contextmanager
+    def optimizer_on_host(self, enabled: bool = True):
+        """Inside: the optimizer state (AdamW moments) lives on the host; moved back after."""
+        device = next(self.model.parameters()).device
+        if not enabled or device.type == "cpu":
+            yield
+            return
+        move_optimizer_state(self.optimizer, "cpu")
+        try:
+            yield
+        finally:
+            move_optimizer_state(self.optimizer, device)
+
+
+def move_optimizer_state(optimizer, device: torch.device | str) -> None:
+    """Move every tensor of ``optimizer``'s state (AdamW moments, DTensor shards) to ``device``."""
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if torch.is_tensor(value):
+                state[key] = value.to(device, non_blocking=True)
+
+
+def mini_batch_rows(num_rows: int, mini_batch_size: int, group, *, epochs: int,
+                    shuffle: bool, seed: int) -> list[list[int]]:
+    """Row lists of the optimizer steps of one update call (epochs x mini-batches).
+
+    ``mini_batch_size`` is global; each of the ``dp`` ranks holds ``mini_batch_size / dp``
+    rows of every mini-batch. ``shuffle`` permutes rows per epoch from ``seed`` (the same
+    on every rank, so ranks stay in step).
+    """
+    dp = group_size(group)
+    if mini_batch_size % dp:
+        raise ValueError(f"ppo_mini_batch_size={mini_batch_size} is not divisible by the "
+                         f"{dp} data-parallel ranks; use a multiple of {dp}")
+    local = mini_batch_size // dp
+    steps = []
+    for epoch in range(epochs):
+        order = list(range(num_rows))
+        if shuffle:
+            g = torch.Generator().manual_seed(seed * 1000 + epoch)
+            order = torch.randperm(num_rows, generator=g).tolist()
+        steps += [order[i:i + local] for i in range(0, num_rows, local)]
+    return steps

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import sys
 
-from minihf.config import find_recipe, load_config, split_cli_args
+from minihf.config import load_config, split_cli_args
 from minihf.controller import run_script
 from minihf.trainer.ppo_job import DEFAULT_RECIPE, PPOJobConfig, run_ppo
 
@@ -25,7 +25,7 @@ def main(argv: list[str]) -> None:
     recipe, overrides = split_cli_args(argv)
     recipe = recipe or DEFAULT_RECIPE
     cfg = load_config(PPOJobConfig, recipe, overrides)
-    run_ppo(cfg, base_dir=find_recipe(recipe).parent)
+    run_ppo(cfg)
 
 
 if __name__ == "__main__":

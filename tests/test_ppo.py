@@ -124,3 +124,64 @@ def test_batch_sizes_that_do_not_fit_fail_early(tiny_job, tmp_path):
                                           r"divide the 8 sequences of a step .* values that work: "
                                           r"\[2, 4, 8\]"):
         cfg.check_sizes(2, 2)
+
+
+FORKED = {
+    "config.yaml": """\
+algorithm:
+  adv_estimator: algo.py:scaled_grpo
+actor_rollout_ref:
+  actor:
+    policy_loss:
+      loss_mode: algo.py:marked_vanilla
+custom_reward_function:
+  path: reward.py
+  name: long_answer
+""",
+    "algo.py": """\
+import os
+from pathlib import Path
+
+from minihf.algorithms import compute_grpo_outcome_advantage, compute_policy_loss
+
+def _mark(kind):
+    Path(__file__).with_name(f"{kind}.{os.getpid()}").touch()
+
+def scaled_grpo(token_level_rewards, response_mask, index):
+    _mark("adv")
+    adv, ret = compute_grpo_outcome_advantage(token_level_rewards, response_mask, index)
+    return 0.5 * adv, 0.5 * ret
+
+def marked_vanilla(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, normalizer, config):
+    _mark("loss")
+    return compute_policy_loss(old_log_prob, log_prob, advantages, response_mask,
+                               config.clip_ratio, loss_agg_mode=loss_agg_mode, normalizer=normalizer)
+""",
+    "reward.py": """\
+def long_answer(data_source, solution_str, ground_truth, extra_info):
+    return {"score": float(len(solution_str) >= 3), "chars": len(solution_str)}
+""",
+}
+
+
+def test_forked_recipe_code_runs_on_every_rank(tiny_job, tmp_path):
+    """A recipe folder names its estimator, loss and reward as files next to its config:
+    paths resolve from the folder, the loss file is imported by every actor rank (the
+    driver never pickles functions), the estimator and reward on the driver only."""
+    model, data = tiny_job
+    recipe = tmp_path / "my_recipe"
+    recipe.mkdir()
+    for name, text in FORKED.items():
+        (recipe / name).write_text(text)
+    cases = [("forked", str(recipe), None, "out", {"trainer.total_training_steps": 1,
+                                                   "trainer.test_freq": -1})]
+    hist = spawn_ranks(_runs, 2, model, data, str(tmp_path), cases, timeout_s=300)[0]["forked"]
+    marks = sorted(p.name.split(".")[0] for p in recipe.iterdir() if p.name[:3] in ("adv", "los"))
+    assert marks == ["adv", "loss", "loss"], marks  # one driver; two actor ranks
+    assert "reward_extra/chars/mean" in hist[-1] and math.isfinite(hist[-1]["actor/pg_loss"])
+    cfg = job_config(model, data, tmp_path, str(recipe))
+    assert cfg.custom_reward_function.path == str(recipe / "reward.py")
+    assert cfg.algorithm.adv_estimator == f"{recipe}/algo.py:scaled_grpo"
+    with pytest.raises(ValueError, match=r"algo.py has no advantage estimator 'nope'.*scaled_grpo"):
+        job_config(model, data, tmp_path, str(recipe), **{"algorithm.adv_estimator":
+                                                          f"{recipe}/algo.py:nope"})

@@ -87,9 +87,9 @@ def test_load_reward_fn(tmp_path):
     )
     fn = load_reward_fn(path, "my_reward")
     assert compute_score(fn, ["x", "x"], ["ab", "abcd"], [None, None]) == ([0.0, 1.0], {"len": [2.0, 4.0]})
-    with pytest.raises(AttributeError, match=r"no function 'compute_score'.*my_reward"):
+    with pytest.raises(AttributeError, match=r"no reward function 'compute_score'.*my_reward"):
         load_reward_fn(path)
-    with pytest.raises(TypeError, match="not a function"):
+    with pytest.raises(TypeError, match="not a reward function"):
         load_reward_fn(path, "THRESHOLD")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_reward_fn(tmp_path / "missing.py", "my_reward")

@@ -115,10 +115,9 @@ def train(ctx: typer.Context) -> None:
         recipe, overrides = split_cli_args(args)
         recipe = recipe or DEFAULT_RECIPE
         cfg = load_config(PPOJobConfig, recipe, overrides)
-        base_dir = find_recipe(recipe).parent
     except ConfigError as exc:
         raise typer.BadParameter(str(exc)) from exc
-    run_ppo(cfg, base_dir=base_dir)
+    run_ppo(cfg)
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

@@ -8,6 +8,9 @@ layers, in increasing precedence: the dataclass defaults, the recipe file
 (``recipes/<name>/config.yaml``), and ``key.sub.key=value`` overrides whose values are
 parsed as YAML scalars (``1e-6``, ``true``, ``[1, 2]``, ``null``); ``~key.sub`` deletes an
 entry of a dict-typed field. Dicts are merged key by key at every level; lists are replaced.
+File references in a recipe's YAML (``reward.py``, ``algo.py:my_estimator``) that exist
+relative to the recipe's folder are made absolute, so a forked recipe folder carries its
+code; on the command line they are relative to the working directory.
 
 Every value is type-checked against the annotations (Optional, Union, Literal, list,
 tuple, dict, nested dataclasses); an unknown key is an error that lists the valid keys at
@@ -268,10 +271,27 @@ def load_config(cls: type[T], recipe: str | Path | None = None, overrides: list[
         if not isinstance(loaded, dict):
             raise ConfigError(f"recipe {path} must be a mapping of keys, "
                               f"got {type(loaded).__name__}")
-        data = _merge(data, loaded)
+        data = _merge(data, _recipe_relative(loaded, path.parent))
     for override in overrides:
         apply_override(data, override)
     return from_dict(cls, data)
+
+
+_CODE_FILE = re.compile(r"(?P<path>[^:]+\.py)(?P<name>:[A-Za-z_]\w*)?")
+
+
+def _recipe_relative(value: Any, folder: Path) -> Any:
+    """``value`` with each ``file.py`` / ``file.py:name`` string that names a file in
+    ``folder`` made absolute."""
+    if isinstance(value, dict):
+        return {k: _recipe_relative(v, folder) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_recipe_relative(v, folder) for v in value]
+    if isinstance(value, str):
+        m = _CODE_FILE.fullmatch(value)
+        if m and not Path(m["path"]).is_absolute() and (folder / m["path"]).is_file():
+            return str((folder / m["path"]).resolve()) + (m["name"] or "")
+    return value
 
 
 def split_cli_args(args: list[str]) -> tuple[str | None, list[str]]:

@@ -2,7 +2,9 @@
 
 A registry is a plain dict owned by the module that fills it (``ADV_ESTIMATORS``,
 ``POLICY_LOSSES``); these two helpers only add the checks and the error messages, so a
-recipe can name its estimator or loss in config and a user can register their own.
+recipe can name its estimator or loss in config and a user can register their own. A name
+may also be a code reference, ``path/to/file.py:function`` (``minihf.utils.imports``): the
+file is imported in this process and the function returned, registered or not.
 """
 
 from __future__ import annotations
@@ -32,9 +34,18 @@ def register_in(table: dict[str, Callable], name: str, what: str) -> Callable[[C
 
 
 def lookup(table: dict[str, Callable], name: str, what: str, register_name: str) -> Callable:
-    """``table[name]``, or a ValueError naming the known entries and the closest one."""
+    """``table[name]`` (or the function a ``file.py:name`` reference names), else a
+    ValueError naming the known entries and the closest one."""
+    from minihf.utils.imports import is_code_ref, load_ref
+
+    if is_code_ref(name):
+        try:
+            return load_ref(name, what)
+        except (FileNotFoundError, AttributeError, TypeError) as e:  # a bad value, said as one
+            raise ValueError(str(e)) from None
     fn = table.get(name)
     if fn is None:
         raise ValueError(f"unknown {what} {name!r}; {suggest(str(name), list(table))}"
-                         f"choose one of {sorted(table)} or add yours with @{register_name}(name)")
+                         f"choose one of {sorted(table)}, add yours with @{register_name}(name), or "
+                         "name a function in a file: path/to/file.py:function")
     return fn

@@ -10,7 +10,6 @@ the sample index and data source -- a crashing reward is a bug to see, not a sil
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import re
 from pathlib import Path
@@ -88,22 +87,11 @@ def default_reward_fn(data_source: str, solution_str: str, ground_truth: Any, ex
 
 
 def load_reward_fn(path: str | Path, name: str = "compute_score") -> RewardFn:
-    """Import ``name`` from the Python file at ``path`` (a recipe's ``reward.py``)."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"reward file {path} does not exist; check reward.path (relative paths are from {Path.cwd()})")
-    spec = importlib.util.spec_from_file_location(f"minihf_user_reward_{path.stem}", path)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot import reward file {path}; it must be a .py file")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # errors in the user's file propagate with their own traceback
-    if not hasattr(module, name):
-        found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
-        raise AttributeError(f"reward file {path} has no function {name!r}; callables found: {found}")
-    fn = getattr(module, name)
-    if not callable(fn):
-        raise TypeError(f"{name!r} in reward file {path} is a {type(fn).__name__}, not a function")
-    return fn
+    """Import ``name`` from the Python file at ``path`` (a recipe's ``reward.py``), once per
+    process (``minihf.utils.imports``)."""
+    from minihf.utils.imports import load_object
+
+    return load_object(path, name, "reward function")
 
 
 def compute_score(fn: RewardFn, data_sources: Sequence[str], solutions: Sequence[str], ground_truths: Sequence[Any],

@@ -71,7 +71,7 @@ def estimate_advantages(batch: Batch, alg, name: str) -> tuple[torch.Tensor, tor
 class PPOTrainer:
     """The loop on rank 0 (``groups``: the ``actor``, and ``critic``/``reward_model`` when on)."""
 
-    def __init__(self, cfg: PPOConfig, groups: dict, log: Log = print, base_dir=None):
+    def __init__(self, cfg: PPOConfig, groups: dict, log: Log = print):
         from minihf.data import PromptLoader, RLDataset, load_tokenizer
 
         self.cfg, self.log = cfg, log
@@ -94,7 +94,7 @@ class PPOTrainer:
         if t.total_training_steps is not None:
             self.total_steps = min(self.total_steps, t.total_training_steps)
         r = cfg.custom_reward_function
-        self.reward = RuleReward(load_reward(r.path, r.name, base_dir), tok)
+        self.reward = RuleReward(load_reward(r.path, r.name), tok)
         k = cfg.algorithm.kl_ctrl
         self.kl_ctrl = (AdaptiveKLController(k.kl_coef, k.target_kl, k.horizon)
                         if k.type == "adaptive" else FixedKLController(k.kl_coef))

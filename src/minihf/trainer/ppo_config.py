@@ -12,6 +12,7 @@ any model loads) refuses batch sizes that do not fit the ranks, naming the key.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal, Optional, Union
 
 from minihf.algorithms.kl import KL_PENALTIES
@@ -71,8 +72,13 @@ class AlgorithmConfig:
 
 @dataclass
 class CustomRewardConfig:
-    path: Optional[str] = None           # a .py file; relative paths are from the recipe dir
-    name: str = "compute_score"
+    path: Optional[str] = None           # a .py file: from the recipe folder in a recipe's YAML,
+    name: str = "compute_score"          # from the working directory on the command line
+
+    def __post_init__(self):
+        if self.path and not Path(self.path).is_file():
+            raise ValueError(f"path={self.path!r} does not exist (relative to {Path.cwd()}); "
+                             "name a .py file with the reward function")
 
 
 @dataclass

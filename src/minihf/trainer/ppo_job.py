@@ -56,12 +56,12 @@ def ppo_roles(cfg: PPOConfig) -> dict:
     return roles
 
 
-def ppo_driver(cfg: PPOConfig, base_dir=None, stop_after: int | None = None):
+def ppo_driver(cfg: PPOConfig, stop_after: int | None = None):
     """The driver function for ``minihf.controller.run``: the metrics history."""
     from minihf.trainer.ppo import PPOTrainer
 
     def drive(groups):
-        return PPOTrainer(cfg, groups, base_dir=base_dir).fit(stop_after)
+        return PPOTrainer(cfg, groups).fit(stop_after)
     return drive
 
 
@@ -120,7 +120,7 @@ def sft_config(cfg: PPOJobConfig):
     return sft
 
 
-def run_ppo(cfg: PPOJobConfig, base_dir=None):
+def run_ppo(cfg: PPOJobConfig):
     """The whole job (prepare, warm start, RL) as one ``torchrun`` job; history on rank 0."""
     from minihf.controller import launch_job, run
     from minihf.trainer.sft import check_paths as check_sft_paths, sft_driver, sft_roles
@@ -144,6 +144,6 @@ def run_ppo(cfg: PPOJobConfig, base_dir=None):
                       f"{cfg.actor_rollout_ref.model.path}")
             run(sft_driver(sft), sft_roles(sft), cfg.controller, device=device)
         check_paths(cfg)
-        return run(ppo_driver(cfg, base_dir), ppo_roles(cfg), cfg.controller, device=device)
+        return run(ppo_driver(cfg), ppo_roles(cfg), cfg.controller, device=device)
 
     return launch_job(job, cfg.controller)

@@ -3,29 +3,23 @@
 The function is verl's ``compute_score(data_source, solution_str, ground_truth,
 extra_info) -> float | dict`` (a dict has ``score`` plus extra per-sample values, logged as
 ``reward_extra/<key>/mean``): the built-ins (``minihf.data.default_reward_fn``) or the one
-``custom_reward_function.path/name`` names, loaded from its file on the driver. One that
+``custom_reward_function.path/name`` names, imported from its file on the driver (a
+recipe's ``reward.py`` is found in the recipe folder, see ``minihf.config``). One that
 raises stops the run naming the sample (``RewardError``).
 """
 
 from __future__ import annotations
 
 import math
-from pathlib import Path
-
 import torch
 
 from minihf.data import compute_score, default_reward_fn, load_reward_fn
 from minihf.protocol import Batch
 
 
-def load_reward(path: str | None, name: str, base_dir: str | Path | None = None):
+def load_reward(path: str | None, name: str):
     """The reward function a config names (``None`` path: the built-ins)."""
-    if not path:
-        return default_reward_fn
-    p = Path(path)
-    if not p.is_absolute() and base_dir is not None and (Path(base_dir) / p).exists():
-        p = Path(base_dir) / p
-    return load_reward_fn(p, name)
+    return default_reward_fn if not path else load_reward_fn(path, name)
 
 
 def at_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,79 @@
+"""Recipe code named in config: ``path/to/file.py:name`` (a function in a Python file).
+
+Rewards, advantage estimators and policy losses a recipe brings are never pickled into
+messages: the config carries the reference, and each process that needs the function
+imports the file itself (the driver for rewards and estimators, every actor rank for a
+loss). A file is executed once per process, whatever the number of references to it, so
+``@register_adv_est`` / ``@register_policy_loss`` decorators inside it run once.
+
+Relative paths in a recipe's YAML are made absolute from the recipe's folder by
+``minihf.config.load_config``; relative paths given on the command line are from the
+working directory (the same on every rank under ``torchrun``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import re
+import sys
+from pathlib import Path
+from types import ModuleType
+
+_REF = re.compile(r"(?P<path>.+\.py):(?P<name>[A-Za-z_]\w*)")
+
+
+def is_code_ref(value) -> bool:
+    """Whether ``value`` is a ``file.py:name`` reference."""
+    return isinstance(value, str) and _REF.fullmatch(value) is not None
+
+
+def split_ref(ref: str) -> tuple[str, str]:
+    """``"dir/algo.py:my_fn"`` -> ``("dir/algo.py", "my_fn")``."""
+    m = _REF.fullmatch(ref)
+    if m is None:
+        raise ValueError(f"{ref!r} is not a code reference; write it as path/to/file.py:function")
+    return m["path"], m["name"]
+
+
+def import_file(path: str | Path) -> ModuleType:
+    """Execute the Python file at ``path`` as a module, once per process (cached by its
+    resolved path); errors in the file propagate with its own traceback."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist (relative paths are from {Path.cwd()}, "
+                                "or from the recipe folder in a recipe's config.yaml)")
+    if path.suffix != ".py":
+        raise ImportError(f"cannot import {path}: recipe code must be a .py file")
+    resolved = path.resolve()
+    key = f"minihf_recipe_{resolved.stem}_{hashlib.blake2b(str(resolved).encode(), digest_size=6).hexdigest()}"
+    if key in sys.modules:
+        return sys.modules[key]
+    spec = importlib.util.spec_from_file_location(key, resolved)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[key] = module  # before exec: dataclasses and pickling look the module up
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[key]
+        raise
+    return module
+
+
+def load_object(path: str | Path, name: str, what: str = "function"):
+    """The callable ``name`` defined in the file at ``path``; errors list what the file has."""
+    module = import_file(path)
+    if not hasattr(module, name):
+        found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_")
+                       and getattr(v, "__module__", None) == module.__name__)
+        raise AttributeError(f"{path} has no {what} {name!r}; callables defined there: {found}")
+    obj = getattr(module, name)
+    if not callable(obj):
+        raise TypeError(f"{name!r} in {path} is a {type(obj).__name__}, not a {what}")
+    return obj
+
+
+def load_ref(ref: str, what: str = "function"):
+    """The callable a ``file.py:name`` reference names."""
+    path, name = split_ref(ref)
+    return load_object(path, name, what)

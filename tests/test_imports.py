@@ -1,0 +1,50 @@
+"""Recipe code named in config (``file.py:function``): imported once per process, found
+from the recipe folder, and bad references are one clear config error."""
+
+import pytest
+
+from minihf.algorithms import get_adv_estimator_fn, get_policy_loss_fn
+from minihf.config import ConfigError, load_config
+from minihf.utils.imports import import_file, is_code_ref, load_ref, split_ref
+
+
+def test_code_refs(tmp_path):
+    f = tmp_path / "algo.py"
+    f.write_text("from minihf.algorithms import register_adv_est\n"
+                 "CALLS = []\n"
+                 "@register_adv_est('test_imports_est')\n"
+                 "def est(token_level_rewards, response_mask):\n"
+                 "    return token_level_rewards, token_level_rewards\n"
+                 "VALUE = 3\n")
+    assert is_code_ref(f"{f}:est") and not is_code_ref("grpo") and not is_code_ref(f"{f}:1x")
+    assert split_ref("a/b.py:fn") == ("a/b.py", "fn")
+    # imported once: the decorator inside ran once, a second lookup is the same object
+    assert import_file(f) is import_file(str(f))
+    assert get_adv_estimator_fn(f"{f}:est") is load_ref(f"{f}:est") is get_adv_estimator_fn("test_imports_est")
+    with pytest.raises(ValueError, match=r"algo.py has no policy loss 'nope'; callables defined there: \['est'\]"):
+        get_policy_loss_fn(f"{f}:nope")
+    with pytest.raises(ValueError, match="'VALUE' .* is a int, not a policy loss"):
+        get_policy_loss_fn(f"{f}:VALUE")
+    with pytest.raises(ValueError, match="missing.py does not exist"):
+        get_policy_loss_fn(f"{tmp_path}/missing.py:fn")
+    with pytest.raises(ValueError, match=r"path/to/file.py:function"):
+        get_policy_loss_fn("no_such_loss")
+
+
+def test_recipe_relative_paths(tmp_path, monkeypatch):
+    from minihf.trainer.ppo_config import PPOConfig
+
+    recipe = tmp_path / "r"
+    recipe.mkdir()
+    (recipe / "reward.py").write_text("def compute_score(*a):\n    return 0.0\n")
+    (recipe / "config.yaml").write_text("custom_reward_function:\n  path: reward.py\n"
+                                        "algorithm:\n  adv_estimator: grpo\n")
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(PPOConfig, str(recipe / "config.yaml"))
+    assert cfg.custom_reward_function.path == str((recipe / "reward.py").resolve())
+    # on the command line a path is from the working directory
+    with pytest.raises(ConfigError, match=r"custom_reward_function: path='reward.py' does not exist"):
+        load_config(PPOConfig, str(recipe / "config.yaml"), ["custom_reward_function.path=reward.py"])
+    cfg = load_config(PPOConfig, str(recipe / "config.yaml"),
+                      ["custom_reward_function.path=r/reward.py"])
+    assert cfg.custom_reward_function.path == "r/reward.py"

@@ -12,7 +12,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from minihf.models import (KVCache, ModelArgs, build_model, init_weights, load_hf,
                            materialize, save_hf)
-from minihf.models.masks import padded_causal_mask, segments
+from minihf.models.masks import padded_causal_mask, plan_buckets, segments
 from minihf.models.rope import inv_freq
 
 TINY = dict(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -76,10 +76,14 @@ def test_bad_configs_are_clear_errors():
 
 def test_masks_by_hand():
     # packed [a0 a1 | b0 | pad]: sequences of 2, 1 and (trailing padding) 1 tokens
+    # one bucket (sorted by length: b, pad, a), right-padded by repeating the last token
     seg = segments(torch.tensor([0, 2, 3], dtype=torch.int32), 4)
-    assert seg.gather.tolist() == [[0, 1], [2, 0], [3, 0]]
-    assert seg.seq.tolist() == [0, 0, 1, 2] and seg.pos.tolist() == [0, 1, 0, 0]
-    assert seg.mask[:, 0].int().tolist() == [[[1, 0], [1, 1]]] * 3  # a pad row sees itself
+    assert [g.tolist() for g in seg.gather] == [[2, 2, 3, 3, 0, 1]] and seg.shapes == [(3, 2)]
+    assert seg.back.tolist() == [4, 5, 0, 2]  # a0, a1 in row 2; b0 in row 0; pad in row 1
+    # lengths far apart go to separate buckets (padded work sum S_b L_b^2 + overhead)
+    assert plan_buckets([10, 80, 12, 78]) == [[0, 2], [3, 1]]
+    assert plan_buckets([10, 11, 12], overhead=10**9) == [[0, 1, 2]]
+    assert plan_buckets([5, 500], overhead=0) == [[0], [1]] and plan_buckets([]) == []
     left = padded_causal_mask(torch.tensor([[0, 0, 1, 1]]))[0, 0].int()
     assert left.tolist() == [[1, 0, 0, 0], [0, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]]
     right = padded_causal_mask(torch.tensor([[1, 1, 0]]))[0, 0].int()

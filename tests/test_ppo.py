@@ -185,3 +185,35 @@ def test_forked_recipe_code_runs_on_every_rank(tiny_job, tmp_path):
     with pytest.raises(ValueError, match=r"algo.py has no advantage estimator 'nope'.*scaled_grpo"):
         job_config(model, data, tmp_path, str(recipe), **{"algorithm.adv_estimator":
                                                           f"{recipe}/algo.py:nope"})
+
+
+def test_old_log_prob_source(tiny_job, tmp_path):
+    model, data = tiny_job
+    rows = {"data.train_batch_size": 4, "actor_rollout_ref.rollout.n": 2}  # 8 rows a step
+    one = {**rows, "actor_rollout_ref.actor.ppo_mini_batch_size": 8,
+           "actor_rollout_ref.actor.ppo_epochs": 1}
+
+    def source(recipe="grpo", **kw):
+        return job_config(model, data, tmp_path, recipe, **kw).old_log_prob_source
+    assert source(**one) == "update"                                   # auto, on-policy
+    assert source() == "recompute"                                     # auto, 2 epochs x 2
+    assert source(**one, **{"actor_rollout_ref.actor.recompute_log_prob": True}) == "recompute"
+    assert source(**{"actor_rollout_ref.actor.recompute_log_prob": False}) == "rollout"
+    assert source(**{**one, "actor_rollout_ref.actor.recompute_log_prob": False}) == "update"
+    assert source("ppo", **one) == "recompute"                         # in-reward KL needs them
+
+
+def test_on_policy_step_skips_the_old_log_prob_pass(tiny_job, tmp_path):
+    model, data = tiny_job
+    one = {"actor_rollout_ref.actor.ppo_mini_batch_size": 8, "actor_rollout_ref.actor.ppo_epochs": 1,
+           "trainer.total_training_steps": 2, "trainer.test_freq": -1}
+    cases = [("auto", "grpo", None, "auto", one),
+             ("rollout", "grpo", None, "rollout",
+              {"trainer.total_training_steps": 2, "trainer.test_freq": -1,
+               "actor_rollout_ref.actor.recompute_log_prob": False})]
+    res = spawn_ranks(_runs, 2, model, data, str(tmp_path), cases, timeout_s=300)[0]
+    for name in ("auto", "rollout"):
+        steps = [h for h in res[name] if h["step"] > 0]
+        assert len(steps) == 2 and all("timing_s/old_log_prob" not in h for h in steps), name
+        assert all(math.isfinite(h["actor/pg_loss"]) and h["actor/entropy"] > 0 for h in steps)
+    assert all(h["actor/ppo_kl"] == 0.0 for h in res["auto"] if h["step"] > 0)

@@ -161,3 +161,28 @@ def test_workers_two_ranks_vs_one_process_checkpoint_resume_export(tmp_path):
     assert res["extra"] == {"sampler": 7}
     assert res["resume_moved"] > 1e-4
     assert res["resume_bitwise"]
+
+
+def test_one_step_update_uses_its_own_log_probs(tmp_path):
+    """meta old_log_probs='update': no old-log-prob pass; the update equals the one with
+    recomputed old log-probs (ratio 1 either way), and a multi-step update refuses it."""
+    model = init_weights(build_model(ModelArgs(**ARGS), "lm"), seed=5)
+    path = str(save_hf(model, tmp_path / "model"))
+    cfg = actor_cfg(path, 4)
+    cfg.actor.ppo_mini_batch_size, cfg.actor.ppo_epochs = 8, 1
+    batch = Batch(make_batch(8, 6, 5, seed=4), meta={"temperature": 0.8})
+    a, b = local_worker(ActorRolloutRefWorker, cfg), local_worker(ActorRolloutRefWorker, cfg)
+    full = batch | a.compute_log_prob(batch) | a.compute_ref_log_prob(batch)
+    own = Batch({k: v for k, v in full.tensors.items() if k != "old_log_probs"},
+                meta={**full.meta, "old_log_probs": "update"})
+    m_a, m_b = a.update_actor(full), b.update_actor(own)
+    for k in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/ppo_kl", "actor/entropy"):
+        assert abs(m_a[k] - m_b[k]) <= 1e-5 * max(1.0, abs(m_a[k])), (k, m_a[k], m_b[k])
+    assert m_b["actor/ppo_kl"] == 0.0 and m_b["actor/pg_clipfrac"] == 0.0
+    assert max_diff(a.actor.state_dict(), b.actor.state_dict()) < 1e-6
+    assert max_diff(a.actor.state_dict(), load_hf(path).state_dict()) > 1e-4  # it moved
+    cfg.actor.ppo_epochs = 2
+    two = local_worker(ActorRolloutRefWorker, cfg)
+    import pytest
+    with pytest.raises(ValueError, match="takes 2 optimizer steps"):
+        two.update_actor(own)

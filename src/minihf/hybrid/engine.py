@@ -103,7 +103,7 @@ class HybridEngine:
         ``meta["validate"]``, then the keys ``meta`` sets."""
         c = self.cfg
         s = dict(n=1, do_sample=c.do_sample, temperature=c.temperature, top_k=c.top_k,
-                 top_p=c.top_p, response_length=c.response_length)
+                 top_p=c.top_p, response_length=c.response_length, ignore_eos=c.ignore_eos)
         if meta.get("validate", False):
             v = c.val_kwargs
             s.update(n=v.n, do_sample=v.do_sample, temperature=v.temperature, top_k=v.top_k,
@@ -140,6 +140,7 @@ class HybridEngine:
         uids = batch.non_tensors["uid"]
         params = [SamplingParams(n=1, temperature=temperature, top_k=int(s["top_k"]),
                                  top_p=float(s["top_p"]), max_tokens=int(s["response_length"]),
+                                 ignore_eos=bool(s["ignore_eos"]),
                                  seed=request_seed(self.cfg.seed, global_step, str(u), int(j)))
                   for u, j in zip(uids, index.tolist())]
         t0 = time.perf_counter()

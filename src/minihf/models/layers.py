@@ -77,11 +77,17 @@ class Attention(nn.Module):
                 q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
                 meta.cu_seqlens, meta.cu_seqlens, meta.max_seqlen, meta.max_seqlen, causal=True,
             ).transpose(0, 1)[None]  # [1, heads, T, hd]
-        elif meta.segments is not None:  # packed, no flash-attn: per-sequence padded batch
-            seg = meta.segments
-            qs, ks, vs = (t[0][:, seg.gather].transpose(0, 1) for t in (q, k, v))  # [S, h, L, hd]
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seg.mask, enable_gqa=gqa)
-            out = o[seg.seq, :, seg.pos].transpose(0, 1)[None]                     # [1, h, T, hd]
+        elif meta.segments is not None:  # packed, no flash-attn: right-padded buckets
+            seg, hd = meta.segments, self.head_dim
+            tok = [t[0].transpose(0, 1) for t in (q, k, v)]                      # [T, h, hd]
+            outs = []
+            for idx, (S, L) in zip(seg.gather, seg.shapes):
+                qs, ks, vs = (t.index_select(0, idx).view(S, L, -1, hd).transpose(1, 2)
+                              for t in tok)                                      # [S, h, L, hd]
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)
+                outs.append(o.transpose(1, 2).reshape(S * L, -1))                # [S*L, h*hd]
+            out = torch.cat(outs).index_select(0, seg.back)[None]                # [1, T, h*hd]
+            return self.o_proj(out)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.mask,
                                                  is_causal=meta.is_causal, enable_gqa=gqa)

@@ -159,10 +159,15 @@ class PPOTrainer:
             with self._timed(m, "reward"):
                 batch.tensors["token_level_scores"], reward_metrics = self._score(batch)
             m.update(reward_metrics)
-            with self._timed(m, "old_log_prob"):
-                old = self.actor.compute_log_prob(batch, calc_entropy=True)
-            m["actor/entropy"] = masked_mean(old["entropys"], batch["response_mask"]).item()
-            batch.tensors["old_log_probs"] = old["old_log_probs"]
+            source = cfg.old_log_prob_source
+            if source == "recompute":
+                with self._timed(m, "old_log_prob"):
+                    old = self.actor.compute_log_prob(batch, calc_entropy=True)
+                m["actor/entropy"] = masked_mean(old["entropys"], batch["response_mask"]).item()
+                batch.tensors["old_log_probs"] = old["old_log_probs"]
+            elif source == "rollout":
+                batch.tensors["old_log_probs"] = batch["rollout_log_probs"]
+            batch.meta["old_log_probs"] = source  # "update": the actor's own, detached
             if cfg.use_ref:
                 with self._timed(m, "ref"):
                     batch |= self.actor.compute_ref_log_prob(batch)

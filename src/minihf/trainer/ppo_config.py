@@ -144,6 +144,23 @@ class PPOConfig:
     def use_ref(self) -> bool:
         return self.actor_rollout_ref.actor.use_kl_loss or self.algorithm.use_kl_in_reward
 
+    @property
+    def old_log_prob_source(self) -> str:
+        """Where the PPO ratio's old log-probs come from: ``recompute`` (the actor's forward
+        pass before the update), ``update`` (the update is one on-policy optimizer step: its
+        own log-probs, detached, are exactly the old ones; as TRL does) or ``rollout`` (the
+        engine's ``rollout_log_probs``: ``recompute_log_prob=false`` with several optimizer
+        steps; equal to ~1e-6 in fp32, further apart with a bf16 rollout)."""
+        a = self.actor_rollout_ref.actor
+        rows = self.data.train_batch_size * self.actor_rollout_ref.rollout.n
+        one_step = (a.ppo_epochs == 1 and a.ppo_mini_batch_size >= rows
+                    and not self.algorithm.use_kl_in_reward)  # the in-reward KL needs them first
+        if a.recompute_log_prob:
+            return "recompute"
+        if one_step:
+            return "update"
+        return "recompute" if a.recompute_log_prob is None else "rollout"
+
     def check_sizes(self, actor_ranks: int, critic_ranks: int) -> None:
         """Batch sizes that do not fit the ranks fail here, naming the key and what works."""
         rows = self.data.train_batch_size * self.actor_rollout_ref.rollout.n

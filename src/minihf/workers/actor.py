@@ -21,6 +21,11 @@ Methods the driver calls (dispatch ``DP_COMPUTE`` unless noted):
   ``actor/lr``), reduced over ranks, from DP rank 0.
 * ``save_checkpoint(path, extra)`` / ``load_checkpoint(path)`` (ONE_TO_ALL).
 
+``batch.meta["old_log_probs"] == "update"`` (the driver's choice when the update is one
+on-policy optimizer step, see ``PPOConfig.old_log_prob_source``): the batch has no
+``old_log_probs``; the update's own log-probs, detached, take their place (exact: the ratio
+is 1 at that step), so the separate forward pass is saved.
+
 Log-probs are computed at ``batch.meta["temperature"]`` (default 1.0), the temperature the
 rollout sampled with (``generate_sequences`` puts it in its output's meta).
 The reference may keep its shards on the host (``ref.fsdp.param_offload``); FSDP then
@@ -143,7 +148,9 @@ class ActorRolloutRefWorker(Worker):
         return Batch({"ref_log_prob": out["log_probs"].cpu()})
 
     # -- update ---------------------------------------------------------------------------
-    def _loss_fn(self, norm, tokens, temperature):
+    def _loss_fn(self, norm, tokens, temperature, own_old: bool):
+        """``own_old``: the update is one on-policy step; the old log-probs are this
+        forward's, detached (and the entropy is measured here for ``actor/entropy``)."""
         a = self.config.actor
         model = self.actor
         policy_loss = get_policy_loss_fn(a.policy_loss.loss_mode)
@@ -151,10 +158,12 @@ class ActorRolloutRefWorker(Worker):
         def loss_fn(mb):
             mask = mb["response_mask"]
             out = forward_log_probs(model, mb, use_remove_padding=self.config.model.use_remove_padding,
-                                    temperature=temperature, calc_entropy=a.entropy_coeff != 0)
+                                    temperature=temperature,
+                                    calc_entropy=a.entropy_coeff != 0 or own_old)
             log_prob = out["log_probs"]                                       # [b, R]
+            old = log_prob.detach() if own_old else mb["old_log_probs"]
             pg_loss, clipfrac, ppo_kl, clipfrac_lower = policy_loss(
-                mb["old_log_probs"], log_prob, mb["advantages"], mask,
+                old, log_prob, mb["advantages"], mask,
                 loss_agg_mode=a.loss_agg_mode, normalizer=norm, config=a)
             share = mask.float().sum() / tokens  # this micro-batch's weight in token means
             stats = {"pg_loss": pg_loss, "pg_clipfrac": clipfrac * share,
@@ -163,7 +172,8 @@ class ActorRolloutRefWorker(Worker):
             if a.entropy_coeff != 0:
                 entropy = agg_loss(out["entropy"], mask, a.loss_agg_mode, norm)
                 loss = loss - a.entropy_coeff * entropy
-                stats["entropy"] = masked_mean(out["entropy"], mask) * share
+            if "entropy" in out:
+                stats["entropy"] = masked_mean(out["entropy"].detach(), mask) * share
             if a.use_kl_loss:
                 kl = agg_loss(kl_penalty(log_prob, mb["ref_log_prob"], a.kl_loss_type), mask,
                               a.loss_agg_mode, norm)
@@ -177,7 +187,16 @@ class ActorRolloutRefWorker(Worker):
         """PPO update: ``ppo_epochs`` x mini-batches x micro-batches; returns metrics."""
         a = self.config.actor
         self._require("actor")
+        own_old = batch.meta.get("old_log_probs") == "update"
         keys = UPDATE_KEYS + (("ref_log_prob",) if a.use_kl_loss else ())
+        if own_old:
+            keys = tuple(k for k in keys if k != "old_log_probs")
+            steps = a.ppo_epochs * -(-len(batch) // (a.ppo_mini_batch_size // self.dp_size))
+            if steps != 1:
+                raise ValueError(f"meta old_log_probs='update' needs a one-step update, but this "
+                                 f"one takes {steps} optimizer steps (ppo_epochs={a.ppo_epochs}, "
+                                 f"ppo_mini_batch_size={a.ppo_mini_batch_size}); compute "
+                                 "old_log_probs first")
         data = tensors_of(batch, keys, self.device)
         temperature = float(batch.meta.get("temperature", 1.0))
         stats = self.state.update(
@@ -185,7 +204,7 @@ class ActorRolloutRefWorker(Worker):
             micro_batch_size=a.ppo_micro_batch_size_per_gpu,
             max_tokens=a.max_tokens_per_micro_batch, epochs=a.ppo_epochs, shuffle=a.shuffle,
             seed=int(batch.meta.get("global_step", 0)), loss_agg_mode=a.loss_agg_mode,
-            make_loss_fn=lambda norm, tokens: self._loss_fn(norm, tokens, temperature))
+            make_loss_fn=lambda norm, tokens: self._loss_fn(norm, tokens, temperature, own_old))
         metrics = prefixed(stats, "actor")
         if a.use_kl_loss:
             metrics["actor/kl_coef"] = a.kl_loss_coef

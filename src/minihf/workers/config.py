@@ -80,6 +80,10 @@ class ActorConfig:
     loss_agg_mode: str = "token-mean"   # seq-mean-token-sum-norm divides by the response length
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     log_prob_micro_batch_size_per_gpu: Optional[int] = 8  # for compute_log_prob
+    # Old log-probs of the PPO ratio: true = a forward pass before the update; null (auto) =
+    # skip it when the update is one on-policy optimizer step (its own log-probs, detached,
+    # are exact); false = also otherwise use the rollout engine's log-probs (approximate)
+    recompute_log_prob: Optional[bool] = None
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
 
@@ -147,6 +151,7 @@ class RolloutConfig:
     top_k: int = -1
     top_p: float = 1.0
     do_sample: bool = True
+    ignore_eos: bool = False             # every response runs to response_length (benchmarks)
     prompt_length: Optional[int] = None  # None: the PPO trainer sets data.max_prompt_length
     response_length: Optional[int] = None  # None: data.max_response_length
     tensor_model_parallel_size: int = 1

@@ -1,0 +1,374 @@
+"""A full GRPO step, minihf vs TRL on the same work, and where minihf's time goes.
+
+    pip install -e ".[bench]"                   # trl, datasets
+    python scripts/bench_step.py                # the whole report; writes docs/performance.md
+    python scripts/bench_step.py --quick        # ~5M model only, fewer steps, no docs
+
+The same work in both frameworks: one local model directory (random-init Qwen2-style,
+``small`` ~5M and ``medium`` ~30M parameters, minihf's character tokenizer), the same 16
+prompts x 8 samples per step, up to 64 new tokens, temperature 1 (no top-k/top-p), a k3 KL
+loss against the reference with beta 0.04 (minihf ``use_kl_loss`` + ``low_var_kl``; TRL
+``beta``), one optimizer step per batch, fp32, the same thread count. TRL runs with
+``use_cpu=True``, ``bf16=False``, ``gradient_checkpointing=False``, ``loss_type="grpo"``,
+``top_k=0``, ``top_p=1``, the model as a saved directory and ``HF_HUB_OFFLINE=1``; minihf
+with its ``grpo`` recipe's settings except those above.
+
+A random model stops at EOS at random, so two variants run: ``eos`` (lengths as sampled;
+the figure to compare is seconds per generated token) and ``forced`` (every response is
+exactly 64 tokens: minihf ``rollout.ignore_eos``, TRL ``min_new_tokens``). Each framework
+runs in its own process, alternately (``--rounds`` rounds, minihf first then TRL), a
+warm-up step then ``--steps`` measured steps; the median step is reported.
+
+Where the time goes: minihf's per-phase seconds (``timing_s/*``), and per phase the
+achieved model FLOP/s (2 x matmul parameters x tokens for a forward, 6 x for forward and
+backward; attention ignored, it is small at these lengths) next to the fp32 ``torch.mm``
+peak measured in the same run at the same thread count: a model-FLOPs utilisation (MFU).
+``ceiling`` = TRL's step time / (minihf's model FLOPs of the step at that peak): the
+speed-up minihf would reach if every phase ran at the matmul peak; a target above it is
+out of reach in fp32 on the machine, whatever the framework does.
+Then the same step at 1, 2 and 4 processes, and its growth with response length and
+batch size.
+
+Internal modes (run by the report): ``--worker minihf|trl --model DIR --data DIR ...``
+run one framework and write its per-step figures as JSON to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SIZES = {"5M": "small", "30M": "medium"}  # report name -> minihf factory size
+TASK = "sort"
+PHASES = ("gen", "reward", "old_log_prob", "ref", "adv", "update_actor")
+
+
+# -- workers -------------------------------------------------------------------------------
+def minihf_overrides(a) -> list[str]:
+    return [
+        f"actor_rollout_ref.model.path={a.model}", f"data.train_files={a.data}/train.parquet",
+        "data.val_files=null", "data.max_prompt_length=32",
+        f"data.max_response_length={a.max_new}", f"data.train_batch_size={a.prompts}",
+        f"actor_rollout_ref.rollout.n={a.n}", "actor_rollout_ref.rollout.temperature=1.0",
+        "actor_rollout_ref.rollout.top_k=-1", "actor_rollout_ref.rollout.top_p=1.0",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={a.prompts * a.n}",
+        "actor_rollout_ref.actor.ppo_epochs=1", "actor_rollout_ref.actor.use_kl_loss=true",
+        "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+        "actor_rollout_ref.actor.kl_loss_coef=0.04", "actor_rollout_ref.actor.entropy_coeff=0",
+        "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean",
+        "actor_rollout_ref.actor.clip_ratio_low=0.2", "actor_rollout_ref.actor.clip_ratio_high=0.2",
+        "actor_rollout_ref.actor.optim.lr=1e-6", "actor_rollout_ref.actor.optim.weight_decay=0.0",
+        f"trainer.total_training_steps={a.steps + 1}", "trainer.test_freq=-1",
+        "trainer.val_before_train=false", f"trainer.default_local_dir={a.tmp}/minihf",
+        "trainer.logger=[]", "trainer.resume_mode=disable", "prepare.task=null",
+        "prepare.sft_recipe=null", *a.set,
+    ] + (["actor_rollout_ref.rollout.ignore_eos=true"] if a.forced else [])
+
+
+def run_minihf(a) -> dict:
+    import torch
+
+    from minihf.config import load_config
+    from minihf.trainer.ppo_job import PPOJobConfig, run_ppo
+
+    if "LOCAL_RANK" not in os.environ:
+        torch.set_num_threads(a.threads)
+    cfg = load_config(PPOJobConfig, "grpo", minihf_overrides(a))
+    hist = run_ppo(cfg)
+    if hist is None:  # ranks != 0
+        return {}
+    steps = [h for h in hist if h.get("step", 0) > 1]  # step 1 is the warm-up
+    return {"step_s": [h["timing_s/step"] for h in steps],
+            "phases": {p: [h.get(f"timing_s/{p}", 0.0) for h in steps]
+                       for p in PHASES + ("reshard",)},
+            "response_tokens": [h["response_length/mean"] * a.prompts * a.n for h in steps],
+            "prompt_tokens": [h["prompt_length/mean"] * a.prompts * a.n for h in steps]}
+
+
+def run_trl(a) -> dict:
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from minihf.data import RLDataset, compute_score, default_reward_fn, load_tokenizer
+
+    torch.set_num_threads(a.threads)
+    tok = load_tokenizer(a.model, padding_side="left")
+    ds = RLDataset(f"{a.data}/train.parquet", tok, max_prompt_length=32)
+    texts = [tok.decode(ids, skip_special_tokens=False) for ids in ds.input_ids]
+    same = all(tok(t, add_special_tokens=False)["input_ids"] == list(ids)
+               for t, ids in zip(texts[:64], ds.input_ids[:64]))
+    if not same:
+        raise SystemExit("bench_step: prompts do not round-trip through the tokenizer; the two "
+                         "frameworks would see different prompts")
+    data = Dataset.from_dict({"prompt": texts,
+                              "ground_truth": [r["ground_truth"] for r in ds.records],
+                              "data_source": [r["data_source"] for r in ds.records]})
+
+    def reward(prompts, completions, ground_truth, data_source, **_):
+        return compute_score(default_reward_fn, data_source, completions, ground_truth)[0]
+
+    class Timer(TrainerCallback):
+        def __init__(self):
+            self.step_s, self.logs, self.t0 = [], [], 0.0
+
+        def on_step_begin(self, args, state, control, **kw):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            self.step_s.append(time.perf_counter() - self.t0)
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            self.logs.append(dict(logs or {}))
+
+    rows = a.prompts * a.n
+    config = GRPOConfig(
+        output_dir=f"{a.tmp}/trl", use_cpu=True, bf16=False, fp16=False,
+        gradient_checkpointing=False, loss_type="grpo", top_k=0, top_p=1.0, temperature=1.0,
+        per_device_train_batch_size=rows, num_generations=a.n, gradient_accumulation_steps=1,
+        steps_per_generation=1, num_iterations=1, max_completion_length=a.max_new, beta=0.04,
+        epsilon=0.2, learning_rate=1e-6, weight_decay=0.0, max_steps=a.steps + 1,
+        logging_steps=1, report_to="none", save_strategy="no", seed=0,
+        dataloader_num_workers=0, disable_dropout=True,
+        generation_kwargs={"min_new_tokens": a.max_new} if a.forced else None)
+    timer = Timer()
+    trainer = GRPOTrainer(model=a.model, reward_funcs=reward, args=config, train_dataset=data,
+                          processing_class=tok, callbacks=[timer])
+    trainer.train()
+    logs = [log for log in timer.logs if "completions/mean_length" in log]
+    return {"step_s": timer.step_s[1:],
+            "response_tokens": [log["completions/mean_length"] * rows for log in logs][1:]}
+
+
+# -- the report ----------------------------------------------------------------------------
+def worker_cmd(framework: str, model: str, data: str, tmp: str, args, *, forced: bool,
+               nproc: int = 1, prompts: int = 16, max_new: int = 64, steps: int = 3) -> list[str]:
+    threads = max(1, args.threads // nproc)
+    base = [str(ROOT / "scripts" / "bench_step.py"), "--worker", framework, "--model", model,
+            "--data", data, "--tmp", tmp, "--steps", str(steps), "--prompts", str(prompts),
+            "--n", str(args.n), "--max-new", str(max_new), "--threads", str(threads),
+            "--out", f"{tmp}/{framework}.json"] + (["--forced"] if forced else [])
+    if nproc == 1:
+        return [sys.executable] + base
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+            "--master_port=0"] + base
+
+
+def run_worker(cmd: list[str], tmp: str, framework: str) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS=cmd[cmd.index("--threads") + 1],
+               HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
+    if proc.returncode:
+        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
+        raise SystemExit(f"bench_step: {framework} worker failed ({proc.returncode}): {' '.join(cmd)}")
+    return json.loads(Path(tmp, f"{framework}.json").read_text())
+
+
+def mm_peak_gflops(threads: int, n: int = 1024, repeats: int = 10) -> float:
+    """fp32 ``torch.mm`` peak at ``threads`` threads: best of ``repeats`` n x n products."""
+    import torch
+
+    torch.set_num_threads(threads)
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best / 1e9
+
+
+def matmul_params(model_dir: str) -> int:
+    """Parameters that take part in a matmul per token: every Linear weight (body + head)."""
+    import torch
+
+    from minihf.models import load_hf
+
+    model = load_hf(model_dir)
+    return sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+def median(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def compare(label: str, model: str, data: str, args, forced: bool, params: int, peak: float,
+            lines: list[str]) -> dict:
+    """Both frameworks alternately, ``args.rounds`` rounds; one table row + phases."""
+    runs = {"minihf": [], "trl": []}
+    for _ in range(args.rounds):
+        for fw in ("minihf", "trl"):
+            with tempfile.TemporaryDirectory() as tmp:
+                runs[fw].append(run_worker(worker_cmd(fw, model, data, tmp, args, forced=forced,
+                                                      steps=args.steps), tmp, fw))
+    out = {}
+    for fw, rs in runs.items():
+        step_s = [s for r in rs for s in r["step_s"]]
+        tokens = [t for r in rs for t in r["response_tokens"]]
+        per_tok = [s / t for r in rs for s, t in zip(r["step_s"], r["response_tokens"])]
+        out[fw] = {"step_s": median(step_s), "tokens": median(tokens), "s_per_token": median(per_tok)}
+        if fw == "minihf":
+            out[fw]["phases"] = {p: median([x for r in rs for x in r["phases"][p]])
+                                 for p in rs[0]["phases"]}
+            out[fw]["prompt_tokens"] = median([t for r in rs for t in r["prompt_tokens"]])
+    m, t = out["minihf"], out["trl"]
+    ratio, tok_ratio = t["step_s"] / m["step_s"], t["s_per_token"] / m["s_per_token"]
+    out["mfu"] = phase_mfu(m, params, peak)
+    # the best speed-up possible in fp32 here: TRL's step vs minihf's model FLOPs at the peak
+    ceiling = t["step_s"] / (out["mfu"]["step"][1] * m["step_s"] / peak)
+    lines.append(f"| {label} | {'forced 64' if forced else 'eos'} | {m['step_s']:.2f} | "
+                 f"{t['step_s']:.2f} | **{ratio:.2f}x** | {ceiling:.1f}x | "
+                 f"{m['tokens']:.0f} / {t['tokens']:.0f} | {1e3 * m['s_per_token']:.2f} | "
+                 f"{1e3 * t['s_per_token']:.2f} | {tok_ratio:.2f}x |")
+    out["ratio"], out["token_ratio"], out["ceiling"] = ratio, tok_ratio, ceiling
+    return out
+
+
+def phase_mfu(m: dict, params: int, peak_gflops: float) -> dict:
+    """Model FLOPs of each phase (per step) / its time / the mm peak."""
+    total = m["prompt_tokens"] + m["tokens"]
+    flops = {"gen": 2 * params * total, "old_log_prob": 2 * params * total,
+             "ref": 2 * params * total, "update_actor": 6 * params * total}
+    out = {}
+    for p, f in flops.items():
+        s = m["phases"].get(p, 0.0)
+        if s > 0:
+            out[p] = (s, f / s / 1e9, f / s / 1e9 / peak_gflops)
+    step_flops = sum(f for p, f in flops.items() if m["phases"].get(p, 0.0) > 0)
+    out["step"] = (m["step_s"], step_flops / m["step_s"] / 1e9,
+                   step_flops / m["step_s"] / 1e9 / peak_gflops)
+    return out
+
+
+def minihf_only(model, data, args, **kw) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        r = run_worker(worker_cmd("minihf", model, data, tmp, args, forced=True, **kw), tmp, "minihf")
+    return {"step_s": median(r["step_s"]),
+            "phases": {p: median(v) for p, v in r["phases"].items()}}
+
+
+def report(args) -> None:
+    from minihf.data import init_model, make_task_data
+
+    work = Path(args.workdir)
+    data = work / "data"
+    if not (data / "train.parquet").exists():
+        make_task_data(TASK, data, 512, 16, seed=0)
+    sizes = ["5M"] if args.quick else list(SIZES)
+    peak = mm_peak_gflops(args.threads)
+    lines = [f"fp32 `torch.mm` peak ({args.threads} threads): **{peak:.1f} GFLOP/s**", "",
+             "| model | lengths | minihf s/step | TRL s/step | minihf speed-up | ceiling | response "
+             "tokens per step (minihf / TRL) | minihf ms/token | TRL ms/token | per token |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    results = {}
+    for size in sizes:
+        model = work / f"model-{size}"
+        if not (model / "config.json").exists():
+            init_model(model, size=SIZES[size], task=TASK, max_position_embeddings=512)
+        params = matmul_params(str(model))
+        for forced in (False, True):
+            print(f"[bench_step] {size} {'forced' if forced else 'eos'} ...", flush=True)
+            results[(size, forced)] = compare(f"{size} ({params / 1e6:.1f}M matmul params)",
+                                              str(model), str(data), args, forced, params,
+                                              peak, lines)
+            print(lines[-1], flush=True)
+    lines += ["", "minihf per phase (median seconds per step; achieved GFLOP/s; MFU vs the mm peak):", "",
+              "| model | lengths | phase | s | GFLOP/s | MFU |", "|---|---|---|---|---|---|"]
+    for (size, forced), r in results.items():
+        ph = r["minihf"]["phases"]
+        for p in PHASES + ("reshard",):
+            mfu = r["mfu"].get(p)
+            extra = f"{mfu[1]:.1f} | {100 * mfu[2]:.1f}%" if mfu else " | "
+            lines.append(f"| {size} | {'forced' if forced else 'eos'} | {p} | {ph[p]:.3f} | {extra} |")
+        s = r["mfu"]["step"]
+        lines.append(f"| {size} | {'forced' if forced else 'eos'} | **step** | {s[0]:.3f} | "
+                     f"{s[1]:.1f} | {100 * s[2]:.1f}% |")
+    if not args.quick:
+        model, d = str(work / "model-5M"), str(data)
+        lines += ["", "Scaling (5M, forced 64 tokens, minihf only; median s/step):", "",
+                  "| variant | s/step | gen | update_actor |", "|---|---|---|---|"]
+        for nproc in (1, 2, 4):
+            r = minihf_only(model, d, args, nproc=nproc, steps=args.steps)
+            lines.append(f"| {nproc} process{'es' if nproc > 1 else ''} | {r['step_s']:.2f} | "
+                         f"{r['phases']['gen']:.2f} | {r['phases']['update_actor']:.2f} |")
+            print(lines[-1], flush=True)
+        for new in (64, 128, 256):
+            r = minihf_only(model, d, args, max_new=new, steps=args.steps)
+            lines.append(f"| response length {new} | {r['step_s']:.2f} | {r['phases']['gen']:.2f} "
+                         f"| {r['phases']['update_actor']:.2f} |")
+            print(lines[-1], flush=True)
+        for prompts in (8, 16, 32):
+            r = minihf_only(model, d, args, prompts=prompts, steps=args.steps)
+            lines.append(f"| {prompts} prompts x {args.n} | {r['step_s']:.2f} | "
+                         f"{r['phases']['gen']:.2f} | {r['phases']['update_actor']:.2f} |")
+            print(lines[-1], flush=True)
+    print("\n".join(lines))
+    if not args.quick and args.docs:
+        write_docs(Path(args.docs), lines, args)
+
+
+def write_docs(path: Path, lines: list[str], args) -> None:
+    import platform
+
+    import torch
+    import trl
+
+    machine = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+               f"torch {torch.__version__}, trl {trl.__version__}, Python {platform.python_version()}")
+    text = [
+        "# Performance: a GRPO step, minihf vs TRL",
+        "",
+        "Generated by `python scripts/bench_step.py` (do not edit by hand); the script's "
+        "docstring says exactly what both frameworks run.",
+        "",
+        f"Machine: {machine}; {args.threads} threads per framework; {args.rounds} alternating "
+        f"rounds x {args.steps} measured steps after a warm-up step; medians.",
+        "",
+        *lines,
+        "",
+    ]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(text))
+    print(f"wrote {path}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="5M model only; no docs")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--steps", type=int, default=3, help="measured steps per run (after 1 warm-up)")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--n", type=int, default=8, help="samples per prompt")
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--max-new", type=int, default=64)
+    p.add_argument("--workdir", default=str(ROOT / "outputs" / "bench_step"))
+    p.add_argument("--docs", default=str(ROOT / "docs" / "performance.md"))
+    p.add_argument("--worker", choices=("minihf", "trl"))
+    p.add_argument("--model")
+    p.add_argument("--data")
+    p.add_argument("--tmp")
+    p.add_argument("--out")
+    p.add_argument("--forced", action="store_true")
+    p.add_argument("--set", action="append", default=[], help="extra minihf override (worker)")
+    args = p.parse_args()
+    if args.worker is None:
+        report(args)
+        return
+    result = run_minihf(args) if args.worker == "minihf" else run_trl(args)
+    if result:
+        Path(args.out).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -57,9 +57,9 @@ def minihf_overrides(a) -> list[str]:
         f"actor_rollout_ref.model.path={a.model}", f"data.train_files={a.data}/train.parquet",
         "data.val_files=null", "data.max_prompt_length=32",
         f"data.max_response_length={a.max_new}", f"data.train_batch_size={a.prompts}",
-        f"actor_rollout_ref.rollout.n={a.n}", "actor_rollout_ref.rollout.temperature=1.0",
+        f"actor_rollout_ref.rollout.n={a.samples}", "actor_rollout_ref.rollout.temperature=1.0",
         "actor_rollout_ref.rollout.top_k=-1", "actor_rollout_ref.rollout.top_p=1.0",
-        f"actor_rollout_ref.actor.ppo_mini_batch_size={a.prompts * a.n}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={a.prompts * a.samples}",
         "actor_rollout_ref.actor.ppo_epochs=1", "actor_rollout_ref.actor.use_kl_loss=true",
         "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
         "actor_rollout_ref.actor.kl_loss_coef=0.04", "actor_rollout_ref.actor.entropy_coeff=0",
@@ -89,8 +89,8 @@ def run_minihf(a) -> dict:
     return {"step_s": [h["timing_s/step"] for h in steps],
             "phases": {p: [h.get(f"timing_s/{p}", 0.0) for h in steps]
                        for p in PHASES + ("reshard",)},
-            "response_tokens": [h["response_length/mean"] * a.prompts * a.n for h in steps],
-            "prompt_tokens": [h["prompt_length/mean"] * a.prompts * a.n for h in steps]}
+            "response_tokens": [h["response_length/mean"] * a.prompts * a.samples for h in steps],
+            "prompt_tokens": [h["prompt_length/mean"] * a.prompts * a.samples for h in steps]}
 
 
 def run_trl(a) -> dict:
@@ -131,11 +131,11 @@ def run_trl(a) -> dict:
         def on_log(self, args, state, control, logs=None, **kw):
             self.logs.append(dict(logs or {}))
 
-    rows = a.prompts * a.n
+    rows = a.prompts * a.samples
     config = GRPOConfig(
         output_dir=f"{a.tmp}/trl", use_cpu=True, bf16=False, fp16=False,
         gradient_checkpointing=False, loss_type="grpo", top_k=0, top_p=1.0, temperature=1.0,
-        per_device_train_batch_size=rows, num_generations=a.n, gradient_accumulation_steps=1,
+        per_device_train_batch_size=rows, num_generations=a.samples, gradient_accumulation_steps=1,
         steps_per_generation=1, num_iterations=1, max_completion_length=a.max_new, beta=0.04,
         epsilon=0.2, learning_rate=1e-6, weight_decay=0.0, max_steps=a.steps + 1,
         logging_steps=1, report_to="none", save_strategy="no", seed=0,
@@ -156,12 +156,12 @@ def worker_cmd(framework: str, model: str, data: str, tmp: str, args, *, forced:
     threads = max(1, args.threads // nproc)
     base = [str(ROOT / "scripts" / "bench_step.py"), "--worker", framework, "--model", model,
             "--data", data, "--tmp", tmp, "--steps", str(steps), "--prompts", str(prompts),
-            "--n", str(args.n), "--max-new", str(max_new), "--threads", str(threads),
+            "--samples", str(args.samples), "--max-new", str(max_new), "--threads", str(threads),
             "--out", f"{tmp}/{framework}.json"] + (["--forced"] if forced else [])
     if nproc == 1:
         return [sys.executable] + base
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-            "--master_port=0"] + base
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc_per_node={nproc}"] + base
 
 
 def run_worker(cmd: list[str], tmp: str, framework: str) -> dict:
@@ -203,15 +203,30 @@ def median(xs):
     return statistics.median(xs) if xs else float("nan")
 
 
+def cached(args, key: list, measure):
+    """``measure()``, or its result from an earlier report in ``--workdir`` (``--fresh``
+    measures again): a report interrupted late need not redo its first hours."""
+    path = Path(args.workdir) / "results.json"
+    cache = json.loads(path.read_text()) if path.exists() and not args.fresh else {}
+    k = json.dumps(key + [args.rounds, args.steps, args.threads, args.samples])
+    if k not in cache:
+        cache[k] = measure()
+        path.write_text(json.dumps(cache))
+    return cache[k]
+
+
 def compare(label: str, model: str, data: str, args, forced: bool, params: int, peak: float,
             lines: list[str]) -> dict:
     """Both frameworks alternately, ``args.rounds`` rounds; one table row + phases."""
-    runs = {"minihf": [], "trl": []}
-    for _ in range(args.rounds):
-        for fw in ("minihf", "trl"):
-            with tempfile.TemporaryDirectory() as tmp:
-                runs[fw].append(run_worker(worker_cmd(fw, model, data, tmp, args, forced=forced,
-                                                      steps=args.steps), tmp, fw))
+    def measure():
+        runs = {"minihf": [], "trl": []}
+        for _ in range(args.rounds):
+            for fw in ("minihf", "trl"):
+                with tempfile.TemporaryDirectory() as tmp:
+                    runs[fw].append(run_worker(worker_cmd(fw, model, data, tmp, args,
+                                                          forced=forced, steps=args.steps), tmp, fw))
+        return runs
+    runs = cached(args, ["compare", model, forced], measure)
     out = {}
     for fw, rs in runs.items():
         step_s = [s for r in rs for s in r["step_s"]]
@@ -252,8 +267,11 @@ def phase_mfu(m: dict, params: int, peak_gflops: float) -> dict:
 
 
 def minihf_only(model, data, args, **kw) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        r = run_worker(worker_cmd("minihf", model, data, tmp, args, forced=True, **kw), tmp, "minihf")
+    def measure():
+        with tempfile.TemporaryDirectory() as tmp:
+            return run_worker(worker_cmd("minihf", model, data, tmp, args, forced=True, **kw),
+                              tmp, "minihf")
+    r = cached(args, ["minihf", model, sorted(kw.items())], measure)
     return {"step_s": median(r["step_s"]),
             "phases": {p: median(v) for p, v in r["phases"].items()}}
 
@@ -310,7 +328,7 @@ def report(args) -> None:
             print(lines[-1], flush=True)
         for prompts in (8, 16, 32):
             r = minihf_only(model, d, args, prompts=prompts, steps=args.steps)
-            lines.append(f"| {prompts} prompts x {args.n} | {r['step_s']:.2f} | "
+            lines.append(f"| {prompts} prompts x {args.samples} | {r['step_s']:.2f} | "
                          f"{r['phases']['gen']:.2f} | {r['phases']['update_actor']:.2f} |")
             print(lines[-1], flush=True)
     print("\n".join(lines))
@@ -349,7 +367,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=3, help="measured steps per run (after 1 warm-up)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    p.add_argument("--n", type=int, default=8, help="samples per prompt")
+    p.add_argument("--samples", type=int, default=8, help="samples per prompt")
+    p.add_argument("--fresh", action="store_true", help="ignore results cached in --workdir")
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--max-new", type=int, default=64)
     p.add_argument("--workdir", default=str(ROOT / "outputs" / "bench_step"))

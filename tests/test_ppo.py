@@ -92,6 +92,13 @@ def test_grpo_and_ppo_one_process(tiny_job, tmp_path):
     assert lrs[0] < 1e-3 and lrs[0] > lrs[1] > lrs[2] > 1e-4, lrs
     check_metrics(res["ppo"], with_critic=True)
     assert "actor/kl_loss" in res["grpo"][-1] and "actor/reward_kl_penalty" in res["ppo"][-1]
+    # samples.jsonl: validations (steps 0, 2, 3) and the last step (log_samples_freq=10)
+    rows = [json.loads(x) for x in (tmp_path / "grpo" / "samples.jsonl").read_text().splitlines()]
+    assert sorted({(r["step"], r["kind"]) for r in rows}) == [(0, "val"), (2, "val"), (3, "train"),
+                                                             (3, "val")]
+    train = [r for r in rows if r["kind"] == "train"]
+    assert len(train) == 4 and all(r["prompt"] and isinstance(r["score"], float) for r in train)
+    assert 0 <= res["grpo"][-1]["critic/score/frac_equal_groups"] <= 1
 
 
 def test_two_processes_and_resume_equals_uninterrupted(tiny_job, tmp_path):

@@ -158,5 +158,76 @@ def export(
     typer.echo(f"exported {ckpt} to {path}")
 
 
+@app.command()
+def plot(
+    run_dirs: list[str] = typer.Argument(..., help="Run dirs holding metrics.jsonl (trainer.default_local_dir)."),
+    out: str = typer.Option("plots", help="Directory for overview.png and timing.png."),
+) -> None:
+    """PNG figures of one or more runs, overlaid: score, validation, KL, entropy, lengths,
+    clip fractions, and a per-phase timing bar."""
+    from minihf.utils.plot import plot_runs
+
+    try:
+        paths = plot_runs(run_dirs, out)
+    except (FileNotFoundError, ValueError, ImportError) as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    for p in paths:
+        typer.echo(f"wrote {p}")
+
+
+config_app = typer.Typer(no_args_is_help=True, help="Inspect configs: resolved values, defaults, help.")
+app.add_typer(config_app, name="config")
+
+
+@config_app.command("show", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def config_show(ctx: typer.Context) -> None:
+    """Print a recipe's resolved config (RL, or SFT for an SFT recipe) as YAML, each value
+    with its default and help: `minihf config show grpo actor_rollout_ref.rollout.n=4`."""
+    from minihf.config import ConfigError, load_config, split_cli_args
+    from minihf.config_help import show
+    from minihf.trainer.ppo_job import DEFAULT_RECIPE, PPOJobConfig
+    from minihf.trainer.sft import SFTConfig
+
+    args = list(ctx.args)
+    if args and "=" not in args[0]:
+        args[0] = f"recipe={args[0]}"
+    try:
+        recipe, overrides = split_cli_args(args)
+        recipe = recipe or DEFAULT_RECIPE
+        try:
+            cfg = load_config(PPOJobConfig, recipe, overrides)
+        except ConfigError as rl_error:
+            try:
+                cfg = load_config(SFTConfig, recipe, overrides)
+            except ConfigError:
+                raise rl_error from None
+    except ConfigError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    typer.echo(show(cfg), nl=False)
+
+
+@config_app.command("doc")
+def config_doc(
+    out: str = typer.Option("docs/config.md", help="Where to write the reference."),
+    check: bool = typer.Option(False, help="Only check that OUT is up to date (exit 1 if not)."),
+) -> None:
+    """Write the configuration reference (every key, type, default, help) as Markdown."""
+    from pathlib import Path
+
+    from minihf.config_help import doc_roots, markdown
+
+    text = markdown(doc_roots())
+    path = Path(out)
+    if check:
+        if not path.is_file() or path.read_text() != text:
+            typer.echo(f"{path} is out of date; run `minihf config doc`", err=True)
+            raise typer.Exit(1)
+        typer.echo(f"{path} is up to date")
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    typer.echo(f"wrote {path}")
+
+
 if __name__ == "__main__":
     app()

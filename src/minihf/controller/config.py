@@ -79,7 +79,7 @@ class ControllerConfig:
     backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl with CUDA, else gloo
     timeout_s: float = 600.0  # collectives, calls and dead-peer detection give up after this
     idle_timeout_s: float | None = None  # worker waiting for a command; None: no limit
-    placement: PlacementConfig = field(default_factory=dict)
+    placement: PlacementConfig = field(default_factory=dict)  # role -> ranks (+ tp_size); empty: all ranks
 
     def __post_init__(self):
         if self.backend not in ("auto", "gloo", "nccl"):

@@ -2,6 +2,7 @@
 
 ``critic/score/*`` (sequence scores from the reward function or model), ``critic/rewards/*``
 (sequence sums of the token rewards the advantages used: scores minus an in-reward KL),
+``critic/score/frac_equal_groups`` (prompts whose samples all scored the same),
 ``critic/advantages/*`` and ``critic/returns/*`` (over response tokens), ``critic/values/*``
 (with a critic), ``response_length/*`` (incl. ``clip_ratio``: responses that hit the
 length limit), ``prompt_length/*``, and ``perf/*`` from token counts and the step time.
@@ -46,3 +47,15 @@ def throughput(batch: Batch, step_s: float, world_size: int) -> dict[str, float]
     tokens = int(batch["attention_mask"].sum())
     return {"perf/total_num_tokens": tokens,
             "perf/throughput": tokens / max(step_s, 1e-9) / world_size}
+
+
+def group_metrics(scores: torch.Tensor, uids) -> dict[str, float]:
+    """``critic/score/frac_equal_groups``: the fraction of prompts (uid groups of two or
+    more samples) whose samples all scored the same: no signal for group estimators."""
+    groups: dict = {}
+    for s, u in zip(scores.tolist(), uids):
+        groups.setdefault(u, []).append(s)
+    sized = [g for g in groups.values() if len(g) > 1]
+    if not sized:
+        return {}
+    return {"critic/score/frac_equal_groups": sum(max(g) == min(g) for g in sized) / len(sized)}

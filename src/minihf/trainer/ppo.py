@@ -35,9 +35,10 @@ from minihf.protocol import Batch
 from minihf.trainer.common import (Log, MetricsLog, every, find_resume_path, format_line,
                                    mark_latest, resume_config_changes, save_config,
                                    write_atomic)
-from minihf.trainer.metrics import data_metrics, throughput
+from minihf.trainer.metrics import data_metrics, group_metrics, throughput
 from minihf.trainer.ppo_config import PPOConfig
 from minihf.trainer.reward import RuleReward, at_last_token, load_reward
+from minihf.trainer.watch import RunWatch, SampleLog
 
 PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
 LINE_KEYS = {"step": "step", "critic/score/mean": "score", "val-core/mean": "val",
@@ -100,6 +101,9 @@ class PPOTrainer:
                         if k.type == "adaptive" else FixedKLController(k.kl_coef))
         self.out = Path(t.default_local_dir)
         self.metrics_log = MetricsLog(self.out, "jsonl" in t.logger)
+        self.samples = SampleLog(self.out, t.log_samples_freq > 0)
+        self.watch = RunWatch(d.max_response_length)
+        self.tokenizer = tok
         self.history: list[dict] = []
         self.phase_totals: dict[str, float] = {}
 
@@ -159,6 +163,9 @@ class PPOTrainer:
             with self._timed(m, "reward"):
                 batch.tensors["token_level_scores"], reward_metrics = self._score(batch)
             m.update(reward_metrics)
+            m.update(group_metrics(batch["token_level_scores"].sum(-1), batch.non_tensors["uid"]))
+            if every(cfg.trainer.log_samples_freq, step, self.total_steps):
+                self.samples.append(self.sample_rows(batch, step, "train", stride=n))
             source = cfg.old_log_prob_source
             if source == "recompute":
                 with self._timed(m, "old_log_prob"):
@@ -195,6 +202,24 @@ class PPOTrainer:
         m.update(throughput(batch, m["timing_s/step"], len(self.actor.ranks)))
         return m
 
+    def sample_rows(self, batch: Batch, step: int, kind: str, stride: int = 1,
+                    scores: list[float] | None = None) -> list[dict]:
+        """``log_samples_n`` rows (every ``stride``-th: one sample per prompt) for samples.jsonl."""
+        rows = list(range(0, len(batch), stride))[:self.cfg.trainer.log_samples_n]
+        if scores is None:
+            scores = batch["token_level_scores"].sum(-1).tolist()
+        texts = self.reward.decode(batch[rows])
+        out = []
+        for text, i in zip(texts, rows):
+            prompt = batch["prompts"][i][batch["attention_mask"][i, :batch["prompts"].shape[1]].bool()]
+            out.append({"step": step, "kind": kind,
+                        "data_source": str(batch.non_tensors["data_source"][i]),
+                        "prompt": self.tokenizer.decode(prompt.tolist(), skip_special_tokens=True),
+                        "response": text, "score": float(scores[i]),
+                        "ground_truth": batch.non_tensors["ground_truth"][i],
+                        "response_length": int(batch["response_mask"][i].sum())})
+        return out
+
     # -- validation -----------------------------------------------------------------------
     def validate(self, step: int) -> dict:
         if self.val is None:
@@ -209,6 +234,8 @@ class PPOTrainer:
                                                 dtype=object)
             out, _ = self._generate(batch, {"validate": True, "global_step": step})
             _, _, raw = self.reward(out)
+            if start == 0 and self.cfg.trainer.log_samples_freq > 0:
+                self.samples.append(self.sample_rows(out, step, "val", scores=raw))
             scores += raw
             sources += list(out.non_tensors["data_source"])
             lengths += out["response_mask"].sum(-1).tolist()
@@ -248,6 +275,7 @@ class PPOTrainer:
         self.loader.load_state_dict(state["loader"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         self.metrics_log.resume_at(state["step"])
+        self.samples.resume_at(state["step"])
         self.log(f"resumed from {path} at step {state['step']}"
                  + (f" (changed: {', '.join(changed)})" if changed else ""))
         return int(state["step"])
@@ -262,6 +290,8 @@ class PPOTrainer:
     def record(self, metrics: dict) -> None:
         self.history.append(metrics)
         self.metrics_log.append(metrics)
+        for warning in self.watch.check(metrics):
+            self.log(f"warning: {warning}")
         if "console" in self.cfg.trainer.logger:
             self.log(format_line(metrics, LINE_KEYS))
 

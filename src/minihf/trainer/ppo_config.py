@@ -23,17 +23,18 @@ from minihf.workers.config import ActorRolloutRefConfig, CriticConfig, RewardMod
 
 @dataclass
 class DataConfig:
-    train_files: Union[str, list[str]] = ""
-    val_files: Union[str, list[str], None] = None
-    prompt_key: str = "prompt"
-    max_prompt_length: int = 512
-    max_response_length: int = 512
+    train_files: Union[str, list[str]] = ""  # parquet/jsonl prompt file(s), verl's format
+    val_files: Union[str, list[str], None] = None  # validation prompt file(s); null: no validation
+    prompt_key: str = "prompt"           # column holding the prompt (chat messages or a string)
+    max_prompt_length: int = 512         # tokens; longer prompts follow `truncation`
+    max_response_length: int = 512       # new tokens per response at most
     train_batch_size: int = 32           # prompts per step (x rollout.n sequences)
     val_batch_size: Optional[int] = None  # prompts per validation generate call; None: all
+    # a too-long prompt: error, keep its left/right part, or drop it (filter)
     truncation: Literal["error", "left", "right", "filter"] = "error"
-    apply_chat_template: bool = True
-    shuffle: bool = True
-    seed: int = 0
+    apply_chat_template: bool = True     # format chat-message prompts with the tokenizer's template
+    shuffle: bool = True                 # reshuffle the prompts every epoch
+    seed: int = 0                        # seed of the prompt order
 
     def __post_init__(self):
         for key in ("max_prompt_length", "max_response_length", "train_batch_size"):
@@ -45,8 +46,8 @@ class DataConfig:
 
 @dataclass
 class KLCtrlConfig:
-    type: Literal["fixed", "adaptive"] = "fixed"
-    kl_coef: float = 0.001
+    type: Literal["fixed", "adaptive"] = "fixed"  # fixed | adaptive (in-reward KL coefficient)
+    kl_coef: float = 0.001               # initial in-reward KL coefficient
     target_kl: float = 0.1               # adaptive only
     horizon: int = 10000                 # adaptive only
 
@@ -54,10 +55,10 @@ class KLCtrlConfig:
 @dataclass
 class AlgorithmConfig:
     adv_estimator: str = "gae"           # gae | grpo | rloo | reinforce_plus_plus | ... (registry)
-    gamma: float = 1.0
-    lam: float = 1.0
-    norm_adv_by_std_in_grpo: bool = True
-    use_kl_in_reward: bool = False
+    gamma: float = 1.0                   # discount (GAE, REINFORCE++)
+    lam: float = 1.0                     # GAE lambda
+    norm_adv_by_std_in_grpo: bool = True  # divide group advantages by their std (false: Dr.GRPO)
+    use_kl_in_reward: bool = False       # subtract kl_ctrl * KL(policy || ref) from the token rewards
     kl_penalty: str = "kl"               # estimator of the in-reward KL
     kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
 
@@ -83,7 +84,7 @@ class CustomRewardConfig:
 
 @dataclass
 class RewardModelSection(RewardModelConfig):
-    enable: bool = False
+    enable: bool = False                 # score with a learned reward model instead of the rule function
 
 
 @dataclass
@@ -93,20 +94,25 @@ class CriticSection(CriticConfig):
 
 @dataclass
 class PPOTrainerConfig:
-    total_epochs: int = 1
-    total_training_steps: Optional[int] = None
+    total_epochs: int = 1                # passes over the training prompts
+    total_training_steps: Optional[int] = None  # stop after this many steps; null: total_epochs
     critic_warmup: int = 0               # steps that train only the critic
     test_freq: int = -1                  # validate every N steps (and at the end); -1: never
     save_freq: int = -1                  # checkpoint every N steps (and at the end); -1: end only
-    val_before_train: bool = True
-    default_local_dir: str = "outputs/ppo"
-    resume_mode: Literal["auto", "disable", "resume_path"] = "auto"
-    resume_from_path: Optional[str] = None
-    project_name: str = "minihf"
-    experiment_name: str = "run"
-    logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    val_before_train: bool = True        # validate once before the first step
+    default_local_dir: str = "outputs/ppo"  # run dir: checkpoints, metrics.jsonl, samples.jsonl
+    resume_mode: Literal["auto", "disable", "resume_path"] = "auto"  # auto: from the latest checkpoint
+    resume_from_path: Optional[str] = None  # a global_step_N dir (resume_mode=resume_path)
+    project_name: str = "minihf"         # run grouping name (loggers)
+    experiment_name: str = "run"         # run name (loggers)
+    logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])  # console and/or jsonl
+    log_samples_freq: int = 10           # samples.jsonl rows every N steps (and validations); <= 0: off
+    log_samples_n: int = 4               # rows per logged step (one sample of each of the first prompts)
 
     def __post_init__(self):
+        if self.log_samples_n < 1:
+            raise ValueError(f"log_samples_n={self.log_samples_n} must be >= 1 (turn samples off "
+                             "with log_samples_freq=0)")
         bad = [x for x in self.logger if x not in ("console", "jsonl")]
         if bad:
             raise ValueError(f"trainer.logger: unknown {bad}; choose from ['console', 'jsonl']")

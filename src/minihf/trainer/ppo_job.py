@@ -27,14 +27,14 @@ DEFAULT_RECIPE = "grpo"  # what `scripts/train_ppo.py` and `minihf train` run wi
 @dataclass
 class PrepareConfig:
     task: Optional[str] = None           # synthetic task whose data files are made when absent
-    num_train: int = 2000
-    num_test: int = 200
-    seed: int = 0
+    num_train: int = 2000                # training prompts to write
+    num_test: int = 200                  # validation prompts to write
+    seed: int = 0                        # seed of the data and the random-init model
     base_model: Optional[str] = None     # random-init model dir (minihf init-model) for the SFT
-    arch: str = "qwen2"
-    size: str = "mini"
+    arch: str = "qwen2"                  # base model architecture (qwen2 | llama | qwen3 | mistral)
+    size: str = "mini"                   # base model size (tiny | mini | small | medium)
     sft_recipe: Optional[str] = None     # SFT recipe that writes <its default_local_dir>/hf
-    sft_overrides: list[str] = field(default_factory=list)
+    sft_overrides: list[str] = field(default_factory=list)  # extra overrides for the SFT warm start
 
 
 @dataclass

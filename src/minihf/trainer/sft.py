@@ -23,17 +23,18 @@ from minihf.workers.config import FSDPConfig, ModelConfig
 
 @dataclass
 class SFTDataConfig:
-    train_files: Union[str, list[str]] = ""
-    val_files: Union[str, list[str], None] = None
+    train_files: Union[str, list[str]] = ""  # parquet/jsonl prompt/response file(s)
+    val_files: Union[str, list[str], None] = None  # validation file(s); null: none
     response_key: str = "response"       # e.g. extra_info.answer for `minihf make-data` files
-    max_length: int = 512
+    max_length: int = 512                # tokens per example (prompt + response)
+    # a too-long example: error, keep its left/right part, or drop it (filter)
     truncation: Literal["error", "left", "right", "filter"] = "error"
     train_batch_size: int = 32           # sequences per optimizer step, global
-    micro_batch_size_per_gpu: Optional[int] = 8
-    max_tokens_per_micro_batch: Optional[int] = None
-    val_batch_size: int = 64
-    shuffle: bool = True
-    seed: int = 0
+    micro_batch_size_per_gpu: Optional[int] = 8  # rows per forward/backward (when no token budget)
+    max_tokens_per_micro_batch: Optional[int] = None  # token budget per micro-batch (wins when set)
+    val_batch_size: int = 64             # examples per validation batch
+    shuffle: bool = True                 # reshuffle every epoch
+    seed: int = 0                        # seed of the example order
 
     def __post_init__(self):
         if self.train_batch_size < 1 or self.val_batch_size < 1:
@@ -43,15 +44,15 @@ class SFTDataConfig:
 
 @dataclass
 class SFTTrainerConfig:
-    total_epochs: int = 1
+    total_epochs: int = 1                # passes over the training data
     total_training_steps: Optional[int] = None  # stop early after this many steps
     test_freq: int = 0                   # validate every N steps (0: only at the end)
     save_freq: int = 0                   # checkpoint every N steps (0: only at the end)
-    default_local_dir: str = "outputs/sft"
-    resume_mode: Literal["auto", "disable", "resume_path"] = "auto"
-    resume_from_path: Optional[str] = None
-    export_hf: bool = True
-    log_freq: int = 1
+    default_local_dir: str = "outputs/sft"  # run dir: checkpoints, metrics.jsonl, hf/ export
+    resume_mode: Literal["auto", "disable", "resume_path"] = "auto"  # auto: from the latest checkpoint
+    resume_from_path: Optional[str] = None  # a global_step_N dir (resume_mode=resume_path)
+    export_hf: bool = True               # write an HF model dir (hf/) at the end
+    log_freq: int = 1                    # print a line every N steps
 
 
 @dataclass

@@ -20,9 +20,9 @@ class FSDPConfig:
     """How a role's model is sharded (see ``minihf.parallel.fsdp.apply_fsdp``)."""
     param_offload: bool = False          # params/grads/optimizer state on the host (CPUOffloadPolicy)
     optimizer_offload: bool = False      # actor on CUDA: optimizer state on the host while generating
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool = False  # recompute block activations in backward (less memory)
     mixed_precision: Literal["auto", "none"] = "auto"  # auto: bf16/fp32-reduce on CUDA, fp32 on CPU
-    reshard_after_forward: bool = True
+    reshard_after_forward: bool = True   # free gathered parameters after each block's forward
 
 
 @dataclass
@@ -58,25 +58,25 @@ class PolicyLossConfig:
     """Which registered policy loss the actor minimises (``minihf.algorithms``'
     ``register_policy_loss``): ``vanilla`` (PPO-clip, dual clip optional), ``gspo``, or one a
     recipe registers."""
-    loss_mode: str = "vanilla"
+    loss_mode: str = "vanilla"           # a registered loss (vanilla, gspo) or file.py:function
 
 
 @dataclass
 class ActorConfig:
     """PPO policy update."""
     ppo_mini_batch_size: int = 16        # sequences per optimizer step, global
-    ppo_micro_batch_size_per_gpu: Optional[int] = 4
+    ppo_micro_batch_size_per_gpu: Optional[int] = 4  # rows per forward/backward (when no token budget)
     max_tokens_per_micro_batch: Optional[int] = None  # dynamic micro-batches (wins when set)
-    ppo_epochs: int = 1
+    ppo_epochs: int = 1                  # passes over each step's batch
     shuffle: bool = False                # reshuffle rows before cutting mini-batches each epoch
-    clip_ratio: float = 0.2
-    clip_ratio_low: Optional[float] = None
-    clip_ratio_high: Optional[float] = None
+    clip_ratio: float = 0.2              # PPO clip epsilon (both sides unless low/high are set)
+    clip_ratio_low: Optional[float] = None  # lower clip epsilon (DAPO clip-higher); null: clip_ratio
+    clip_ratio_high: Optional[float] = None  # upper clip epsilon; null: clip_ratio
     clip_ratio_c: Optional[float] = None  # dual-clip bound (e.g. 3.0); None disables
-    entropy_coeff: float = 0.0
+    entropy_coeff: float = 0.0           # entropy bonus weight in the loss
     use_kl_loss: bool = False            # GRPO-style KL to the reference in the loss
-    kl_loss_coef: float = 0.001
-    kl_loss_type: str = "low_var_kl"
+    kl_loss_coef: float = 0.001          # weight of the KL-to-reference loss (use_kl_loss)
+    kl_loss_type: str = "low_var_kl"     # KL estimator: kl (k1) | abs | mse (k2) | low_var_kl (k3) | full
     loss_agg_mode: str = "token-mean"   # seq-mean-token-sum-norm divides by the response length
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     log_prob_micro_batch_size_per_gpu: Optional[int] = 8  # for compute_log_prob
@@ -102,8 +102,8 @@ class ActorConfig:
 @dataclass
 class RefConfig:
     """The frozen reference policy (same checkpoint as the actor)."""
-    log_prob_micro_batch_size_per_gpu: Optional[int] = 8
-    max_tokens_per_micro_batch: Optional[int] = None
+    log_prob_micro_batch_size_per_gpu: Optional[int] = 8  # rows per reference forward (when no token budget)
+    max_tokens_per_micro_batch: Optional[int] = None  # token budget per reference forward (wins when set)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)  # param_offload: keep it on the host when idle
 
     def __post_init__(self):
@@ -113,11 +113,11 @@ class RefConfig:
 @dataclass
 class ValKwargs:
     """Sampling for validation rollouts (``meta["validate"]``)."""
-    n: int = 1
-    do_sample: bool = False
-    temperature: float = 0.0
-    top_k: int = -1
-    top_p: float = 1.0
+    n: int = 1                           # samples per validation prompt (mean@n)
+    do_sample: bool = False              # false: greedy validation
+    temperature: float = 0.0             # validation sampling temperature
+    top_k: int = -1                      # validation top-k; -1: off
+    top_p: float = 1.0                   # validation nucleus; 1.0: off
 
     def __post_init__(self):
         _check_sampling(self, "rollout.val_kwargs")
@@ -146,23 +146,23 @@ class RolloutConfig:
     frees the engine's weights and KV cache after each generation. A sample's random stream
     is a function of (``seed``, global step, prompt uid, sample index) only.
     """
-    n: int = 1
-    temperature: float = 1.0
-    top_k: int = -1
-    top_p: float = 1.0
-    do_sample: bool = True
+    n: int = 1                           # samples per prompt
+    temperature: float = 1.0             # sampling temperature
+    top_k: int = -1                      # top-k sampling; -1 or 0: off
+    top_p: float = 1.0                   # nucleus sampling; 1.0: off
+    do_sample: bool = True               # false: greedy
     ignore_eos: bool = False             # every response runs to response_length (benchmarks)
     prompt_length: Optional[int] = None  # None: the PPO trainer sets data.max_prompt_length
     response_length: Optional[int] = None  # None: data.max_response_length
-    tensor_model_parallel_size: int = 1
-    max_num_seqs: int = 256
-    max_num_batched_tokens: Optional[int] = None
+    tensor_model_parallel_size: int = 1  # generation TP size t (divides the actor's ranks)
+    max_num_seqs: int = 256              # sequences decoded at once (continuous batching slots)
+    max_num_batched_tokens: Optional[int] = None  # prefill token cap per engine step; null: none
     gpu_memory_utilization: float = 0.5  # of free CUDA memory, for the KV cache
-    free_cache_engine: bool = True
-    reshard: Literal["hybrid", "naive"] = "hybrid"
+    free_cache_engine: bool = True       # free engine weights and KV cache after each generation
+    reshard: Literal["hybrid", "naive"] = "hybrid"  # hybrid: TP slices within N/t ranks; naive: gather all
     reshard_bucket_mb: int = 32          # small tensors travel together up to this size
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
-    seed: int = 0
+    seed: int = 0                        # base of every sample's seed (with step, uid, sample index)
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
 
     def __post_init__(self):
@@ -195,14 +195,14 @@ class ActorRolloutRefConfig:
 class CriticConfig:
     """PPO value-function update (model.path may be a causal-LM checkpoint)."""
     model: ModelConfig = field(default_factory=ModelConfig)
-    ppo_mini_batch_size: int = 16
-    ppo_micro_batch_size_per_gpu: Optional[int] = 4
-    max_tokens_per_micro_batch: Optional[int] = None
-    forward_micro_batch_size_per_gpu: Optional[int] = 8
-    ppo_epochs: int = 1
-    shuffle: bool = False
-    cliprange_value: float = 0.5
-    loss_agg_mode: str = "token-mean"
+    ppo_mini_batch_size: int = 16        # sequences per critic optimizer step, global
+    ppo_micro_batch_size_per_gpu: Optional[int] = 4  # rows per forward/backward (when no token budget)
+    max_tokens_per_micro_batch: Optional[int] = None  # token budget per micro-batch (wins when set)
+    forward_micro_batch_size_per_gpu: Optional[int] = 8  # rows per value forward (compute_values)
+    ppo_epochs: int = 1                  # passes over each step's batch
+    shuffle: bool = False                # reshuffle rows each epoch
+    cliprange_value: float = 0.5         # value clipping around the old values
+    loss_agg_mode: str = "token-mean"    # how token losses are averaged (see agg_loss)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
 
@@ -214,8 +214,8 @@ class CriticConfig:
 class RewardModelConfig:
     """A learned reward model (score head; scored at the last response token)."""
     model: ModelConfig = field(default_factory=ModelConfig)
-    micro_batch_size_per_gpu: Optional[int] = 8
-    max_tokens_per_micro_batch: Optional[int] = None
+    micro_batch_size_per_gpu: Optional[int] = 8  # rows per reward-model forward
+    max_tokens_per_micro_batch: Optional[int] = None  # token budget per forward (wins when set)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
 
     def __post_init__(self):

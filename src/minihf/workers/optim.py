@@ -24,12 +24,12 @@ from torch.distributed.tensor import DTensor
 @dataclass
 class OptimConfig:
     """AdamW + LR schedule + gradient clipping."""
-    lr: float = 1e-6
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.01
-    warmup_steps: int = 0
-    lr_scheduler: Literal["constant", "cosine"] = "constant"
+    lr: float = 1e-6                     # AdamW learning rate
+    betas: tuple[float, float] = (0.9, 0.999)  # AdamW betas
+    eps: float = 1e-8                    # AdamW epsilon
+    weight_decay: float = 0.01           # AdamW decoupled weight decay
+    warmup_steps: int = 0                # linear warmup optimizer steps
+    lr_scheduler: Literal["constant", "cosine"] = "constant"  # constant | cosine (after warmup)
     min_lr_ratio: float = 0.0        # cosine decays to min_lr_ratio * lr
     total_training_steps: int | None = None  # needed by cosine; the trainer sets it
     clip_grad: float = 1.0           # max global grad norm; <= 0 disables clipping

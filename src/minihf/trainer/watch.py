@@ -1,0 +1,100 @@
+"""Watching an RL run: the warnings that matter, each said once, and sample generations.
+
+:class:`RunWatch` reads each step's metrics (plain Python, no torch) and returns a warning
+the first time one of these shows up:
+
+* non-finite metrics (NaN/Inf in a loss, a gradient norm, a score);
+* most responses hit the length limit (``response_length/clip_ratio`` > 0.5): the answer
+  is being cut; raise ``data.max_response_length`` or shape the reward;
+* entropy collapse (``actor/entropy`` below a tenth of its first value): the policy stops
+  exploring; raise ``entropy_coeff`` or lower the learning rate;
+* no group signal (``critic/score/frac_equal_groups`` > 0.8): most prompts' samples all
+  scored the same, so group estimators (GRPO, RLOO) see zero advantages;
+* KL exploding (``actor/kl_loss``, ``actor/ppo_kl`` or the in-reward KL above 1.0): the
+  policy runs away from the reference or from its own rollout.
+
+:class:`SampleLog` writes a few prompt / response / score rows to ``samples.jsonl`` in the
+run dir every ``trainer.log_samples_freq`` steps (and the first rows of each validation),
+cut back on resume like ``metrics.jsonl``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from minihf.trainer.common import write_atomic
+
+CLIP_RATIO = 0.5
+ENTROPY_FRACTION = 0.1
+EQUAL_GROUPS = 0.8
+KL_LIMIT = 1.0
+KL_KEYS = ("actor/kl_loss", "actor/ppo_kl", "actor/reward_kl_penalty")
+
+
+class RunWatch:
+    def __init__(self, max_response_length: int):
+        self.max_response_length = max_response_length
+        self.said: set[str] = set()
+        self.first_entropy: float | None = None
+
+    def _once(self, key: str, message: str, out: list[str]) -> None:
+        if key not in self.said:
+            self.said.add(key)
+            out.append(message)
+
+    def check(self, m: dict) -> list[str]:
+        """Warnings due at this step's metrics ``m`` (each kind at most once per run)."""
+        out: list[str] = []
+        step = m.get("step")
+        bad = sorted(k for k, v in m.items() if isinstance(v, float) and not math.isfinite(v))
+        if bad:
+            self._once("nonfinite", f"step {step}: non-finite metrics {bad[:6]}; a loss or "
+                       "gradient overflowed (lower the learning rate, check the reward)", out)
+        clip = m.get("response_length/clip_ratio")
+        if clip is not None and clip > CLIP_RATIO:
+            self._once("clip", f"step {step}: {clip:.0%} of responses hit data.max_response_"
+                       f"length={self.max_response_length}; answers are cut off (raise it or "
+                       "penalise length)", out)
+        ent = m.get("actor/entropy")
+        if ent is not None and math.isfinite(ent):
+            if self.first_entropy is None:
+                self.first_entropy = ent
+            elif self.first_entropy > 0 and ent < ENTROPY_FRACTION * self.first_entropy:
+                self._once("entropy", f"step {step}: entropy fell from {self.first_entropy:.3g} "
+                           f"to {ent:.3g}; the policy is collapsing (raise "
+                           "actor_rollout_ref.actor.entropy_coeff or lower the lr)", out)
+        equal = m.get("critic/score/frac_equal_groups")
+        if equal is not None and equal > EQUAL_GROUPS:
+            self._once("groups", f"step {step}: in {equal:.0%} of the prompts every sample "
+                       "scored the same; group advantages are zero there (no learning signal: "
+                       "the task is too easy or too hard, or raise rollout.n)", out)
+        for key in KL_KEYS:
+            v = m.get(key)
+            if v is not None and math.isfinite(v) and abs(v) > KL_LIMIT:
+                self._once("kl", f"step {step}: {key}={v:.3g} > {KL_LIMIT}; the KL is "
+                           "exploding (lower the lr, raise the KL coefficient)", out)
+        return out
+
+
+class SampleLog:
+    """``samples.jsonl`` in the run dir (rows: step, kind, prompt, response, score, ...)."""
+
+    def __init__(self, out_dir: Path, enabled: bool = True):
+        self.path = Path(out_dir) / "samples.jsonl"
+        self.enabled = enabled
+
+    def resume_at(self, step: int) -> None:
+        if not (self.enabled and self.path.exists()):
+            return
+        rows = [line for line in self.path.read_text().splitlines() if line.strip()]
+        write_atomic(self.path, "".join(r + "\n" for r in rows if json.loads(r)["step"] <= step))
+
+    def append(self, rows: list[dict]) -> None:
+        if not (self.enabled and rows):
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a") as f:
+            for row in rows:
+                f.write(json.dumps(row, default=str) + "\n")

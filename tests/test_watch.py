@@ -1,0 +1,44 @@
+"""Run warnings by hand: each kind fires once, at the step it first applies; the group
+metric; samples.jsonl cut back on resume."""
+
+import json
+import math
+
+import torch
+
+from minihf.trainer.metrics import group_metrics
+from minihf.trainer.watch import RunWatch, SampleLog
+
+
+def test_each_warning_once():
+    w = RunWatch(max_response_length=20)
+    assert w.check({"step": 1, "actor/entropy": 2.0, "response_length/clip_ratio": 0.5,
+                    "critic/score/frac_equal_groups": 0.8, "actor/kl_loss": 1.0}) == []  # at the limits
+    out = w.check({"step": 2, "actor/entropy": 0.19, "response_length/clip_ratio": 0.75,
+                   "critic/score/frac_equal_groups": 0.9, "actor/ppo_kl": -1.5,
+                   "actor/pg_loss": math.nan})
+    assert len(out) == 5, out
+    joined = "\n".join(out)
+    for text in ("step 2: non-finite metrics ['actor/pg_loss']", "75% of responses hit "
+                 "data.max_response_length=20", "entropy fell from 2 to 0.19",
+                 "in 90% of the prompts every sample scored the same", "actor/ppo_kl=-1.5 > 1.0"):
+        assert text in joined, text
+    assert w.check({"step": 3, "actor/entropy": 0.01, "response_length/clip_ratio": 1.0,
+                    "actor/pg_loss": math.inf, "actor/kl_loss": 9.0}) == []  # said already
+
+
+def test_group_metrics_by_hand():
+    scores = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, 0.5, 2.0])
+    uids = ["a", "a", "b", "b", "c", "c", "d"]  # a, c equal; b differs; d alone (not counted)
+    assert group_metrics(scores, uids) == {"critic/score/frac_equal_groups": 2 / 3}
+    assert group_metrics(torch.tensor([1.0, 2.0]), ["a", "b"]) == {}
+
+
+def test_sample_log_resume(tmp_path):
+    log = SampleLog(tmp_path)
+    log.append([{"step": s, "kind": "train", "response": f"r{s}"} for s in (1, 2, 3)])
+    log.resume_at(2)
+    assert [json.loads(x)["step"] for x in (tmp_path / "samples.jsonl").read_text().splitlines()] == [1, 2]
+    off = SampleLog(tmp_path / "off", enabled=False)
+    off.append([{"step": 1}])
+    assert not (tmp_path / "off").exists()

@@ -5,7 +5,8 @@ One step, as named phases (each timed as ``timing_s/<phase>``):
 
     prompts.repeat(n), a uid per prompt        -> gen            actor.generate_sequences
     rule function or reward model              -> reward
-    old log-probs (+ entropy)                  -> old_log_prob   actor.compute_log_prob
+    old log-probs (+ entropy), unless the      -> old_log_prob   actor.compute_log_prob
+      update is one on-policy step (then the update's own, see old_log_prob_source)
     reference log-probs (when a KL is used)    -> ref            actor.compute_ref_log_prob
     values (with a critic)                     -> values         critic.compute_values
     in-reward KL, advantages (registry)        -> adv            on the driver

@@ -5,6 +5,7 @@ to the resumed step); batch sizes that do not fit the ranks fail at start-up."""
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -99,6 +100,11 @@ def test_grpo_and_ppo_one_process(tiny_job, tmp_path):
     train = [r for r in rows if r["kind"] == "train"]
     assert len(train) == 4 and all(r["prompt"] and isinstance(r["score"], float) for r in train)
     assert 0 <= res["grpo"][-1]["critic/score/frac_equal_groups"] <= 1
+    # the run dir holds the resolved config, which loads back as the same config
+    from minihf.trainer.ppo_job import PPOJobConfig
+    saved = load_config(PPOJobConfig, str(tmp_path / "grpo" / "config.yaml"))
+    assert saved.actor_rollout_ref.actor.optim.lr_scheduler == "cosine"
+    assert saved.trainer.default_local_dir == str(tmp_path / "grpo")
 
 
 def test_two_processes_and_resume_equals_uninterrupted(tiny_job, tmp_path):
@@ -224,3 +230,15 @@ def test_on_policy_step_skips_the_old_log_prob_pass(tiny_job, tmp_path):
         assert len(steps) == 2 and all("timing_s/old_log_prob" not in h for h in steps), name
         assert all(math.isfinite(h["actor/pg_loss"]) and h["actor/entropy"] > 0 for h in steps)
     assert all(h["actor/ppo_kl"] == 0.0 for h in res["auto"] if h["step"] > 0)
+
+
+def test_run_dir_defaults_to_project_and_experiment():
+    from minihf.trainer.ppo_config import PPOConfig
+    from minihf.trainer.sft import SFTConfig
+
+    from minihf.trainer.common import run_dir
+
+    cfg = load_config(PPOConfig, None, ["trainer.project_name=p", "trainer.experiment_name=e"])
+    assert run_dir(cfg.trainer) == Path("outputs/p/e")
+    assert run_dir(load_config(SFTConfig).trainer) == Path("outputs/minihf/sft")
+    assert run_dir(load_config(PPOConfig, None, ["trainer.default_local_dir=x"]).trainer) == Path("x")

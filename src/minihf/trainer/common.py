@@ -22,6 +22,14 @@ CONFIG_FILE = "config.json"  # the run's config, saved with each checkpoint
 RESUMABLE_CHANGES = ("trainer.", "controller.", "prepare.")
 
 
+def run_dir(trainer) -> Path:
+    """A trainer section's run dir: ``default_local_dir``, or
+    ``outputs/<project_name>/<experiment_name>`` when it is null."""
+    if trainer.default_local_dir:
+        return Path(trainer.default_local_dir)
+    return Path("outputs") / trainer.project_name / trainer.experiment_name
+
+
 def find_resume_path(default_local_dir: str, resume_mode: str,
                      resume_from_path: Optional[str]) -> Optional[Path]:
     """The checkpoint to resume from, per ``resume_mode`` (None: start fresh)."""

@@ -32,9 +32,10 @@ import torch
 
 from minihf.algorithms import (AdaptiveKLController, FixedKLController, apply_kl_penalty,
                                get_adv_estimator_fn, masked_mean)
+from minihf.config import dump_yaml
 from minihf.protocol import Batch
 from minihf.trainer.common import (Log, MetricsLog, every, find_resume_path, format_line,
-                                   mark_latest, resume_config_changes, save_config,
+                                   mark_latest, resume_config_changes, run_dir, save_config,
                                    write_atomic)
 from minihf.trainer.metrics import data_metrics, group_metrics, throughput
 from minihf.trainer.ppo_config import PPOConfig
@@ -100,7 +101,7 @@ class PPOTrainer:
         k = cfg.algorithm.kl_ctrl
         self.kl_ctrl = (AdaptiveKLController(k.kl_coef, k.target_kl, k.horizon)
                         if k.type == "adaptive" else FixedKLController(k.kl_coef))
-        self.out = Path(t.default_local_dir)
+        self.out = run_dir(t)
         self.metrics_log = MetricsLog(self.out, "jsonl" in t.logger)
         self.samples = SampleLog(self.out, t.log_samples_freq > 0)
         self.watch = RunWatch(d.max_response_length)
@@ -265,7 +266,7 @@ class PPOTrainer:
 
     def resume(self) -> int:
         t = self.cfg.trainer
-        path = find_resume_path(t.default_local_dir, t.resume_mode, t.resume_from_path)
+        path = find_resume_path(str(self.out), t.resume_mode, t.resume_from_path)
         if path is None:
             return 0
         changed = resume_config_changes(path, self.cfg)  # refuses changes that cannot apply
@@ -305,6 +306,7 @@ class PPOTrainer:
         if self.rm is not None:
             self.rm.init_model()
         step = self.resume()
+        dump_yaml(self.cfg, self.out / "config.yaml")  # the resolved config of this start
         if self.cfg.trainer.val_before_train and step == 0 and self.val is not None:
             self.record({"step": 0, **self.validate(0)})
         end = self.total_steps if stop_after is None else min(self.total_steps, step + stop_after)

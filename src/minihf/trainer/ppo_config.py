@@ -100,7 +100,9 @@ class PPOTrainerConfig:
     test_freq: int = -1                  # validate every N steps (and at the end); -1: never
     save_freq: int = -1                  # checkpoint every N steps (and at the end); -1: end only
     val_before_train: bool = True        # validate once before the first step
-    default_local_dir: str = "outputs/ppo"  # run dir: checkpoints, metrics.jsonl, samples.jsonl
+    # run dir (checkpoints, config.yaml, metrics.jsonl, samples.jsonl); null:
+    # outputs/<project_name>/<experiment_name>
+    default_local_dir: Optional[str] = None
     resume_mode: Literal["auto", "disable", "resume_path"] = "auto"  # auto: from the latest checkpoint
     resume_from_path: Optional[str] = None  # a global_step_N dir (resume_mode=resume_path)
     project_name: str = "minihf"         # run grouping name (loggers)

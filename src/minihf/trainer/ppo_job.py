@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from minihf.config import ConfigError
 from minihf.controller.errors import ControllerAborted
+from minihf.trainer.common import run_dir
 from minihf.trainer.ppo_config import PPOConfig
 
 DEFAULT_RECIPE = "grpo"  # what `scripts/train_ppo.py` and `minihf train` run without a recipe
@@ -112,7 +113,7 @@ def sft_config(cfg: PPOJobConfig):
 
     sft = load_config(SFTConfig, cfg.prepare.sft_recipe,
                       [f"model.path={cfg.prepare.base_model}", *cfg.prepare.sft_overrides])
-    export = Path(sft.trainer.default_local_dir) / "hf"
+    export = run_dir(sft.trainer) / "hf"
     if export.resolve() != Path(cfg.actor_rollout_ref.model.path).resolve():
         raise ConfigError(f"prepare.sft_recipe exports to {export}, but "
                           f"actor_rollout_ref.model.path={cfg.actor_rollout_ref.model.path!r}; "

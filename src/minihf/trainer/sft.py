@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional, Union
 
+from minihf.config import dump_yaml
 from minihf.controller.config import ControllerConfig
 from minihf.trainer.common import (MetricsLog, find_resume_path, mark_latest,
-                                   resume_config_changes, save_config)
+                                   resume_config_changes, run_dir, save_config)
 from minihf.workers.optim import OptimConfig
 from minihf.workers.config import FSDPConfig, ModelConfig
 
@@ -48,7 +49,11 @@ class SFTTrainerConfig:
     total_training_steps: Optional[int] = None  # stop early after this many steps
     test_freq: int = 0                   # validate every N steps (0: only at the end)
     save_freq: int = 0                   # checkpoint every N steps (0: only at the end)
-    default_local_dir: str = "outputs/sft"  # run dir: checkpoints, metrics.jsonl, hf/ export
+    project_name: str = "minihf"         # run grouping name
+    experiment_name: str = "sft"         # run name
+    # run dir (checkpoints, config.yaml, metrics.jsonl, hf/ export); null:
+    # outputs/<project_name>/<experiment_name>
+    default_local_dir: Optional[str] = None
     resume_mode: Literal["auto", "disable", "resume_path"] = "auto"  # auto: from the latest checkpoint
     resume_from_path: Optional[str] = None  # a global_step_N dir (resume_mode=resume_path)
     export_hf: bool = True               # write an HF model dir (hf/) at the end
@@ -95,7 +100,7 @@ class SFTDriver:
         self.total_steps = len(self.sampler) * t.total_epochs
         if t.total_training_steps is not None:
             self.total_steps = min(self.total_steps, t.total_training_steps)
-        self.out = Path(t.default_local_dir)
+        self.out = run_dir(t)
         self.metrics_log = MetricsLog(self.out)
         self.history: list[dict] = []
 
@@ -129,7 +134,7 @@ class SFTDriver:
         t = self.cfg.trainer
         self.sft.init_model(self.total_steps)
         step = 0
-        resume = find_resume_path(t.default_local_dir, t.resume_mode, t.resume_from_path)
+        resume = find_resume_path(str(self.out), t.resume_mode, t.resume_from_path)
         if resume is not None:
             changed = resume_config_changes(resume, self.cfg)  # refuses changes that cannot apply
             extra = self.sft.load_checkpoint(str(resume))
@@ -138,6 +143,7 @@ class SFTDriver:
             self.metrics_log.resume_at(step)
             self.log(f"resumed from {resume} at step {step}"
                      + (f" (changed: {', '.join(changed)})" if changed else ""))
+        dump_yaml(self.cfg, self.out / "config.yaml")  # the resolved config of this start
         last = None
         end = self.total_steps if stop_after is None else min(self.total_steps, step + stop_after)
         while step < end:

@@ -174,19 +174,14 @@ def run_worker(cmd: list[str], tmp: str, framework: str) -> dict:
     return json.loads(Path(tmp, f"{framework}.json").read_text())
 
 
-def mm_peak_gflops(threads: int, n: int = 1024, repeats: int = 10) -> float:
-    """fp32 ``torch.mm`` peak at ``threads`` threads: best of ``repeats`` n x n products."""
+def mm_peak_gflops(threads: int) -> float:
+    """fp32 ``torch.mm`` peak at ``threads`` threads (``bench_generate``'s measurement)."""
     import torch
 
+    from bench_generate import mm_peak_gflops as peak
+
     torch.set_num_threads(threads)
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    torch.mm(a, b)
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - t)
-    return 2 * n**3 / best / 1e9
+    return peak()
 
 
 def matmul_params(model_dir: str) -> int:

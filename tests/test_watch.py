@@ -7,7 +7,8 @@ import math
 import torch
 
 from minihf.trainer.metrics import group_metrics
-from minihf.trainer.watch import RunWatch, SampleLog
+from minihf.trainer.common import MetricsLog
+from minihf.trainer.watch import RunWatch
 
 
 def test_each_warning_once():
@@ -35,10 +36,10 @@ def test_group_metrics_by_hand():
 
 
 def test_sample_log_resume(tmp_path):
-    log = SampleLog(tmp_path)
-    log.append([{"step": s, "kind": "train", "response": f"r{s}"} for s in (1, 2, 3)])
+    log = MetricsLog(tmp_path, name="samples.jsonl")
+    log.append(*[{"step": s, "kind": "train", "response": f"r{s}"} for s in (1, 2, 3)])
     log.resume_at(2)
     assert [json.loads(x)["step"] for x in (tmp_path / "samples.jsonl").read_text().splitlines()] == [1, 2]
-    off = SampleLog(tmp_path / "off", enabled=False)
-    off.append([{"step": 1}])
+    off = MetricsLog(tmp_path / "off", enabled=False, name="samples.jsonl")
+    off.append({"step": 1})
     assert not (tmp_path / "off").exists()

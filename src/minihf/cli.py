@@ -98,6 +98,19 @@ def generate(
             typer.echo(f"{text!r} -> {c!r}")
 
 
+def _recipe_and_overrides(args: list[str]) -> tuple[str, list[str]]:
+    """``[RECIPE] key=value ...`` (or ``recipe=NAME``) -> (recipe, overrides); the default
+    RL recipe when none is named."""
+    from minihf.config import split_cli_args
+    from minihf.trainer.ppo_job import DEFAULT_RECIPE
+
+    args = list(args)
+    if args and "=" not in args[0]:
+        args[0] = f"recipe={args[0]}"
+    recipe, overrides = split_cli_args(args)
+    return recipe or DEFAULT_RECIPE, overrides
+
+
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def train(ctx: typer.Context) -> None:
     """RL training (the main job); arguments: an optional recipe name, then config overrides.
@@ -105,15 +118,11 @@ def train(ctx: typer.Context) -> None:
     `minihf train` runs the default recipe (grpo), `minihf train ppo actor_rollout_ref.rollout.n=4`
     another one. Runs in this process; use `torchrun --nproc_per_node=N scripts/train_ppo.py ...`
     for several ranks."""
-    from minihf.config import ConfigError, find_recipe, load_config, split_cli_args
-    from minihf.trainer.ppo_job import DEFAULT_RECIPE, PPOJobConfig, run_ppo
+    from minihf.config import ConfigError, load_config
+    from minihf.trainer.ppo_job import PPOJobConfig, run_ppo
 
-    args = list(ctx.args)
-    if args and "=" not in args[0]:
-        args[0] = f"recipe={args[0]}"
     try:
-        recipe, overrides = split_cli_args(args)
-        recipe = recipe or DEFAULT_RECIPE
+        recipe, overrides = _recipe_and_overrides(ctx.args)
         cfg = load_config(PPOJobConfig, recipe, overrides)
     except ConfigError as exc:
         raise typer.BadParameter(str(exc)) from exc
@@ -183,17 +192,13 @@ app.add_typer(config_app, name="config")
 def config_show(ctx: typer.Context) -> None:
     """Print a recipe's resolved config (RL, or SFT for an SFT recipe) as YAML, each value
     with its default and help: `minihf config show grpo actor_rollout_ref.rollout.n=4`."""
-    from minihf.config import ConfigError, load_config, split_cli_args
+    from minihf.config import ConfigError, load_config
     from minihf.config_help import show
-    from minihf.trainer.ppo_job import DEFAULT_RECIPE, PPOJobConfig
+    from minihf.trainer.ppo_job import PPOJobConfig
     from minihf.trainer.sft import SFTConfig
 
-    args = list(ctx.args)
-    if args and "=" not in args[0]:
-        args[0] = f"recipe={args[0]}"
     try:
-        recipe, overrides = split_cli_args(args)
-        recipe = recipe or DEFAULT_RECIPE
+        recipe, overrides = _recipe_and_overrides(ctx.args)
         try:
             cfg = load_config(PPOJobConfig, recipe, overrides)
         except ConfigError as rl_error:

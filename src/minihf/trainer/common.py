@@ -108,11 +108,12 @@ def mark_latest(out_dir: Path, step: int) -> None:
 
 
 class MetricsLog:
-    """``metrics.jsonl`` in the run dir: one row per step. On resume at step s, rows after s
-    (written by the run that died) are cut, so the file reads as one uninterrupted run."""
+    """``metrics.jsonl`` (or ``name``) in the run dir: rows with a ``step``. On resume at
+    step s, rows after s (written by the run that died) are cut, so the file reads as one
+    uninterrupted run."""
 
-    def __init__(self, out_dir: Path, enabled: bool = True):
-        self.path = Path(out_dir) / "metrics.jsonl"
+    def __init__(self, out_dir: Path, enabled: bool = True, name: str = "metrics.jsonl"):
+        self.path = Path(out_dir) / name
         self.enabled = enabled
 
     def resume_at(self, step: int) -> None:
@@ -122,12 +123,13 @@ class MetricsLog:
         kept = [r for r in rows if json.loads(r).get("step", 0) <= step]
         write_atomic(self.path, "".join(r + "\n" for r in kept))
 
-    def append(self, metrics: dict) -> None:
-        if not self.enabled:
+    def append(self, *rows: dict) -> None:
+        if not (self.enabled and rows):
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a") as f:
-            f.write(json.dumps(metrics) + "\n")
+            for row in rows:
+                f.write(json.dumps(row, default=str) + "\n")
 
 
 def format_line(metrics: dict, labels: dict[str, str]) -> str:

@@ -40,7 +40,7 @@ from minihf.trainer.common import (Log, MetricsLog, every, find_resume_path, for
 from minihf.trainer.metrics import data_metrics, group_metrics, throughput
 from minihf.trainer.ppo_config import PPOConfig
 from minihf.trainer.reward import RuleReward, at_last_token, load_reward
-from minihf.trainer.watch import RunWatch, SampleLog
+from minihf.trainer.watch import RunWatch
 
 PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
 LINE_KEYS = {"step": "step", "critic/score/mean": "score", "val-core/mean": "val",
@@ -103,7 +103,7 @@ class PPOTrainer:
                         if k.type == "adaptive" else FixedKLController(k.kl_coef))
         self.out = run_dir(t)
         self.metrics_log = MetricsLog(self.out, "jsonl" in t.logger)
-        self.samples = SampleLog(self.out, t.log_samples_freq > 0)
+        self.samples = MetricsLog(self.out, t.log_samples_freq > 0, "samples.jsonl")
         self.watch = RunWatch(d.max_response_length)
         self.tokenizer = tok
         self.history: list[dict] = []
@@ -167,7 +167,7 @@ class PPOTrainer:
             m.update(reward_metrics)
             m.update(group_metrics(batch["token_level_scores"].sum(-1), batch.non_tensors["uid"]))
             if every(cfg.trainer.log_samples_freq, step, self.total_steps):
-                self.samples.append(self.sample_rows(batch, step, "train", stride=n))
+                self.samples.append(*self.sample_rows(batch, step, "train", stride=n))
             source = cfg.old_log_prob_source
             if source == "recompute":
                 with self._timed(m, "old_log_prob"):
@@ -237,7 +237,7 @@ class PPOTrainer:
             out, _ = self._generate(batch, {"validate": True, "global_step": step})
             _, _, raw = self.reward(out)
             if start == 0 and self.cfg.trainer.log_samples_freq > 0:
-                self.samples.append(self.sample_rows(out, step, "val", scores=raw))
+                self.samples.append(*self.sample_rows(out, step, "val", scores=raw))
             scores += raw
             sources += list(out.non_tensors["data_source"])
             lengths += out["response_mask"].sum(-1).tolist()

@@ -1,4 +1,4 @@
-"""Watching an RL run: the warnings that matter, each said once, and sample generations.
+"""Watching an RL run: the warnings that matter, each said once.
 
 :class:`RunWatch` reads each step's metrics (plain Python, no torch) and returns a warning
 the first time one of these shows up:
@@ -13,18 +13,14 @@ the first time one of these shows up:
 * KL exploding (``actor/kl_loss``, ``actor/ppo_kl`` or the in-reward KL above 1.0): the
   policy runs away from the reference or from its own rollout.
 
-:class:`SampleLog` writes a few prompt / response / score rows to ``samples.jsonl`` in the
-run dir every ``trainer.log_samples_freq`` steps (and the first rows of each validation),
-cut back on resume like ``metrics.jsonl``.
+Sample generations go to ``samples.jsonl`` in the run dir (a ``MetricsLog`` of that name,
+cut back on resume like ``metrics.jsonl``): a few prompt / response / score rows every
+``trainer.log_samples_freq`` steps and the first rows of each validation.
 """
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
-
-from minihf.trainer.common import write_atomic
 
 CLIP_RATIO = 0.5
 ENTROPY_FRACTION = 0.1
@@ -76,25 +72,3 @@ class RunWatch:
                 self._once("kl", f"step {step}: {key}={v:.3g} > {KL_LIMIT}; the KL is "
                            "exploding (lower the lr, raise the KL coefficient)", out)
         return out
-
-
-class SampleLog:
-    """``samples.jsonl`` in the run dir (rows: step, kind, prompt, response, score, ...)."""
-
-    def __init__(self, out_dir: Path, enabled: bool = True):
-        self.path = Path(out_dir) / "samples.jsonl"
-        self.enabled = enabled
-
-    def resume_at(self, step: int) -> None:
-        if not (self.enabled and self.path.exists()):
-            return
-        rows = [line for line in self.path.read_text().splitlines() if line.strip()]
-        write_atomic(self.path, "".join(r + "\n" for r in rows if json.loads(r)["step"] <= step))
-
-    def append(self, rows: list[dict]) -> None:
-        if not (self.enabled and rows):
-            return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a") as f:
-            for row in rows:
-                f.write(json.dumps(row, default=str) + "\n")

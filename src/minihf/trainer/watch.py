@@ -7,7 +7,8 @@ the first time one of these shows up:
 * most responses hit the length limit (``response_length/clip_ratio`` > 0.5): the answer
   is being cut; raise ``data.max_response_length`` or shape the reward;
 * entropy collapse (``actor/entropy`` below a tenth of its first value): the policy stops
-  exploring; raise ``entropy_coeff`` or lower the learning rate;
+  exploring (fine once it has solved the task; a collapse if the score stalls); raise
+  ``entropy_coeff`` or lower the learning rate;
 * no group signal (``critic/score/frac_equal_groups`` > 0.8): most prompts' samples all
   scored the same, so group estimators (GRPO, RLOO) see zero advantages;
 * KL exploding (``actor/kl_loss``, ``actor/ppo_kl`` or the in-reward KL above 1.0): the
@@ -59,7 +60,8 @@ class RunWatch:
                 self.first_entropy = ent
             elif self.first_entropy > 0 and ent < ENTROPY_FRACTION * self.first_entropy:
                 self._once("entropy", f"step {step}: entropy fell from {self.first_entropy:.3g} "
-                           f"to {ent:.3g}; the policy is collapsing (raise "
+                           f"to {ent:.3g}; the policy is nearly deterministic: if the score has "
+                           "stopped rising it has collapsed (raise "
                            "actor_rollout_ref.actor.entropy_coeff or lower the lr)", out)
         equal = m.get("critic/score/frac_equal_groups")
         if equal is not None and equal > EQUAL_GROUPS:

@@ -159,7 +159,8 @@ class ActorRolloutRefWorker(Worker):
             mask = mb["response_mask"]
             out = forward_log_probs(model, mb, use_remove_padding=self.config.model.use_remove_padding,
                                     temperature=temperature,
-                                    calc_entropy=a.entropy_coeff != 0 or own_old)
+                                    calc_entropy=a.entropy_coeff != 0 or own_old,
+                                    entropy_grad=a.entropy_coeff != 0)
             log_prob = out["log_probs"]                                       # [b, R]
             old = log_prob.detach() if own_old else mb["old_log_probs"]
             pg_loss, clipfrac, ppo_kl, clipfrac_lower = policy_loss(

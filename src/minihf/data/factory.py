@@ -83,10 +83,14 @@ def model_config(arch: str, size: str, vocab_size: int, bos_token_id: int, eos_t
 
 
 def init_model(out_dir: str | Path, arch: str = "qwen2", size: str = "tiny", task: str = "digits",
-               seed: int = 0, max_position_embeddings: int = 2048) -> Path:
-    """Write a random-init model dir for ``task``'s alphabet; returns ``out_dir``."""
+               seed: int = 0, max_position_embeddings: int = 2048, tokenizer: str | Path | None = None) -> Path:
+    """Write a random-init model dir for ``task``'s alphabet; returns ``out_dir``.
+
+    ``tokenizer``: a dir whose tokenizer (e.g. a real BPE one with its chat template) the
+    model uses instead of a character tokenizer; ``task`` is then ignored."""
     from transformers import GenerationConfig
 
+    from minihf.data.tokenizer import load_tokenizer
     from minihf.models import build_model, init_weights, load_args, save_hf
 
     task_module = get_task(task)
@@ -94,7 +98,10 @@ def init_model(out_dir: str | Path, arch: str = "qwen2", size: str = "tiny", tas
     out_dir = Path(out_dir)
     if (out_dir / "config.json").exists() or (out_dir / "model.safetensors").exists():
         raise FileExistsError(f"{out_dir} already holds a model; choose a new directory or delete it first")
-    tokenizer = build_char_tokenizer(task_module.ALPHABET, model_max_length=max_position_embeddings)
+    if tokenizer is None:
+        tokenizer = build_char_tokenizer(task_module.ALPHABET, model_max_length=max_position_embeddings)
+    else:
+        tokenizer = load_tokenizer(tokenizer)
     save_tokenizer(tokenizer, out_dir)
     vocab_size = -(-len(tokenizer) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
     config = model_config(arch, size, vocab_size, tokenizer.bos_token_id, tokenizer.eos_token_id,

@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from minihf.data.tasks import arith, countdown, digits, sort
+from minihf.data.tasks import arith, chat_arith, countdown, digits, sort
 
 RewardFn = Callable[[str, str, Any, dict], "float | dict"]
 
@@ -71,6 +71,7 @@ REWARD_FNS: dict[str, RewardFn] = {
     sort.DATA_SOURCE: _task_fn(sort),
     arith.DATA_SOURCE: _task_fn(arith),
     countdown.DATA_SOURCE: _task_fn(countdown),
+    chat_arith.DATA_SOURCE: _task_fn(chat_arith),
     "openai/gsm8k": _gsm8k_fn,
     "gsm8k": _gsm8k_fn,
 }

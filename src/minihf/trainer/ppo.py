@@ -97,7 +97,7 @@ class PPOTrainer:
         if t.total_training_steps is not None:
             self.total_steps = min(self.total_steps, t.total_training_steps)
         r = cfg.custom_reward_function
-        self.reward = RuleReward(load_reward(r.path, r.name), tok)
+        self.reward = RuleReward(load_reward(r.path, r.name), tok, r.skip_special_tokens)
         k = cfg.algorithm.kl_ctrl
         self.kl_ctrl = (AdaptiveKLController(k.kl_coef, k.target_kl, k.horizon)
                         if k.type == "adaptive" else FixedKLController(k.kl_coef))
@@ -206,7 +206,9 @@ class PPOTrainer:
 
     def sample_rows(self, batch: Batch, step: int, kind: str, stride: int = 1,
                     scores: list[float] | None = None) -> list[dict]:
-        """``log_samples_n`` rows (every ``stride``-th: one sample per prompt) for samples.jsonl."""
+        """``log_samples_n`` rows (every ``stride``-th: one sample per prompt) for samples.jsonl:
+        the prompt as the model saw it (special tokens kept, padding dropped), the response as
+        the reward function saw it."""
         rows = list(range(0, len(batch), stride))[:self.cfg.trainer.log_samples_n]
         if scores is None:
             scores = batch["token_level_scores"].sum(-1).tolist()
@@ -216,7 +218,7 @@ class PPOTrainer:
             prompt = batch["prompts"][i][batch["attention_mask"][i, :batch["prompts"].shape[1]].bool()]
             out.append({"step": step, "kind": kind,
                         "data_source": str(batch.non_tensors["data_source"][i]),
-                        "prompt": self.tokenizer.decode(prompt.tolist(), skip_special_tokens=True),
+                        "prompt": self.tokenizer.decode(prompt.tolist(), skip_special_tokens=False),
                         "response": text, "score": float(scores[i]),
                         "ground_truth": batch.non_tensors["ground_truth"][i],
                         "response_length": int(batch["response_mask"][i].sum())})

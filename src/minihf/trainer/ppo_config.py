@@ -75,6 +75,7 @@ class AlgorithmConfig:
 class CustomRewardConfig:
     path: Optional[str] = None           # a .py file: from the recipe folder in a recipe's YAML,
     name: str = "compute_score"          # from the working directory on the command line
+    skip_special_tokens: bool = True     # decode responses without special tokens (verl); false: the function sees e.g. the final <|im_end|>
 
     def __post_init__(self):
         if self.path and not Path(self.path).is_file():

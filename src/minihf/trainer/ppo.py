@@ -39,7 +39,7 @@ from minihf.trainer.common import (Log, MetricsLog, every, find_resume_path, for
                                    write_atomic)
 from minihf.trainer.metrics import data_metrics, group_metrics, throughput
 from minihf.trainer.ppo_config import PPOConfig
-from minihf.trainer.reward import RuleReward, at_last_token, load_reward
+from minihf.trainer.reward import RuleReward, at_last_token, load_reward, overlong_penalty
 from minihf.trainer.watch import RunWatch
 
 PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
@@ -71,6 +71,25 @@ def estimate_advantages(batch: Batch, alg, name: str) -> tuple[torch.Tensor, tor
     return fn(**{k: v for k, v in pool.items() if k in params})
 
 
+def align_prompts(batches: list[Batch], pad_id: int) -> list[Batch]:
+    """Rollout batches whose prompts were left-padded to different widths, left-padded to
+    the widest (``prompts``, and the prompt part of ``input_ids``/``attention_mask``/
+    ``position_ids``) so they concatenate; the padding is masked out as any other."""
+    width = max(b["prompts"].shape[1] for b in batches)
+    fill = {"prompts": pad_id, "input_ids": pad_id, "attention_mask": 0, "position_ids": 0}
+    out = []
+    for b in batches:
+        extra = width - b["prompts"].shape[1]
+        if extra:
+            tensors = dict(b.tensors)
+            for key, value in fill.items():
+                t = tensors[key]
+                tensors[key] = torch.cat([t.new_full((t.shape[0], extra), value), t], dim=1)
+            b = Batch(tensors, b.non_tensors, b.meta)
+        out.append(b)
+    return out
+
+
 class PPOTrainer:
     """The loop on rank 0 (``groups``: the ``actor``, and ``critic``/``reward_model`` when on)."""
 
@@ -91,7 +110,9 @@ class PPOTrainer:
         if len(self.train) < d.train_batch_size:
             raise ValueError(f"data.train_batch_size={d.train_batch_size} exceeds the "
                              f"{len(self.train)} training prompts in {d.train_files}")
-        self.loader = PromptLoader(self.train, d.train_batch_size, shuffle=d.shuffle, seed=d.seed)
+        per_round = (d.gen_batch_size or d.train_batch_size) if cfg.algorithm.filter_groups.enable \
+            else d.train_batch_size  # dynamic sampling draws gen_batch_size prompts per round
+        self.loader = PromptLoader(self.train, per_round, shuffle=d.shuffle, seed=d.seed)
         t = cfg.trainer
         self.total_steps = len(self.loader) * t.total_epochs
         if t.total_training_steps is not None:
@@ -106,6 +127,7 @@ class PPOTrainer:
         self.samples = MetricsLog(self.out, t.log_samples_freq > 0, "samples.jsonl")
         self.watch = RunWatch(d.max_response_length)
         self.tokenizer = tok
+        self.overlap = self.critic is not None and not set(self.actor.ranks) & set(self.critic.ranks)
         self.history: list[dict] = []
         self.phase_totals: dict[str, float] = {}
 
@@ -115,7 +137,7 @@ class PPOTrainer:
         t0 = time.perf_counter()
         yield
         dt = time.perf_counter() - t0
-        metrics[f"timing_s/{name}"] = dt
+        metrics[f"timing_s/{name}"] = metrics.get(f"timing_s/{name}", 0.0) + dt  # rounds add up
         self.phase_totals[name] = self.phase_totals.get(name, 0.0) + dt
 
     def _generate(self, batch: Batch, meta: dict) -> tuple[Batch, dict]:
@@ -136,36 +158,107 @@ class PPOTrainer:
         return joined, out.meta
 
     def _score(self, batch: Batch) -> tuple[torch.Tensor, dict]:
+        """Training scores ``[B, R]`` (reward model or rule function, + DAPO's overlong
+        penalty when enabled) and their metrics."""
         if self.rm is not None:
             rm = self.rm.compute_rm_score(batch)["rm_scores"]                   # [B]
-            return at_last_token(rm, batch["response_mask"]), {}
-        scores, metrics, _ = self.reward(batch)
+            scores, metrics = at_last_token(rm, batch["response_mask"]), {}
+        else:
+            scores, metrics, _ = self.reward(batch)
+        o = self.cfg.reward_model.overlong_buffer
+        if o.enable:
+            lengths = batch["response_mask"].sum(-1)
+            penalty = overlong_penalty(lengths, self.cfg.data.max_response_length, o.len, o.penalty_factor)
+            scores = scores + at_last_token(penalty, batch["response_mask"])
+            metrics["reward/overlong_penalty/mean"] = penalty.mean().item()
+            metrics["reward/overlong_frac"] = (penalty < 0).float().mean().item()
         return scores, metrics
+
+    def _run_calls(self, m: dict, calls: list, batch: Batch) -> list:
+        """The results of ``(phase, remote method)`` calls on ``batch``, each timed as
+        ``timing_s/<phase>``. With the actor and critic on disjoint ranks every call is sent
+        at once, so the roles run concurrently and a phase's time is the driver's wait for
+        it; on shared ranks the calls run one after the other. Results are the same."""
+        if not self.overlap:
+            results = []
+            for name, call in calls:
+                with self._timed(m, name):
+                    results.append(call(batch))
+            return results
+        futures = [(name, call.future(batch)) for name, call in calls]
+        results = []
+        for name, future in futures:
+            with self._timed(m, name):
+                results.append(future.result())
+        return results
+
+    def _rollout(self, step: int, m: dict, prompts: Batch, round_: int) -> tuple[Batch, dict]:
+        """One generation round: ``rollout.n`` samples of each prompt, scored. Round ``k > 0`` of a step (dynamic sampling) gives its prompts the
+        uids ``"<index>#k"``, so a prompt drawn twice in one step forms two groups with their
+        own sampling streams."""
+        cfg, n = self.cfg, self.cfg.actor_rollout_ref.rollout.n
+        index = prompts.non_tensors["index"]
+        prompts.non_tensors["uid"] = np.array([str(i) if round_ == 0 else f"{i}#{round_}" for i in index],
+                                              dtype=object)
+        baselines = None
+        if cfg.algorithm.adv_estimator == "remax":  # ReMax: a greedy rollout's reward
+            with self._timed(m, "gen_max"):
+                greedy, _ = self._generate(prompts, {"global_step": step, "do_sample": False})
+                baselines = self._score(greedy)[0].sum(-1).repeat_interleave(n)
+        batch = prompts.repeat(n, interleave=True)
+        batch.tensors["sample_index"] = torch.arange(n).repeat(len(batch) // n)
+        with self._timed(m, "gen"):
+            batch, gen_meta = self._generate(batch, {"global_step": step})
+        m["timing_s/reshard"] = m.get("timing_s/reshard", 0.0) + gen_meta.get("timing_s/reshard", 0.0)
+        batch.meta["global_step"] = step
+        if baselines is not None:
+            batch.tensors["reward_baselines"] = baselines
+        with self._timed(m, "reward"):
+            batch.tensors["token_level_scores"], metrics = self._score(batch)
+        return batch, metrics
+
+    def _dynamic_rollout(self, step: int, m: dict) -> tuple[Batch, dict]:
+        """DAPO's dynamic sampling: generation rounds of ``data.gen_batch_size`` prompts, each
+        keeping only the groups whose samples score differently, until ``train_batch_size``
+        prompts are kept (the surplus is dropped). ``train/num_gen_batches``: the rounds."""
+        cfg, n = self.cfg, self.cfg.actor_rollout_ref.rollout.n
+        need, limit = cfg.data.train_batch_size, cfg.algorithm.filter_groups.max_num_gen_batches
+        kept, generated, weighted, rows = [], [], {}, 0
+        while sum(len(b) for b in kept) < need * n:
+            if limit and len(generated) >= limit:
+                have = sum(len(b) for b in kept) // n
+                raise RuntimeError(
+                    f"algorithm.filter_groups: after {len(generated)} generation rounds only {have} of "
+                    f"data.train_batch_size={need} prompts had samples that score differently (the task "
+                    "is too easy or too hard for the policy); raise algorithm.filter_groups."
+                    "max_num_gen_batches (0: no limit), actor_rollout_ref.rollout.n or "
+                    "data.gen_batch_size, or set algorithm.filter_groups.enable=false")
+            batch, metrics = self._rollout(step, m, self.loader.next_batch(), len(generated))
+            for k, v in metrics.items():
+                weighted[k] = weighted.get(k, 0.0) + v * len(batch)
+            rows += len(batch)
+            scores = batch["token_level_scores"].sum(-1).view(-1, n)                # [P, n]
+            varied = (scores.max(-1).values > scores.min(-1).values).nonzero().squeeze(-1)
+            generated.append((batch["token_level_scores"].sum(-1), batch.non_tensors["uid"]))
+            if len(varied):
+                kept.append(batch[(varied[:, None] * n + torch.arange(n)).flatten().numpy()])
+        batch = Batch.concat(align_prompts(kept, self.tokenizer.pad_token_id))
+        batch = batch[np.arange(need * n)]
+        m["train/num_gen_batches"] = len(generated)
+        m.update(group_metrics(torch.cat([s for s, _ in generated]),
+                               np.concatenate([u for _, u in generated])))
+        return batch, {k: v / rows for k, v in weighted.items()}
 
     def train_step(self, step: int) -> dict:
         cfg, m = self.cfg, {"step": step}
         n = cfg.actor_rollout_ref.rollout.n
         with self._timed(m, "step"):
-            prompts = self.loader.next_batch()
-            prompts.non_tensors["uid"] = np.array([str(i) for i in prompts.non_tensors["index"]],
-                                                  dtype=object)
-            baselines = None
-            if cfg.algorithm.adv_estimator == "remax":  # ReMax: a greedy rollout's reward
-                with self._timed(m, "gen_max"):
-                    greedy, _ = self._generate(prompts, {"global_step": step, "do_sample": False})
-                    baselines = self._score(greedy)[0].sum(-1).repeat_interleave(n)
-            batch = prompts.repeat(n, interleave=True)
-            batch.tensors["sample_index"] = torch.arange(n).repeat(len(batch) // n)
-            with self._timed(m, "gen"):
-                batch, gen_meta = self._generate(batch, {"global_step": step})
-            m["timing_s/reshard"] = gen_meta.get("timing_s/reshard", 0.0)
-            batch.meta["global_step"] = step
-            if baselines is not None:
-                batch.tensors["reward_baselines"] = baselines
-            with self._timed(m, "reward"):
-                batch.tensors["token_level_scores"], reward_metrics = self._score(batch)
+            if cfg.algorithm.filter_groups.enable:
+                batch, reward_metrics = self._dynamic_rollout(step, m)
+            else:
+                batch, reward_metrics = self._rollout(step, m, self.loader.next_batch(), 0)
+                m.update(group_metrics(batch["token_level_scores"].sum(-1), batch.non_tensors["uid"]))
             m.update(reward_metrics)
-            m.update(group_metrics(batch["token_level_scores"].sum(-1), batch.non_tensors["uid"]))
             if every(cfg.trainer.log_samples_freq, step, self.total_steps):
                 self.samples.append(*self.sample_rows(batch, step, "train", stride=n))
             source = cfg.old_log_prob_source
@@ -177,12 +270,13 @@ class PPOTrainer:
             elif source == "rollout":
                 batch.tensors["old_log_probs"] = batch["rollout_log_probs"]
             batch.meta["old_log_probs"] = source  # "update": the actor's own, detached
+            pending = []  # concurrent when actor and critic are placed apart (_run_calls)
             if cfg.use_ref:
-                with self._timed(m, "ref"):
-                    batch |= self.actor.compute_ref_log_prob(batch)
+                pending.append(("ref", self.actor.compute_ref_log_prob))
             if self.critic is not None:
-                with self._timed(m, "values"):
-                    batch |= self.critic.compute_values(batch)
+                pending.append(("values", self.critic.compute_values))
+            for result in self._run_calls(m, pending, batch):
+                batch |= result
             with self._timed(m, "adv"):
                 if cfg.algorithm.use_kl_in_reward:
                     rewards, kl_metrics = apply_kl_penalty(
@@ -194,12 +288,11 @@ class PPOTrainer:
                 batch.tensors["token_level_rewards"] = rewards
                 adv, ret = estimate_advantages(batch, cfg.algorithm, cfg.algorithm.adv_estimator)
                 batch.tensors["advantages"], batch.tensors["returns"] = adv, ret
-            if self.critic is not None:
-                with self._timed(m, "update_critic"):
-                    m.update(self.critic.update_critic(batch))
+            pending = [("update_critic", self.critic.update_critic)] if self.critic is not None else []
             if step > cfg.trainer.critic_warmup:
-                with self._timed(m, "update_actor"):
-                    m.update(self.actor.update_actor(batch))
+                pending.append(("update_actor", self.actor.update_actor))
+            for result in self._run_calls(m, pending, batch):
+                m.update(result)
         m.update(data_metrics(batch))
         m.update(throughput(batch, m["timing_s/step"], len(self.actor.ranks)))
         return m

@@ -29,6 +29,7 @@ class DataConfig:
     max_prompt_length: int = 512         # tokens; longer prompts follow `truncation`
     max_response_length: int = 512       # new tokens per response at most
     train_batch_size: int = 32           # prompts per step (x rollout.n sequences)
+    gen_batch_size: Optional[int] = None  # prompts per generation round with algorithm.filter_groups; None: train_batch_size
     val_batch_size: Optional[int] = None  # prompts per validation generate call; None: all
     # a too-long prompt: error, keep its left/right part, or drop it (filter)
     truncation: Literal["error", "left", "right", "filter"] = "error"
@@ -40,8 +41,9 @@ class DataConfig:
         for key in ("max_prompt_length", "max_response_length", "train_batch_size"):
             if getattr(self, key) < 1:
                 raise ValueError(f"data.{key}={getattr(self, key)} must be >= 1")
-        if self.val_batch_size is not None and self.val_batch_size < 1:
-            raise ValueError(f"data.val_batch_size={self.val_batch_size} must be >= 1 or null")
+        for key in ("val_batch_size", "gen_batch_size"):
+            if getattr(self, key) is not None and getattr(self, key) < 1:
+                raise ValueError(f"data.{key}={getattr(self, key)} must be >= 1 or null")
 
 
 @dataclass
@@ -53,6 +55,20 @@ class KLCtrlConfig:
 
 
 @dataclass
+class FilterGroupsConfig:
+    """DAPO's dynamic sampling: keep only prompts whose samples do not all score the same
+    (their GRPO advantages would be 0), generating more rounds until ``train_batch_size``
+    prompts remain."""
+    enable: bool = False                 # drop groups whose n sequence scores are all equal
+    max_num_gen_batches: int = 10        # generation rounds per step at most (then an error); 0: no limit
+
+    def __post_init__(self):
+        if self.max_num_gen_batches < 0:
+            raise ValueError(f"algorithm.filter_groups.max_num_gen_batches={self.max_num_gen_batches} "
+                             "must be >= 0 (0: no limit)")
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "gae"           # gae | grpo | rloo | reinforce_plus_plus | ... (registry)
     gamma: float = 1.0                   # discount (GAE, REINFORCE++)
@@ -61,6 +77,7 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = False       # subtract kl_ctrl * KL(policy || ref) from the token rewards
     kl_penalty: str = "kl"               # estimator of the in-reward KL
     kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
 
     def __post_init__(self):
         from minihf.algorithms import get_adv_estimator_fn
@@ -84,8 +101,25 @@ class CustomRewardConfig:
 
 
 @dataclass
+class OverlongBufferConfig:
+    """DAPO's overlong reward shaping: a response longer than ``max_response_length - len``
+    loses up to ``penalty_factor``, linearly in its excess length (training scores only;
+    validation reports the task's score)."""
+    enable: bool = False                 # add the length penalty to each training score
+    len: int = 0                         # buffer: the penalty grows over the last `len` tokens before max_response_length
+    penalty_factor: float = 1.0          # penalty of a response of max_response_length tokens
+
+    def __post_init__(self):
+        if self.enable and self.len < 1:
+            raise ValueError(f"reward_model.overlong_buffer.len={self.len} must be >= 1 when enabled")
+        if self.penalty_factor < 0:
+            raise ValueError(f"reward_model.overlong_buffer.penalty_factor={self.penalty_factor} must be >= 0")
+
+
+@dataclass
 class RewardModelSection(RewardModelConfig):
     enable: bool = False                 # score with a learned reward model instead of the rule function
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)  # DAPO length shaping
 
 
 @dataclass
@@ -142,6 +176,12 @@ class PPOConfig:
             raise ValueError(f"actor_rollout_ref.rollout.prompt_length={r.prompt_length} is below "
                              f"data.max_prompt_length={d.max_prompt_length}; drop it (it follows "
                              "the data) or raise it")
+        o = self.reward_model.overlong_buffer
+        if o.enable and o.len > d.max_response_length:
+            raise ValueError(f"reward_model.overlong_buffer.len={o.len} exceeds "
+                             f"data.max_response_length={d.max_response_length}")
+        if self.algorithm.filter_groups.enable and self.actor_rollout_ref.rollout.n < 2:
+            raise ValueError("algorithm.filter_groups needs groups: set actor_rollout_ref.rollout.n >= 2")
         if self.critic.enable is None:
             self.critic.enable = self.algorithm.adv_estimator == "gae"
         if self.algorithm.adv_estimator == "gae" and not self.critic.enable:

@@ -32,6 +32,14 @@ def at_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Te
     return token_scores
 
 
+def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int, factor: float) -> torch.Tensor:
+    """DAPO's overlong shaping (Yu et al., 2025), per response ``[B]``: 0 up to
+    ``max_length - buffer`` tokens, then falling linearly to ``-factor`` at ``max_length``:
+    ``min(0, -(L - (max_length - buffer)) / buffer * factor)``."""
+    excess = lengths.float() - (max_length - buffer)
+    return torch.clamp(-excess / buffer * factor, max=0.0)
+
+
 class RuleReward:
     """A rule function over decoded responses. Each response is decoded from its generated
     tokens only (``response_mask``: no padding, even where pad = eos), with special tokens

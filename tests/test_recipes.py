@@ -1,0 +1,172 @@
+"""The algorithm zoo's recipes and DAPO's two mechanisms.
+
+* every recipe under ``recipes/`` (RL ones) runs 2 steps on a tiny model (one process) with
+  its estimator, loss and settings, finite metrics, and the metrics its algorithm adds
+  (``timing_s/gen_max`` for ReMax, ``train/num_gen_batches`` and the overlong penalty for
+  DAPO);
+* overlong shaping against hand-computed values;
+* dynamic sampling through the driver with a scripted actor: only groups whose samples
+  score differently are kept, exactly ``train_batch_size`` of them, over several rounds;
+  the round limit is an error naming the key.
+"""
+
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from minihf.utils.spawn import spawn_ranks
+
+RECIPES = Path(__file__).parent.parent / "recipes"
+ZOO = ["dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "gspo", "dapo"]
+
+
+def overrides(model, data, out, **extra):
+    base = {"actor_rollout_ref.model.path": model, "data.train_files": f"{data}/train.parquet",
+            "data.val_files": f"{data}/test.parquet", "data.max_prompt_length": 16,
+            "data.max_response_length": 8, "data.train_batch_size": 4,
+            "actor_rollout_ref.actor.ppo_mini_batch_size": 8, "actor_rollout_ref.actor.ppo_epochs": 2,
+            "actor_rollout_ref.rollout.n": 2, "actor_rollout_ref.actor.optim.lr": 1e-3,
+            "trainer.total_training_steps": 2, "trainer.test_freq": 2, "trainer.default_local_dir": out,
+            "prepare.task": "null", "prepare.sft_recipe": "null", "controller.timeout_s": 120}
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+def _run_recipes(rank, world, model, data, tmp, names):
+    from minihf.config import load_config
+    from minihf.controller import run
+    from minihf.trainer.ppo_job import PPOJobConfig, ppo_driver, ppo_roles
+
+    out = {}
+    for name in names:
+        extra = {"reward_model.overlong_buffer.len": 3} if name == "dapo" else {}
+        cfg = load_config(PPOJobConfig, name, overrides(model, data, f"{tmp}/{name}", **extra))
+        out[name] = run(ppo_driver(cfg), ppo_roles(cfg), cfg.controller)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from minihf.data import init_model, make_task_data
+
+    root = tmp_path_factory.mktemp("zoo")
+    init_model(root / "model", size="tiny", task="sort")
+    make_task_data("sort", root / "data", 32, 4, seed=0)
+    return str(root / "model"), str(root / "data")
+
+
+def test_every_rl_recipe_is_tested():
+    rl = sorted(p.parent.name for p in RECIPES.glob("*/config.yaml") if not p.parent.name.startswith("sft")
+                and "smollm2" not in p.parent.name)
+    assert rl == sorted(ZOO + ["grpo", "ppo"])                  # grpo, ppo: test_ppo.py
+
+
+def test_zoo_recipes_run_two_steps(tiny, tmp_path):
+    model, data = tiny
+    res = spawn_ranks(_run_recipes, 1, model, data, str(tmp_path), ZOO, timeout_s=600)[0]
+    for name, hist in res.items():
+        steps = [h for h in hist if h["step"] > 0]
+        assert [h["step"] for h in steps] == [1, 2], name
+        assert "val-core/mean" in hist[0] and "val-core/mean" in steps[-1], name
+        for h in steps:
+            assert all(math.isfinite(v) for v in h.values() if isinstance(v, float)), (name, h)
+            assert "actor/pg_loss" in h and "critic/advantages/mean" in h, name
+        assert ("timing_s/gen_max" in steps[-1]) == (name == "remax"), name
+        assert ("train/num_gen_batches" in steps[-1]) == (name == "dapo"), name
+    dapo = [h for h in res["dapo"] if h["step"] > 0]
+    assert all(h["train/num_gen_batches"] >= 1 and "reward/overlong_penalty/mean" in h for h in dapo)
+    assert all(h["reward/overlong_penalty/mean"] <= 0 for h in dapo)
+    assert "actor/kl_loss" not in dapo[-1] and "actor/kl_loss" in res["rloo"][-1]
+
+
+def test_overlong_penalty_by_hand():
+    from minihf.trainer.reward import overlong_penalty
+
+    # max 20, buffer 4: no penalty up to 16 tokens, then -0.25 per token down to -1 at 20
+    got = overlong_penalty(torch.tensor([0, 10, 16, 17, 18, 20]), 20, 4, 1.0)
+    assert got.tolist() == [0.0, 0.0, 0.0, -0.25, -0.5, -1.0]
+    assert overlong_penalty(torch.tensor([19]), 20, 4, 2.0).tolist() == [-1.5]
+
+
+class ScriptedActor:
+    """generate_sequences without a model: response i of a prompt has i + 1 tokens."""
+    dp_size, ranks = 1, [0]
+
+    def generate_sequences(self, batch):
+        from minihf.hybrid.engine import build_output
+        from minihf.protocol import Batch
+
+        seqs = [SimpleNamespace(tokens=[7] * (int(i) + 1), logprobs=[-1.0] * (int(i) + 1))  # 7: a character
+                for i in batch["sample_index"]]
+        return Batch(build_output(batch, seqs, 8, 0).tensors)
+
+
+REWARD = '''
+def score(data_source, solution_str, ground_truth, extra_info):
+    # prompts with an even row index: every sample scores 0 (an equal group, no signal);
+    # odd: the response length (4 samples of lengths 1..4 differ)
+    return 0.0 if extra_info["index"] % 2 == 0 else float(len(solution_str))
+'''
+
+
+def trainer_for(tiny, tmp_path, **extra):
+    from minihf.config import load_config
+    from minihf.trainer.ppo import PPOTrainer
+    from minihf.trainer.ppo_job import PPOJobConfig
+
+    model, data = tiny
+    (tmp_path / "r.py").write_text(REWARD)
+    cfg = load_config(PPOJobConfig, "dapo", overrides(
+        model, data, str(tmp_path / "run"), **{"actor_rollout_ref.rollout.n": 4,
+                                               "custom_reward_function.path": f"{tmp_path}/r.py",
+                                               "custom_reward_function.name": "score",
+                                               "reward_model.overlong_buffer.enable": "false",
+                                               "data.shuffle": "false", **extra}))
+    return PPOTrainer(cfg, {"actor": ScriptedActor()}, log=lambda *_: None)
+
+
+def test_dynamic_sampling_keeps_groups_that_differ(tiny, tmp_path):
+    trainer = trainer_for(tiny, tmp_path)
+    m = {}
+    batch, _ = trainer._dynamic_rollout(1, m)
+    index = np.asarray(batch.non_tensors["index"])
+    assert len(batch) == 4 * 4 and (index % 2 == 1).all()          # 4 prompts x n=4, only odd rows
+    scores = batch["token_level_scores"].sum(-1).view(4, 4)
+    assert (scores == torch.tensor([1.0, 2.0, 3.0, 4.0])).all()      # whole groups, in order
+    assert m["train/num_gen_batches"] == 2                           # 2 of 4 prompts kept per round
+    assert m["critic/score/frac_equal_groups"] == 0.5
+    assert len(set(batch.non_tensors["uid"])) == 4
+    # rounds with different prompt widths are left-padded to one: each row is still its
+    # prompt's ids followed by its response
+    for i in range(len(batch)):
+        ids = batch["input_ids"][i][batch["attention_mask"][i].bool()].tolist()
+        assert ids == trainer.train[int(index[i])]["input_ids"] + [7] * (i % 4 + 1)
+    # gen_batch_size 8: one round finds the 4 odd prompts
+    m = {}
+    trainer_for(tiny, tmp_path, **{"data.gen_batch_size": 8})._dynamic_rollout(1, m)
+    assert m["train/num_gen_batches"] == 1
+
+
+def test_dynamic_sampling_round_limit_is_an_error(tiny, tmp_path):
+    trainer = trainer_for(tiny, tmp_path, **{"algorithm.filter_groups.max_num_gen_batches": 1})
+    with pytest.raises(RuntimeError, match=r"after 1 generation rounds only 2 of data.train_batch_size=4 "
+                                           r"prompts.*max_num_gen_batches"):
+        trainer._dynamic_rollout(1, {})
+
+
+def test_dapo_config_errors(tiny):
+    from minihf.config import ConfigError, load_config
+    from minihf.trainer.ppo_job import PPOJobConfig
+
+    model, data = tiny
+    with pytest.raises(ConfigError, match="overlong_buffer.len=30 exceeds data.max_response_length=8"):
+        load_config(PPOJobConfig, "dapo", overrides(model, data, "x", **{"reward_model.overlong_buffer.len": 30}))
+    with pytest.raises(ConfigError, match="filter_groups needs groups"):
+        load_config(PPOJobConfig, "dapo", overrides(model, data, "x", **{"actor_rollout_ref.rollout.n": 1,
+                                                                          "actor_rollout_ref.actor.ppo_mini_batch_size": 4}))
+    with pytest.raises(ConfigError, match="max_num_gen_batches=-1 must be >= 0"):
+        load_config(PPOJobConfig, "dapo", overrides(model, data, "x", **{"algorithm.filter_groups.max_num_gen_batches": -1}))

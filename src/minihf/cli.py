@@ -63,12 +63,14 @@ def make_data(
     train: int = typer.Option(1000, help="Number of training prompts."),
     test: int = typer.Option(100, help="Number of test prompts."),
     seed: int = typer.Option(0, help="Generator seed."),
+    pairs: bool = typer.Option(False, help="Write preference pairs (prompt, chosen, rejected) for `minihf rm`: "
+                                           "the reference answer against a corruption the task's reward scores lower."),
 ) -> None:
     """Generate a synthetic task's train/test files in verl's format."""
     from minihf.data.tasks import make_task_data
 
     try:
-        paths = make_task_data(task, out_dir, num_train=train, num_test=test, seed=seed)
+        paths = make_task_data(task, out_dir, num_train=train, num_test=test, seed=seed, pairs=pairs)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     for split, path in paths.items():
@@ -148,6 +150,26 @@ def sft(ctx: typer.Context) -> None:
     except ConfigError as exc:
         raise typer.BadParameter(str(exc)) from exc
     run_sft(cfg)
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def rm(ctx: typer.Context) -> None:
+    """Reward-model training on preference pairs (Bradley-Terry); arguments are config
+    overrides (recipe=NAME key=value ...), e.g. `minihf rm model.path=M
+    data.train_files=D/train.parquet data.val_files=D/test.parquet`. Pairs from a synthetic
+    task: `minihf make-data sort D --pairs`. Use torchrun with scripts/train_rm.py for
+    several ranks."""
+    from minihf.config import ConfigError, load_config, split_cli_args
+    from minihf.trainer.rm import RMConfig, run_rm
+    from minihf.trainer.sft import check_paths
+
+    try:
+        recipe, overrides = split_cli_args(list(ctx.args))
+        cfg = load_config(RMConfig, recipe, overrides)
+        check_paths(cfg)
+    except ConfigError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    run_rm(cfg)
 
 
 @app.command()

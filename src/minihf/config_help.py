@@ -124,9 +124,12 @@ def markdown(roots: dict[str, type]) -> str:
 
 
 def doc_roots() -> dict[str, type]:
-    """The configs users write: RL (``minihf train``) and SFT (``minihf sft``)."""
+    """The configs users write: RL (``minihf train``), SFT (``minihf sft``) and reward
+    models (``minihf rm``)."""
     from minihf.trainer.ppo_job import PPOJobConfig
+    from minihf.trainer.rm import RMConfig
     from minihf.trainer.sft import SFTConfig
 
     return {"RL: `minihf train`, `scripts/train_ppo.py`": PPOJobConfig,
-            "SFT: `minihf sft`, `scripts/train_sft.py`": SFTConfig}
+            "SFT: `minihf sft`, `scripts/train_sft.py`": SFTConfig,
+            "Reward model: `minihf rm`, `scripts/train_rm.py`": RMConfig}

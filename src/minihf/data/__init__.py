@@ -12,12 +12,12 @@ from minihf.data.factory import init_model
 from minihf.data.rewards import RewardError, compute_score, default_reward_fn, load_reward_fn
 from minihf.data.rl_dataset import PromptLoader, RLDataset
 from minihf.data.sampler import ResumableSampler
-from minihf.data.sft_dataset import SFTDataset
+from minihf.data.sft_dataset import PairDataset, SFTDataset
 from minihf.data.tasks import TASKS, make_task_data
 from minihf.data.tokenizer import build_char_tokenizer, load_tokenizer, save_tokenizer
 
 __all__ = [
     "init_model", "RewardError", "compute_score", "default_reward_fn", "load_reward_fn", "PromptLoader",
-    "RLDataset", "ResumableSampler", "SFTDataset", "TASKS", "make_task_data", "build_char_tokenizer",
+    "RLDataset", "ResumableSampler", "PairDataset", "SFTDataset", "TASKS", "make_task_data", "build_char_tokenizer",
     "load_tokenizer", "save_tokenizer",
 ]

@@ -123,3 +123,68 @@ class SFTDataset:
             out["position_ids"][row, :n] = torch.arange(n)
             out["loss_mask"][row, :n] = torch.as_tensor(self.loss_mask[i])
         return Batch.from_dict(tensors=out, non_tensors={"index": list(indices)})
+
+
+class PairDataset:
+    """Preference pairs for reward-model training: rows with ``prompt`` (text or chat
+    messages), ``chosen`` and ``rejected`` (response texts). Each side is the chat-template
+    rendering of prompt + response (as ``SFTDataset`` renders it, ending with the assistant
+    turn's end token, where the score is read). ``truncation`` applies to each side; a pair
+    with a side filtered out is dropped (``num_filtered``)."""
+
+    SIDES = ("chosen", "rejected")
+
+    def __init__(self, files: str | Path | Sequence[str | Path], tokenizer, max_length: int = 1024,
+                 truncation: str = "error"):
+        check_truncation(truncation)
+        if tokenizer.chat_template is None:
+            raise ValueError("PairDataset needs a tokenizer with a chat_template (see minihf.data.tokenizer)")
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.ids: dict[str, list[list[int]]] = {side: [] for side in self.SIDES}
+        entries = read_many(files)
+        for path, i, row in entries:
+            where = f"data file {path}, row {i}"
+            missing = [c for c in ("prompt",) + self.SIDES if c not in row]
+            if missing:
+                raise DataFileError(f"{where}: preference rows need 'prompt', 'chosen' and 'rejected' columns; "
+                                    f"missing {missing} (found {sorted(row)}); write pairs with "
+                                    "`minihf make-data TASK DIR --pairs`")
+            prompt = to_messages(row["prompt"], where)
+            sides = {}
+            for side in self.SIDES:
+                if not isinstance(row[side], str):
+                    raise DataFileError(f"{where}, column {side!r}: expected a string, got {describe(row[side])}")
+                ids, _ = tokenize_conversation(tokenizer, prompt + [{"role": "assistant", "content": row[side]}],
+                                               where)
+                sides[side] = fit_length(ids, max_length, truncation, f"{where} ({side})", "max_length")
+            if any(v is None for v in sides.values()):
+                continue
+            for side in self.SIDES:
+                self.ids[side].append(sides[side])
+        self.num_filtered = len(entries) - len(self.ids["chosen"])
+        if self.num_filtered:
+            logger.warning("PairDataset: filtered out %d of %d pairs longer than max_length=%d",
+                           self.num_filtered, len(entries), max_length)
+        if not self.ids["chosen"]:
+            raise ValueError(f"PairDataset: every pair is longer than max_length={max_length}; raise it or truncate")
+
+    def __len__(self) -> int:
+        return len(self.ids["chosen"])
+
+    def collate(self, indices: Sequence[int]) -> Batch:
+        """Per side, right-padded ``<side>_input_ids``, ``<side>_attention_mask``,
+        ``<side>_position_ids`` [B, T_side] (one row per pair, so pairs never split), and
+        ``weight`` [B] (ones)."""
+        out = {}
+        for side in self.SIDES:
+            seqs = [self.ids[side][i] for i in indices]
+            width = max(len(s) for s in seqs)
+            ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
+            mask = torch.zeros((len(seqs), width), dtype=torch.long)
+            for row, s in enumerate(seqs):
+                ids[row, :len(s)] = torch.as_tensor(s)
+                mask[row, :len(s)] = 1
+            out[f"{side}_input_ids"], out[f"{side}_attention_mask"] = ids, mask
+            out[f"{side}_position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)
+        out["weight"] = torch.ones(len(indices))  # 0 marks fill rows (see minihf.trainer.rm)
+        return Batch.from_dict(tensors=out, non_tensors={"index": list(indices)})

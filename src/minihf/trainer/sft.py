@@ -83,7 +83,7 @@ class SFTDriver:
     """The loop on rank 0 (a plain sequential program over the worker group)."""
 
     def __init__(self, cfg: SFTConfig, sft, log=print):
-        from minihf.data import ResumableSampler, SFTDataset, load_tokenizer
+        from minihf.data import ResumableSampler, load_tokenizer
 
         self.cfg, self.sft, self.log = cfg, sft, log
         d = cfg.data
@@ -91,9 +91,8 @@ class SFTDriver:
             raise ValueError(f"data.train_batch_size={d.train_batch_size} must be a multiple of "
                              f"the {sft.dp_size} data-parallel ranks")
         tok = load_tokenizer(cfg.model.path, padding_side="right")
-        kw = dict(max_length=d.max_length, truncation=d.truncation, response_key=d.response_key)
-        self.train = SFTDataset(d.train_files, tok, **kw)
-        self.val = SFTDataset(d.val_files, tok, **kw) if d.val_files else None
+        self.train = self.dataset(d.train_files, tok)
+        self.val = self.dataset(d.val_files, tok) if d.val_files else None
         self.sampler = ResumableSampler(len(self.train), d.train_batch_size, shuffle=d.shuffle,
                                         seed=d.seed, drop_last=True)
         t = cfg.trainer
@@ -103,6 +102,13 @@ class SFTDriver:
         self.out = run_dir(t)
         self.metrics_log = MetricsLog(self.out)
         self.history: list[dict] = []
+
+    def dataset(self, files, tokenizer):
+        from minihf.data import SFTDataset
+
+        d = self.cfg.data
+        return SFTDataset(files, tokenizer, max_length=d.max_length, truncation=d.truncation,
+                          response_key=d.response_key)
 
     def validate(self) -> dict[str, float]:
         if self.val is None:

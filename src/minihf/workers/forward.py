@@ -76,19 +76,25 @@ def forward_values(model: nn.Module, mb: dict, *, use_remove_padding: bool = Tru
     return out[:, -r - 1:-1].float() * mb["attention_mask"][:, -r:]
 
 
-def forward_scores(model: nn.Module, mb: dict, *, use_remove_padding: bool = True) -> torch.Tensor:
-    """Reward-model token-level scores ``[B, R]``: the score head's output at the last
-    real token, placed at the last response token (zeros elsewhere and for rows with an
-    empty response)."""
+def last_token_scores(model: nn.Module, mb: dict, *, use_remove_padding: bool = True) -> torch.Tensor:
+    """A score model's output at the last real token of each row ``[B]`` (fp32; left- or
+    right-padded rows), as transformers' ``*ForSequenceClassification`` pools."""
     out, packed = _run(model, mb, use_remove_padding)
     if packed is not None:
         out = unpack(out, packed)                                            # [B, T]
     mask = mb["attention_mask"].bool()
     t = mask.shape[1]
     last = torch.where(mask, torch.arange(t, device=mask.device), -1).max(-1).values  # [B]
-    score = out.float().gather(1, last.clamp(min=0)[:, None]).squeeze(1)      # [B]
+    return out.float().gather(1, last.clamp(min=0)[:, None]).squeeze(1)      # [B]
+
+
+def forward_scores(model: nn.Module, mb: dict, *, use_remove_padding: bool = True) -> torch.Tensor:
+    """Reward-model token-level scores ``[B, R]``: the score head's output at the last
+    real token, placed at the last response token (zeros elsewhere and for rows with an
+    empty response)."""
+    score = last_token_scores(model, mb, use_remove_padding=use_remove_padding)  # [B]
     resp_len = mb["response_mask"].sum(-1).long()                             # [B]
-    scores = torch.zeros(mb["responses"].shape, dtype=torch.float32, device=out.device)
+    scores = torch.zeros(mb["responses"].shape, dtype=torch.float32, device=score.device)
     rows = (resp_len > 0).nonzero().squeeze(-1)
     scores[rows, resp_len[rows] - 1] = score[rows]
     return scores

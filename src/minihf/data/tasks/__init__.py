@@ -22,6 +22,8 @@ def get_task(name: str):
     return TASKS[name]
 
 
-def make_task_data(name: str, out_dir: str | Path, num_train: int = 1000, num_test: int = 100, seed: int = 0) -> dict[str, Path]:
-    """Write ``train``/``test`` .parquet and .jsonl files for task ``name``; returns the parquet paths."""
-    return write_task_data(get_task(name), out_dir, num_train, num_test, seed)
+def make_task_data(name: str, out_dir: str | Path, num_train: int = 1000, num_test: int = 100, seed: int = 0,
+                   pairs: bool = False) -> dict[str, Path]:
+    """Write ``train``/``test`` .parquet and .jsonl files for task ``name`` (prompts, or
+    preference pairs with ``pairs``); returns the parquet paths."""
+    return write_task_data(get_task(name), out_dir, num_train, num_test, seed, pairs=pairs)

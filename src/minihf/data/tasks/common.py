@@ -47,11 +47,63 @@ def generate_rows(task: ModuleType, num_train: int, num_test: int, seed: int) ->
     }
 
 
-def write_task_data(task: ModuleType, out_dir: str | Path, num_train: int, num_test: int, seed: int = 0) -> dict[str, Path]:
-    """Write ``train``/``test`` as .parquet and .jsonl under ``out_dir``; returns the parquet paths."""
+def corrupt(task: ModuleType, answer: str, ground_truth, extra_info: dict, rng: random.Random,
+            tries: int = 200) -> str | None:
+    """A worse answer: random edits of ``answer`` (substitute, delete, insert or swap a
+    character of the task's alphabet) until the task's reward falls below the answer's;
+    None if ``tries`` edits never lower it."""
+    best = task.compute_score(answer, ground_truth, extra_info)
+    chars = sorted(set(task.ALPHABET) | set(answer)) or ["0"]
+    for _ in range(tries):
+        s = list(answer)
+        op = rng.choice(("sub", "del", "ins", "swap")) if s else "ins"
+        i = rng.randrange(len(s)) if s else 0
+        if op == "sub":
+            s[i] = rng.choice(chars)
+        elif op == "del" and len(s) > 1:
+            del s[i]
+        elif op == "swap" and len(s) > 1:
+            j = rng.randrange(len(s))
+            s[i], s[j] = s[j], s[i]
+        else:
+            s.insert(i, rng.choice(chars))
+        candidate = "".join(s)
+        if task.compute_score(candidate, ground_truth, extra_info) < best:
+            return candidate
+    return None
+
+
+def pair_rows(task: ModuleType, rows: list[dict], seed: int) -> list[dict]:
+    """Preference pairs from task rows: ``chosen`` = the reference answer, ``rejected`` = a
+    corruption that the task's rule reward scores lower (rows where none is found are
+    skipped); ``extra_info`` keeps both scores."""
+    rng = random.Random(seed)
+    pairs = []
+    for row in rows:
+        info, truth = row["extra_info"], row["reward_model"]["ground_truth"]
+        rejected = corrupt(task, info["answer"], truth, info, rng)
+        if rejected is None:
+            continue
+        pairs.append({"data_source": row["data_source"], "prompt": row["prompt"], "chosen": info["answer"],
+                      "rejected": rejected, "reward_model": row["reward_model"],
+                      "extra_info": {**info, "chosen_score": float(task.compute_score(info["answer"], truth, info)),
+                                     "rejected_score": float(task.compute_score(rejected, truth, info))}})
+    return pairs
+
+
+def write_task_data(task: ModuleType, out_dir: str | Path, num_train: int, num_test: int, seed: int = 0,
+                    pairs: bool = False) -> dict[str, Path]:
+    """Write ``train``/``test`` as .parquet and .jsonl under ``out_dir``; returns the parquet paths.
+
+    ``pairs``: preference rows (``prompt``, ``chosen``, ``rejected``, see :func:`pair_rows`)
+    for reward-model training instead of prompts."""
     out_dir = Path(out_dir)
+    if num_train == 0 and num_test == 0:
+        raise ValueError("train and test sizes are both 0: nothing to write")
     paths = {}
     for split, rows in generate_rows(task, num_train, num_test, seed).items():
+        if pairs:
+            rows = pair_rows(task, rows, seed + (split == "test"))
         if not rows:
             continue
         paths[split] = write_rows(rows, out_dir / f"{split}.parquet")

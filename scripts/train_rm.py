@@ -1,0 +1,27 @@
+"""Reward-model training (Bradley-Terry on preference pairs, FSDP2).
+
+    minihf make-data sort outputs/data/sort_pairs --pairs
+    python scripts/train_rm.py model.path=M data.train_files=outputs/data/sort_pairs/train.parquet ...
+    torchrun --nproc_per_node=2 scripts/train_rm.py recipe=NAME key=value ...
+
+Arguments are ``RMConfig`` overrides (``minihf.trainer.rm``), optionally ``recipe=``.
+Same as ``minihf rm ...``. The run dir's ``hf/`` loads in transformers as
+``AutoModelForSequenceClassification``; use it as ``reward_model.model.path`` in RL.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from minihf.config import load_config, split_cli_args
+from minihf.controller import run_script
+from minihf.trainer.rm import RMConfig, run_rm
+
+
+def main(argv: list[str]) -> None:
+    recipe, overrides = split_cli_args(argv)
+    run_rm(load_config(RMConfig, recipe, overrides))
+
+
+if __name__ == "__main__":
+    run_script(main, sys.argv[1:])

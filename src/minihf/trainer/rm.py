@@ -1,0 +1,113 @@
+"""Reward-model training (Bradley-Terry on preference pairs): config, driver, ``run_rm``.
+
+The SFT loop (``minihf.trainer.sft``) with pairs instead of examples: rank 0 owns a
+``PairDataset`` and calls one ``RMTrainWorker`` group (FSDP2 over all ranks) -- a
+``train_step`` per global batch of pairs, validation pair accuracy every
+``trainer.test_freq`` steps and at the end, checkpoints with the data position (exact
+resume), and an HF export to ``<run dir>/hf`` that transformers loads as
+``AutoModelForSequenceClassification``. A causal-LM checkpoint starts with a fresh score
+head. ``minihf rm`` and ``scripts/train_rm.py`` run it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional, Union
+
+from minihf.controller.config import ControllerConfig
+from minihf.trainer.sft import SFTDriver, SFTTrainerConfig, check_paths
+from minihf.workers.config import FSDPConfig, ModelConfig
+from minihf.workers.optim import OptimConfig
+
+
+@dataclass
+class RMDataConfig:
+    train_files: Union[str, list[str]] = ""  # parquet/jsonl preference file(s): prompt, chosen, rejected
+    val_files: Union[str, list[str], None] = None  # validation pairs; null: none
+    max_length: int = 512                # tokens per side (prompt + response)
+    # a too-long side: error, keep its left/right part, or drop the pair (filter)
+    truncation: Literal["error", "left", "right", "filter"] = "error"
+    train_batch_size: int = 32           # pairs per optimizer step, global
+    micro_batch_size_per_gpu: Optional[int] = 8  # pairs per forward/backward (when no token budget)
+    max_tokens_per_micro_batch: Optional[int] = None  # token budget (both sides) per micro-batch
+    val_batch_size: int = 64             # pairs per validation batch
+    shuffle: bool = True                 # reshuffle every epoch
+    seed: int = 0                        # seed of the pair order
+
+    def __post_init__(self):
+        if self.train_batch_size < 1 or self.val_batch_size < 1:
+            raise ValueError(f"train_batch_size={self.train_batch_size} and val_batch_size="
+                             f"{self.val_batch_size} must be >= 1")
+
+
+@dataclass
+class RMTrainerConfig(SFTTrainerConfig):
+    experiment_name: str = "rm"          # run name
+
+
+@dataclass
+class RMConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: RMDataConfig = field(default_factory=RMDataConfig)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5, warmup_steps=0))
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    trainer: RMTrainerConfig = field(default_factory=RMTrainerConfig)
+    controller: ControllerConfig = field(default_factory=ControllerConfig)
+
+
+def _filled(batch, dp: int):
+    """Pad to a multiple of ``dp`` with weight-0 rows (so no pair is counted twice)."""
+    batch, pad = batch.pad_to_multiple(dp)
+    if pad:
+        batch.tensors["weight"] = batch.tensors["weight"].clone()
+        batch.tensors["weight"][-pad:] = 0
+    return batch
+
+
+class RMDriver(SFTDriver):
+    """The SFT loop over preference pairs; validation reports ``val/loss``,
+    ``val/accuracy`` (pairs ranked right) and ``val/margin``."""
+
+    def dataset(self, files, tokenizer):
+        from minihf.data import PairDataset
+
+        d = self.cfg.data
+        return PairDataset(files, tokenizer, max_length=d.max_length, truncation=d.truncation)
+
+    def validate(self) -> dict[str, float]:
+        if self.val is None:
+            return {}
+        sums = {"loss_sum": 0.0, "correct": 0.0, "margin_sum": 0.0, "pairs": 0.0}
+        n, bs = len(self.val), self.cfg.data.val_batch_size
+        for start in range(0, n, bs):
+            batch = self.val.collate(list(range(start, min(n, start + bs))))
+            r = self.sft.eval_step(_filled(batch, self.sft.dp_size))
+            sums = {k: sums[k] + r[k] for k in sums}
+        pairs = max(sums["pairs"], 1.0)
+        return {"val/loss": sums["loss_sum"] / pairs, "val/accuracy": sums["correct"] / pairs,
+                "val/margin": sums["margin_sum"] / pairs}
+
+
+def rm_driver(cfg: RMConfig, stop_after: int | None = None):
+    """The driver function for ``minihf.controller.run``/``launch``."""
+    def drive(groups):
+        return RMDriver(cfg, groups["rm"]).fit(stop_after)
+    return drive
+
+
+def rm_roles(cfg: RMConfig) -> dict:
+    """The job's single role: ``rm`` on every rank."""
+    from minihf.controller import Role
+    from minihf.workers.rm_worker import RMTrainWorker
+
+    d = cfg.data
+    return {"rm": Role(RMTrainWorker, (cfg.model, cfg.optim, cfg.fsdp, d.micro_batch_size_per_gpu,
+                                       d.max_tokens_per_micro_batch))}
+
+
+def run_rm(cfg: RMConfig) -> list[dict] | None:
+    """Run reward-model training as a controller job (``python`` or ``torchrun``)."""
+    from minihf.controller import launch
+
+    check_paths(cfg)
+    return launch(rm_driver(cfg), rm_roles(cfg), cfg.controller)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -29,6 +30,7 @@ RECIPES = ["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "
 
 def run_one(recipe: str, steps: int, nproc: int, workdir: Path) -> dict:
     out = workdir / recipe
+    shutil.rmtree(out, ignore_errors=True)  # a fresh run: no metrics or checkpoints of an earlier one
     cmd = ["torchrun", "--standalone", f"--nproc_per_node={nproc}", str(ROOT / "scripts/train_ppo.py"),
            f"recipe={recipe}", f"trainer.total_training_steps={steps}", f"trainer.test_freq={steps}",
            "trainer.save_freq=-1", f"trainer.default_local_dir={out}", "trainer.resume_mode=disable"]

@@ -21,7 +21,6 @@ only after all of it is written.
 
 from __future__ import annotations
 
-import inspect
 import json
 import time
 from contextlib import contextmanager
@@ -30,8 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from minihf.algorithms import (AdaptiveKLController, FixedKLController, apply_kl_penalty,
-                               get_adv_estimator_fn, masked_mean)
+from minihf.algorithms import AdaptiveKLController, FixedKLController, apply_kl_penalty, masked_mean
 from minihf.config import dump_yaml
 from minihf.protocol import Batch
 from minihf.trainer.common import (Log, MetricsLog, every, find_resume_path, format_line,
@@ -40,6 +38,8 @@ from minihf.trainer.common import (Log, MetricsLog, every, find_resume_path, for
 from minihf.trainer.metrics import data_metrics, group_metrics, throughput
 from minihf.trainer.ppo_config import PPOConfig
 from minihf.trainer.reward import RuleReward, at_last_token, load_reward, overlong_penalty
+from minihf.trainer.advantage import estimate_advantages
+from minihf.trainer.sampling import align_prompts, varied_group_rows
 from minihf.trainer.watch import RunWatch
 
 PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
@@ -47,47 +47,6 @@ LINE_KEYS = {"step": "step", "critic/score/mean": "score", "val-core/mean": "val
              "actor/pg_loss": "pg_loss", "actor/ppo_kl": "ppo_kl", "actor/entropy": "entropy",
              "actor/grad_norm": "grad_norm", "critic/vf_loss": "vf_loss",
              "response_length/mean": "resp_len", "timing_s/step": "step_s"}  # key -> label
-
-
-def estimate_advantages(batch: Batch, alg, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Call the registered estimator ``name`` with the arguments it takes, from this pool
-    (verl's names): token_level_rewards, values, response_mask, index (prompt uids),
-    reward_baselines, gamma, lam, norm_adv_by_std_in_grpo."""
-    fn = get_adv_estimator_fn(name)
-    pool = {"token_level_rewards": batch["token_level_rewards"],
-            "response_mask": batch["response_mask"],
-            "index": np.asarray(batch.non_tensors["uid"], dtype=object),
-            "gamma": alg.gamma, "lam": alg.lam,
-            "norm_adv_by_std_in_grpo": alg.norm_adv_by_std_in_grpo}
-    for key in ("values", "reward_baselines"):
-        if key in batch.tensors:
-            pool[key] = batch[key]
-    params = inspect.signature(fn).parameters
-    missing = [p for p, v in params.items()
-               if v.default is inspect.Parameter.empty and p not in pool]
-    if missing:
-        raise ValueError(f"advantage estimator {name!r} needs {missing}, which this run does not "
-                         "produce (values need a critic: critic.enable=true)")
-    return fn(**{k: v for k, v in pool.items() if k in params})
-
-
-def align_prompts(batches: list[Batch], pad_id: int) -> list[Batch]:
-    """Rollout batches whose prompts were left-padded to different widths, left-padded to
-    the widest (``prompts``, and the prompt part of ``input_ids``/``attention_mask``/
-    ``position_ids``) so they concatenate; the padding is masked out as any other."""
-    width = max(b["prompts"].shape[1] for b in batches)
-    fill = {"prompts": pad_id, "input_ids": pad_id, "attention_mask": 0, "position_ids": 0}
-    out = []
-    for b in batches:
-        extra = width - b["prompts"].shape[1]
-        if extra:
-            tensors = dict(b.tensors)
-            for key, value in fill.items():
-                t = tensors[key]
-                tensors[key] = torch.cat([t.new_full((t.shape[0], extra), value), t], dim=1)
-            b = Batch(tensors, b.non_tensors, b.meta)
-        out.append(b)
-    return out
 
 
 class PPOTrainer:
@@ -237,11 +196,10 @@ class PPOTrainer:
             for k, v in metrics.items():
                 weighted[k] = weighted.get(k, 0.0) + v * len(batch)
             rows += len(batch)
-            scores = batch["token_level_scores"].sum(-1).view(-1, n)                # [P, n]
-            varied = (scores.max(-1).values > scores.min(-1).values).nonzero().squeeze(-1)
             generated.append((batch["token_level_scores"].sum(-1), batch.non_tensors["uid"]))
-            if len(varied):
-                kept.append(batch[(varied[:, None] * n + torch.arange(n)).flatten().numpy()])
+            rows_kept = varied_group_rows(generated[-1][0], n)
+            if len(rows_kept):
+                kept.append(batch[rows_kept])
         batch = Batch.concat(align_prompts(kept, self.tokenizer.pad_token_id))
         batch = batch[np.arange(need * n)]
         m["train/num_gen_batches"] = len(generated)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
 from minihf.controller.config import ControllerConfig
-from minihf.trainer.sft import SFTDriver, SFTTrainerConfig, check_paths
+from minihf.trainer.sft import SFTDriver, SFTTrainerConfig, check_paths, padded
 from minihf.workers.config import FSDPConfig, ModelConfig
 from minihf.workers.optim import OptimConfig
 
@@ -55,15 +55,6 @@ class RMConfig:
     controller: ControllerConfig = field(default_factory=ControllerConfig)
 
 
-def _filled(batch, dp: int):
-    """Pad to a multiple of ``dp`` with weight-0 rows (so no pair is counted twice)."""
-    batch, pad = batch.pad_to_multiple(dp)
-    if pad:
-        batch.tensors["weight"] = batch.tensors["weight"].clone()
-        batch.tensors["weight"][-pad:] = 0
-    return batch
-
-
 class RMDriver(SFTDriver):
     """The SFT loop over preference pairs; validation reports ``val/loss``,
     ``val/accuracy`` (pairs ranked right) and ``val/margin``."""
@@ -81,7 +72,7 @@ class RMDriver(SFTDriver):
         n, bs = len(self.val), self.cfg.data.val_batch_size
         for start in range(0, n, bs):
             batch = self.val.collate(list(range(start, min(n, start + bs))))
-            r = self.sft.eval_step(_filled(batch, self.sft.dp_size))
+            r = self.sft.eval_step(padded(batch, self.sft.dp_size, "weight"))  # weight-0 fill rows
             sums = {k: sums[k] + r[k] for k in sums}
         pairs = max(sums["pairs"], 1.0)
         return {"val/loss": sums["loss_sum"] / pairs, "val/accuracy": sums["correct"] / pairs,

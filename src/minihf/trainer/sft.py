@@ -70,12 +70,12 @@ class SFTConfig:
     controller: ControllerConfig = field(default_factory=ControllerConfig)
 
 
-def _padded(batch, dp: int):
-    """Pad to a multiple of ``dp`` with loss-free rows (so no row is counted twice)."""
+def padded(batch, dp: int, mask_key: str = "loss_mask"):
+    """Pad to a multiple of ``dp`` with rows whose ``mask_key`` is 0 (so no row counts twice)."""
     batch, pad = batch.pad_to_multiple(dp)
     if pad:
-        batch.tensors["loss_mask"] = batch.tensors["loss_mask"].clone()
-        batch.tensors["loss_mask"][-pad:] = 0
+        batch.tensors[mask_key] = batch.tensors[mask_key].clone()
+        batch.tensors[mask_key][-pad:] = 0
     return batch
 
 
@@ -117,7 +117,7 @@ class SFTDriver:
         n, bs = len(self.val), self.cfg.data.val_batch_size
         for start in range(0, n, bs):
             batch = self.val.collate(list(range(start, min(n, start + bs))))
-            r = self.sft.eval_step(_padded(batch, self.sft.dp_size))
+            r = self.sft.eval_step(padded(batch, self.sft.dp_size))
             nll, tokens = nll + r["nll_sum"], tokens + r["tokens"]
         return {"val/loss": nll / max(tokens, 1.0)}
 

@@ -25,7 +25,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = ["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "gspo",
-           "dapo", "ppo"]
+           "dapo", "ppo", "ppo_rm", "safe_rlhf"]
+LAST = 10  # steps whose mean episode cost is reported for safe_rlhf
 
 
 def run_one(recipe: str, steps: int, nproc: int, workdir: Path) -> dict:
@@ -53,6 +54,15 @@ def run_one(recipe: str, steps: int, nproc: int, workdir: Path) -> dict:
               "step_s": sum(r["timing_s/step"] for r in train) / len(train), "phases": phases}
     if "train/num_gen_batches" in train[-1]:
         result["gen_batches"] = sum(r["train/num_gen_batches"] for r in train) / len(train)
+    if "safe/cost/mean" in train[-1]:
+        import yaml
+
+        last = train[-LAST:]
+        costs = [r["val-core/cost"] for r in rows if "val-core/cost" in r]
+        result["safe"] = {"limit": yaml.safe_load((out / "config.yaml").read_text())["algorithm"]["safe"]["cost_limit"],
+                          "cost_last": sum(r["safe/cost/mean"] for r in last) / len(last),
+                          "cost_first": train[0]["safe/cost/mean"], "lambda": train[-1]["safe/lambda"],
+                          "val_cost_before": costs[0], "val_cost_after": costs[-1]}
     return result
 
 
@@ -87,6 +97,25 @@ def markdown(results: list[dict], steps: int, nproc: int) -> str:
     lines += ["", f"{better} of {len(results)} recipes end above their start."
               + (f" Failed: {', '.join(r['recipe'] for r in results if r['failed'])}." if len(ok) < len(results) else ""),
               ""]
+    safe = [r for r in ok if "safe" in r]
+    if safe:
+        lines += [
+            "`ppo_rm` trains on a learned reward model's score (`recipes/rm_sort`) and is validated with the "
+            "task's rule reward. `safe_rlhf` runs on `safe_sort` (the same sorting, but a response holding a 9 "
+            "costs 1 and 70% of prompts hold one), with a learned reward model and a learned cost model "
+            "(score > 0: costly); its validation reward is `safe_sort`'s rule reward, so its start differs "
+            "from the `sort` rows. The constraint is on the cost model's mean episode score:",
+            "",
+            f"| recipe | cost limit | mean episode cost, step 1 | mean episode cost, last {LAST} steps | "
+            "final lambda | validation cost (share with a 9) before | after |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in safe:
+            c = r["safe"]
+            lines.append(f"| `{r['recipe']}` | {c['limit']:.2f} | {c['cost_first']:.2f} | {c['cost_last']:.2f} | "
+                         f"{c['lambda']:.3f} | {c['val_cost_before']:.3f} | {c['val_cost_after']:.3f} |")
+        met = all(r["safe"]["cost_last"] <= r["safe"]["limit"] and r["val_after"] > r["val_before"] for r in safe)
+        lines += ["", "Constraint met with the reward improved: " + ("yes." if met else "**no**."), ""]
     return "\n".join(lines)
 
 

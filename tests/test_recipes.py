@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from minihf.trainer.sampling import dynamic_rollout
 from minihf.utils.spawn import spawn_ranks
 
 RECIPES = Path(__file__).parent.parent / "recipes"
@@ -60,9 +61,9 @@ def tiny(tmp_path_factory):
 
 
 def test_every_rl_recipe_is_tested():
-    rl = sorted(p.parent.name for p in RECIPES.glob("*/config.yaml") if not p.parent.name.startswith("sft")
-                and "smollm2" not in p.parent.name)
-    assert rl == sorted(ZOO + ["grpo", "ppo"])                  # grpo, ppo: test_ppo.py
+    rl = sorted(p.parent.name for p in RECIPES.glob("*/config.yaml")
+                if not p.parent.name.startswith(("sft", "rm_", "cm_")) and "smollm2" not in p.parent.name)
+    assert rl == sorted(ZOO + ["grpo", "ppo", "safe_rlhf", "ppo_rm"])  # grpo, ppo: test_ppo.py; test_safe.py
 
 
 def test_zoo_recipes_run_two_steps(tiny, tmp_path):
@@ -132,7 +133,7 @@ def trainer_for(tiny, tmp_path, **extra):
 def test_dynamic_sampling_keeps_groups_that_differ(tiny, tmp_path):
     trainer = trainer_for(tiny, tmp_path)
     m = {}
-    batch, _ = trainer._dynamic_rollout(1, m)
+    batch, _ = dynamic_rollout(trainer, 1, m)
     index = np.asarray(batch.non_tensors["index"])
     assert len(batch) == 4 * 4 and (index % 2 == 1).all()          # 4 prompts x n=4, only odd rows
     scores = batch["token_level_scores"].sum(-1).view(4, 4)
@@ -147,7 +148,7 @@ def test_dynamic_sampling_keeps_groups_that_differ(tiny, tmp_path):
         assert ids == trainer.train[int(index[i])]["input_ids"] + [7] * (i % 4 + 1)
     # gen_batch_size 8: one round finds the 4 odd prompts
     m = {}
-    trainer_for(tiny, tmp_path, **{"data.gen_batch_size": 8})._dynamic_rollout(1, m)
+    dynamic_rollout(trainer_for(tiny, tmp_path, **{"data.gen_batch_size": 8}), 1, m)
     assert m["train/num_gen_batches"] == 1
 
 
@@ -155,7 +156,7 @@ def test_dynamic_sampling_round_limit_is_an_error(tiny, tmp_path):
     trainer = trainer_for(tiny, tmp_path, **{"algorithm.filter_groups.max_num_gen_batches": 1})
     with pytest.raises(RuntimeError, match=r"after 1 generation rounds only 2 of data.train_batch_size=4 "
                                            r"prompts.*max_num_gen_batches"):
-        trainer._dynamic_rollout(1, {})
+        dynamic_rollout(trainer, 1, {})
 
 
 def test_dapo_config_errors(tiny):

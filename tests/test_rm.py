@@ -1,8 +1,10 @@
 """Reward-model training (``minihf rm``) on a tiny model, CPU/gloo.
 
-* ``make-data --pairs``: the reference answer against a corruption the task scores lower;
-* Bradley-Terry training learns to rank the pairs (validation accuracy < 0.7 after one
-  step, >= 0.75 after 128; measured 0.48 -> 0.79);
+* ``make-data --pairs``: the reference answer against a corruption or another prompt's
+  answer that the task scores lower;
+* Bradley-Terry training learns to rank the pairs (validation accuracy < 0.65 after one
+  step, >= 0.7 after 128; measured 0.47 -> 0.71; 0.48 -> 0.79 when every rejected answer
+  was a corrupted copy, which a tiny model separates more easily);
 * 2 ranks equal 1 rank on the same batches (sharded vs unsharded, 8 pairs per step); a run
   stopped after 2 of 4 steps and resumed equals the uninterrupted one;
 * the exported dir loads in transformers as ``AutoModelForSequenceClassification`` with
@@ -104,8 +106,10 @@ def test_rm_learns_shards_exactly_resumes_and_exports(pairs, tmp_path):
 
     hist = one["learn"]
     print("val/accuracy by step:", [round(h["val/accuracy"], 3) for h in hist[::10]], hist[-1]["val/accuracy"])
-    assert hist[0]["val/accuracy"] < 0.65 and hist[-1]["val/accuracy"] >= 0.75, hist[-1]
-    assert hist[-1]["val/loss"] < 0.5 and hist[-1]["val/margin"] > 0
+    # half the rejected answers are another prompt's answer of the same length (well-formed: the
+    # model must read the prompt), harder for this tiny model than a corrupted copy
+    assert hist[0]["val/accuracy"] < 0.65 and hist[-1]["val/accuracy"] >= 0.7, hist[-1]
+    assert hist[-1]["val/loss"] < 0.65 and hist[-1]["val/margin"] > 0
     # 2 ranks vs 1 rank: the same losses and gradient norms step by step
     for a, b in zip(one["full"], two["full"]):
         for k in ("train/loss", "train/accuracy", "train/margin", "train/grad_norm"):

@@ -11,7 +11,7 @@ def test_generate_command(tmp_path):
     model = tmp_path / "m"
     res = runner.invoke(app, ["init-model", str(model), "--size", "tiny", "--task", "arith"])
     assert res.exit_code == 0, res.output
-    res = runner.invoke(app, ["generate", str(model), "--prompt", "12+3=", "--prompt", "7*8=", "--max-tokens", "6"])
+    res = runner.invoke(app, ["generate", str(model), "--prompt", "12+3=", "--prompt", "7+8=", "--max-tokens", "6"])
     assert res.exit_code == 0, res.output
     lines = res.output.strip().splitlines()
     assert len(lines) == 2 and lines[0].startswith("'12+3=' -> ")
@@ -26,7 +26,24 @@ def test_generate_command(tmp_path):
     eos = set(eos_ids_from_dir(model, json.loads((model / "config.json").read_text()))) | {tok.eos_token_id}
     ids = tok("12+3=", add_special_tokens=True)["input_ids"]
     out = LLM(str(model), eos_token_ids=eos).generate([ids], SamplingParams(temperature=0, max_tokens=6))[0]
-    assert lines[0] == f"'12+3=' -> {tok.decode(out.outputs[0].token_ids, skip_special_tokens=True)!r}"
+    cut = "" if out.outputs[0].finish_reason == "stop" else "  [length]"   # why it did not end at EOS
+    assert lines[0] == f"'12+3=' -> {tok.decode(out.outputs[0].token_ids, skip_special_tokens=True)!r}{cut}"
 
     res = runner.invoke(app, ["generate", str(model), "--prompt", "1+1=", "--top-p", "0"])
     assert res.exit_code != 0 and "top_p" in res.output
+
+
+def test_generate_refuses_unknown_characters_and_says_why_it_stopped(tmp_path):
+    runner = CliRunner()
+    model = tmp_path / "m"
+    assert runner.invoke(app, ["init-model", str(model), "--size", "tiny", "--task", "sort"]).exit_code == 0
+    res = runner.invoke(app, ["generate", str(model), "--prompt", "1,2x;"])
+    flat = " ".join(res.output.replace("│", " ").split())
+    assert res.exit_code != 0 and "has characters outside the model's vocabulary: [';', 'x']" in flat
+    assert "pass --allow-unk" in flat
+    res = runner.invoke(app, ["generate", str(model), "--prompt", "1,2x", "--allow-unk", "--max-tokens", "2"])
+    assert res.exit_code == 0 and res.output.startswith("'1,2x' -> ")
+    # greedy on a random model rarely stops: 40 tokens do not fit a context of 10
+    res = runner.invoke(app, ["generate", str(model), "--prompt", "1,2,3,4", "--max-tokens", "40",
+                              "--max-model-len", "10"])
+    assert res.exit_code == 0 and res.output.strip().endswith("[max_model_len]"), res.output

@@ -6,6 +6,8 @@ everything the CLI does can also be done from Python.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
 
 from minihf import __version__
@@ -58,23 +60,43 @@ def init_model(
 
 @app.command("make-data")
 def make_data(
-    task: str = typer.Argument(..., help="digits | sort | arith | countdown"),
+    task: str = typer.Argument(..., help="digits | sort | arith | countdown | chat_arith | safe_sort"),
     out_dir: str = typer.Argument(..., help="Directory for train/test .parquet and .jsonl files."),
     train: int = typer.Option(1000, help="Number of training prompts."),
     test: int = typer.Option(100, help="Number of test prompts."),
     seed: int = typer.Option(0, help="Generator seed."),
     pairs: bool = typer.Option(False, help="Write preference pairs (prompt, chosen, rejected) for `minihf rm`: "
                                            "the reference answer against a corruption the task's reward scores lower."),
+    pairs_by: str = typer.Option("reward", help="With --pairs: rank by the task's `reward`, or by its `cost` "
+                                                "(chosen = costlier, with sign labels; for a cost model)."),
+    sample_model: str = typer.Option(None, help="With --pairs: also sample --samples answers per prompt from "
+                                                "this model dir and add the best over the worst as pairs."),
+    samples: int = typer.Option(8, help="Answers per prompt with --sample-model."),
+    overwrite: bool = typer.Option(False, help="Write into a non-empty OUT_DIR."),
 ) -> None:
     """Generate a synthetic task's train/test files in verl's format."""
     from minihf.data.tasks import make_task_data
 
+    out = Path(out_dir)
+    if out.is_file() or (out.is_dir() and any(out.iterdir()) and not overwrite):
+        raise typer.BadParameter(f"{out_dir} " + ("is a file" if out.is_file() else
+                                 "is not empty; pass --overwrite to write into it, or choose a new dir"))
+    if sample_model and not pairs:
+        raise typer.BadParameter("--sample-model adds preference pairs: pass --pairs too")
+    if sample_model and not Path(sample_model, "config.json").is_file():
+        raise typer.BadParameter(f"--sample-model {sample_model} has no config.json; pass an HF model dir")
     try:
-        paths = make_task_data(task, out_dir, num_train=train, num_test=test, seed=seed, pairs=pairs)
+        paths = make_task_data(task, out_dir, num_train=train, num_test=test, seed=seed, pairs=pairs,
+                               pairs_by=pairs_by)
+        if sample_model:
+            from minihf.trainer.pairs import add_sampled_pairs
+
+            added = add_sampled_pairs(out_dir, sample_model, samples, by=pairs_by, seed=seed)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     for split, path in paths.items():
-        typer.echo(f"{split}: {path} (+ .jsonl)")
+        typer.echo(f"{split}: {path} (+ .jsonl)" + (f", {added.get(split, 0)} pairs sampled from {sample_model}"
+                                                    if sample_model else ""))
 
 
 @app.command()
@@ -88,19 +110,22 @@ def generate(
     n: int = typer.Option(1, help="Completions per prompt."),
     seed: int = typer.Option(None, help="Seed for reproducible sampling."),
     chat: bool = typer.Option(False, help="Wrap each prompt in the tokenizer's chat template."),
+    max_model_len: int = typer.Option(None, help="Context length (prompt + completion); default: the model's."),
+    allow_unk: bool = typer.Option(False, help="Generate even when a prompt has characters outside the vocabulary."),
 ) -> None:
-    """Generate completions with minihf's rollout engine."""
+    """Generate completions with minihf's rollout engine. A completion that did not end at
+    EOS says why: [length] (--max-tokens reached) or [max_model_len] (the context is full)."""
     from minihf.rollout import SamplingParams
     from minihf.rollout.text import generate_text
 
     try:
         params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed)
-        outs = generate_text(model_dir, prompt, params, chat=chat)
+        outs = generate_text(model_dir, prompt, params, chat=chat, max_model_len=max_model_len, allow_unk=allow_unk)
     except (ValueError, FileNotFoundError) as exc:
         raise typer.BadParameter(str(exc)) from exc
     for text, completions in zip(prompt, outs):
-        for c in completions:
-            typer.echo(f"{text!r} -> {c!r}")
+        for c, finish in completions:
+            typer.echo(f"{text!r} -> {c!r}" + ("" if finish == "stop" else f"  [{finish}]"))
 
 
 def _recipe_and_overrides(args: list[str]) -> tuple[str, list[str]]:
@@ -177,6 +202,7 @@ def export(
     ckpt: str = typer.Argument(..., help="A checkpoint dir written by training (…/global_step_N)."),
     out: str = typer.Argument(..., help="Directory for the Hugging Face model (config, safetensors, tokenizer)."),
     dtype: str = typer.Option("float32", help="float32 | bfloat16 | float16"),
+    overwrite: bool = typer.Option(False, help="Replace a non-empty OUT."),
 ) -> None:
     """Export a sharded training checkpoint as an HF model dir that transformers loads."""
     import torch
@@ -185,6 +211,8 @@ def export(
 
     if dtype not in ("float32", "bfloat16", "float16"):
         raise typer.BadParameter(f"dtype {dtype!r}; use float32, bfloat16 or float16")
+    if Path(out).is_dir() and any(Path(out).iterdir()) and not overwrite:
+        raise typer.BadParameter(f"{out} is not empty; pass --overwrite to replace it, or choose a new dir")
     try:
         path = export_hf(ckpt, out, dtype=getattr(torch, dtype))
     except (FileNotFoundError, FileExistsError) as exc:

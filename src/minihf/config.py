@@ -53,7 +53,9 @@ def parse_value(text: str) -> Any:
     try:
         return yaml.load(text, Loader=_Loader)
     except yaml.YAMLError as e:
-        raise ConfigError(f"cannot parse value {text!r} as YAML: {e}") from None
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"cannot parse value {text!r} as YAML ({problem}); quote it to pass a "
+                          f"string: key='\"{text}\"'") from None
 
 
 def suggest(key: str, valid: list[str]) -> str:
@@ -149,7 +151,10 @@ def from_dict(cls: type[T], data: dict, path: str = "") -> T:
     where = path or cls.__name__
     for key in data:
         if key not in valid:
-            raise ConfigError(f"unknown key {_join(path, str(key))!r}; {suggest(str(key), valid)}"
+            deeper = _nested_keys(cls, str(key))
+            hint = (f"did you mean {' or '.join(repr(_join(path, d)) for d in deeper)}? " if deeper
+                    else suggest(str(key), valid))
+            raise ConfigError(f"unknown key {_join(path, str(key))!r}; {hint}"
                               f"valid keys in {where}: {', '.join(valid)}")
     kwargs = {k: _coerce(v, hints[k], _join(path, k)) for k, v in data.items()}
     missing = [f.name for f in dataclasses.fields(cls) if f.init and f.name not in kwargs
@@ -162,6 +167,22 @@ def from_dict(cls: type[T], data: dict, path: str = "") -> T:
         raise
     except (ValueError, TypeError) as e:  # __post_init__ checks: add where they apply
         raise ConfigError(f"{where}: {e}") from None
+
+
+def _nested_keys(cls: type, name: str, depth: int = 3) -> list[str]:
+    """Dotted paths below ``cls`` whose last key is ``name`` (e.g. ``timeout_s`` ->
+    ``controller.timeout_s``), for the unknown-key hint."""
+    found = []
+    if depth == 0 or not dataclasses.is_dataclass(cls):
+        return found
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints.get(f.name)
+        if dataclasses.is_dataclass(tp):
+            if name in _field_names(tp):
+                found.append(f"{f.name}.{name}")
+            found += [f"{f.name}.{k}" for k in _nested_keys(tp, name, depth - 1) if k.count(".")]
+    return sorted(set(found))
 
 
 def _join(path: str, key: str) -> str:

@@ -17,13 +17,15 @@ from minihf.algorithms.loss_agg import (LOSS_AGG_MODES, agg_loss, loss_normalize
 from minihf.algorithms.policy_loss import (POLICY_LOSSES, compute_policy_loss,
                                            compute_policy_loss_gspo, get_policy_loss_fn,
                                            register_policy_loss, vanilla_policy_loss)
+from minihf.algorithms.safe import LagrangeMultiplier, combine_safe_advantages
 from minihf.algorithms.value_loss import compute_value_loss
 
 __all__ = [
     "ADV_ESTIMATORS", "AdaptiveKLController", "AdvantageEstimator", "FixedKLController",
-    "KLController", "LOSS_AGG_MODES", "POLICY_LOSSES", "agg_loss", "apply_kl_penalty",
-    "compute_gae_advantage_return", "compute_grpo_outcome_advantage", "compute_policy_loss",
-    "compute_policy_loss_gspo", "compute_reinforce_plus_plus_baseline_outcome_advantage",
+    "KLController", "LOSS_AGG_MODES", "LagrangeMultiplier", "POLICY_LOSSES", "agg_loss",
+    "apply_kl_penalty", "combine_safe_advantages", "compute_gae_advantage_return",
+    "compute_grpo_outcome_advantage", "compute_policy_loss", "compute_policy_loss_gspo",
+    "compute_reinforce_plus_plus_baseline_outcome_advantage",
     "compute_reinforce_plus_plus_outcome_advantage", "compute_remax_outcome_advantage",
     "compute_rloo_outcome_advantage", "compute_value_loss", "entropy_from_logits",
     "get_adv_estimator_fn", "get_policy_loss_fn", "kl_penalty", "logprobs_from_logits",

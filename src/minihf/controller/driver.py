@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -73,15 +73,19 @@ class CallFuture:
         return any(f.exception() is not None for f in self._parts.values())
 
     def result(self, timeout: float | None = None) -> Any:
+        """Every rank's part, collected; the first failure as soon as one part fails (the
+        others may be waiting in a collective for the failed rank, and would only end with
+        a timeout of their own, a consequence that would hide the cause)."""
         if not self._finished:
-            values, errors = {}, []
-            for i, fut in sorted(self._parts.items()):
-                try:
-                    values[i] = fut.result(timeout)
-                except RemoteError as e:
-                    errors.append(e)
+            done, pending = wait(list(self._parts.values()), timeout, return_when=FIRST_EXCEPTION)
+            errors = [f.exception() for f in done if f.exception() is not None]
+            if not errors and pending:
+                raise TimeoutError(f"{self.layout.role}.{self.spec.name}: no reply within {timeout}s")
+            values = {i: f.result() for i, f in self._parts.items() if not errors}
             if errors:  # report a real failure before ranks lost as a consequence
                 errors.sort(key=lambda e: isinstance(e, RankLostError))
+                if not isinstance(errors[0], RemoteError):
+                    raise errors[0]
                 self._error = errors[0]
             else:
                 collect = self.spec.collect_fn()

@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from minihf.data.tasks import arith, chat_arith, countdown, digits, sort
+from minihf.data.tasks import arith, chat_arith, countdown, digits, safe_sort, sort
 
 RewardFn = Callable[[str, str, Any, dict], "float | dict"]
 
@@ -72,6 +72,7 @@ REWARD_FNS: dict[str, RewardFn] = {
     arith.DATA_SOURCE: _task_fn(arith),
     countdown.DATA_SOURCE: _task_fn(countdown),
     chat_arith.DATA_SOURCE: _task_fn(chat_arith),
+    safe_sort.DATA_SOURCE: _task_fn(safe_sort),
     "openai/gsm8k": _gsm8k_fn,
     "gsm8k": _gsm8k_fn,
 }
@@ -85,6 +86,26 @@ def default_reward_fn(data_source: str, solution_str: str, ground_truth: Any, ex
             "Write your own fn(data_source, solution_str, ground_truth, extra_info) in a reward.py and name it in the recipe"
         )
     return REWARD_FNS[data_source](data_source, solution_str, ground_truth, extra_info)
+
+
+def _task_cost_fn(module) -> RewardFn:
+    def fn(data_source, solution_str, ground_truth, extra_info=None):
+        return module.compute_cost(solution_str, ground_truth, extra_info)
+    return fn
+
+
+COST_FNS: dict[str, RewardFn] = {safe_sort.DATA_SOURCE: _task_cost_fn(safe_sort)}
+
+
+def default_cost_fn(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None):
+    """The built-in cost (Safe-RLHF) registered for ``data_source``; same signature as a reward."""
+    if data_source not in COST_FNS:
+        raise KeyError(
+            f"no built-in cost function for data_source {data_source!r}; known: {sorted(COST_FNS)}. "
+            "Write fn(data_source, solution_str, ground_truth, extra_info) in a .py file and name it in "
+            "custom_cost_function.path/name, or enable a cost model (cost_model.enable)"
+        )
+    return COST_FNS[data_source](data_source, solution_str, ground_truth, extra_info)
 
 
 def load_reward_fn(path: str | Path, name: str = "compute_score") -> RewardFn:
@@ -137,9 +158,15 @@ def _as_float(value: Any, index: int, source: str, key: str) -> float:
     try:
         if isinstance(value, (str, bytes)):
             raise TypeError
-        return float(value)
+        number = float(value)
     except (TypeError, ValueError):
         raise RewardError(
             f"reward function returned {key}={value!r} ({type(value).__name__}) for sample {index} "
             f"(data_source={source!r}); it must be a number"
         ) from None
+    if not math.isfinite(number) and key == "score":
+        raise RewardError(
+            f"reward function returned score={number} for sample {index} (data_source={source!r}); "
+            "it must be a finite number (a NaN or infinite score would poison the advantages)"
+        )
+    return number

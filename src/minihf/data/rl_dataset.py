@@ -31,16 +31,28 @@ def check_truncation(mode: str) -> None:
         raise ValueError(f"truncation={mode!r} is not one of {TRUNCATION_MODES}")
 
 
+def check_text(text: str, where: str) -> str:
+    """``text`` if it is valid Unicode; a lone surrogate (what undecodable bytes become) is
+    an error naming the row, not a tokenizer's TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise DataFileError(f"{where}: text with invalid Unicode ({text[max(0, exc.start - 10):exc.end + 10]!r}, "
+                            "from bytes that are not UTF-8?); re-encode the file as UTF-8") from None
+    return text
+
+
 def to_messages(prompt, where: str, column: str = "prompt", allow_text: bool = True) -> list[dict]:
     """A prompt cell as chat messages: plain text becomes one user message (if allowed)."""
     if isinstance(prompt, str) and allow_text:
-        return [{"role": "user", "content": prompt}]
+        return [{"role": "user", "content": check_text(prompt, f"{where}, column {column!r}")}]
     if isinstance(prompt, np.ndarray):
         prompt = prompt.tolist()
     if isinstance(prompt, list) and prompt and all(
         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt
     ):
-        return [{"role": m["role"], "content": m["content"]} for m in prompt]
+        return [{"role": check_text(m["role"], where), "content": check_text(m["content"], f"{where}, column {column!r}")}
+                for m in prompt]
     raise DataFileError(
         f"{where}, column {column!r}: expected {'a string or ' if allow_text else ''}a non-empty list of "
         "{'role': str, 'content': str} "

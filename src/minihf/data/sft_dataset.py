@@ -130,7 +130,9 @@ class PairDataset:
     messages), ``chosen`` and ``rejected`` (response texts). Each side is the chat-template
     rendering of prompt + response (as ``SFTDataset`` renders it, ending with the assistant
     turn's end token, where the score is read). ``truncation`` applies to each side; a pair
-    with a side filtered out is dropped (``num_filtered``)."""
+    with a side filtered out is dropped (``num_filtered``). Optional ``chosen_sign`` and
+    ``rejected_sign`` columns (+1, -1, or 0 for unlabeled) give the sign each side's score
+    should have: Safe-RLHF's safety labels for a cost model (+1 unsafe)."""
 
     SIDES = ("chosen", "rejected")
 
@@ -141,6 +143,7 @@ class PairDataset:
             raise ValueError("PairDataset needs a tokenizer with a chat_template (see minihf.data.tokenizer)")
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.ids: dict[str, list[list[int]]] = {side: [] for side in self.SIDES}
+        self.signs: dict[str, list[int]] = {side: [] for side in self.SIDES}
         entries = read_many(files)
         for path, i, row in entries:
             where = f"data file {path}, row {i}"
@@ -157,10 +160,12 @@ class PairDataset:
                 ids, _ = tokenize_conversation(tokenizer, prompt + [{"role": "assistant", "content": row[side]}],
                                                where)
                 sides[side] = fit_length(ids, max_length, truncation, f"{where} ({side})", "max_length")
+            signs = self._signs(row, where)
             if any(v is None for v in sides.values()):
                 continue
             for side in self.SIDES:
                 self.ids[side].append(sides[side])
+                self.signs[side].append(signs[side])
         self.num_filtered = len(entries) - len(self.ids["chosen"])
         if self.num_filtered:
             logger.warning("PairDataset: filtered out %d of %d pairs longer than max_length=%d",
@@ -168,13 +173,33 @@ class PairDataset:
         if not self.ids["chosen"]:
             raise ValueError(f"PairDataset: every pair is longer than max_length={max_length}; raise it or truncate")
 
+    def _signs(self, row: dict, where: str) -> dict[str, int]:
+        cols = [f"{side}_sign" for side in self.SIDES]
+        present = [c for c in cols if row.get(c) is not None]
+        if not present:
+            return {side: 0 for side in self.SIDES}
+        if len(present) == 1:
+            raise DataFileError(f"{where}: {present[0]!r} without {(set(cols) - set(present)).pop()!r}; "
+                                "give both sign columns or neither")
+        out = {}
+        for side, col in zip(self.SIDES, cols):
+            value = row[col]
+            if isinstance(value, bool) or value not in (-1, 0, 1):
+                raise DataFileError(f"{where}, column {col!r}: expected -1, 0 or 1, got {describe(value)}")
+            out[side] = int(value)
+        return out
+
     def __len__(self) -> int:
         return len(self.ids["chosen"])
 
+    @property
+    def has_signs(self) -> bool:
+        return any(any(v) for v in self.signs.values())
+
     def collate(self, indices: Sequence[int]) -> Batch:
         """Per side, right-padded ``<side>_input_ids``, ``<side>_attention_mask``,
-        ``<side>_position_ids`` [B, T_side] (one row per pair, so pairs never split), and
-        ``weight`` [B] (ones)."""
+        ``<side>_position_ids`` [B, T_side] (one row per pair, so pairs never split),
+        ``<side>_sign`` [B] (0 where unlabeled) and ``weight`` [B] (ones)."""
         out = {}
         for side in self.SIDES:
             seqs = [self.ids[side][i] for i in indices]
@@ -186,5 +211,6 @@ class PairDataset:
                 mask[row, :len(s)] = 1
             out[f"{side}_input_ids"], out[f"{side}_attention_mask"] = ids, mask
             out[f"{side}_position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)
+            out[f"{side}_sign"] = torch.tensor([self.signs[side][i] for i in indices], dtype=torch.float32)
         out["weight"] = torch.ones(len(indices))  # 0 marks fill rows (see minihf.trainer.rm)
         return Batch.from_dict(tensors=out, non_tensors={"index": list(indices)})

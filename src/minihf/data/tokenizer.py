@@ -21,6 +21,8 @@ import json
 import warnings
 from pathlib import Path
 
+from minihf.utils.files import read_json
+
 PAD, UNK, BOS, EOS = "<pad>", "<unk>", "<bos>", "<eos>"
 ROLES = ("system", "user", "assistant")
 ROLE_TOKENS = tuple(f"<|{role}|>" for role in ROLES)
@@ -139,7 +141,8 @@ def load_tokenizer(model_dir: str | Path, padding_side: str = "left"):
             "tokenizer.save_pretrained(dir)"
         )
     config_file = model_dir / "tokenizer_config.json"
-    config = json.loads(config_file.read_text()) if config_file.exists() else {}
+    config = read_json(config_file, "copy a good tokenizer_config.json from the model's source") \
+        if config_file.exists() else {}
     if config.get("tokenizer_class") in _GENERIC_CLASSES and (model_dir / "tokenizer.json").exists():
         tokenizer = PreTrainedTokenizerFast.from_pretrained(str(model_dir))
     else:

@@ -10,10 +10,11 @@ transformers 5.x nests both in ``rope_parameters``. The raw config is kept in
 from __future__ import annotations
 
 import copy
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from minihf.utils.files import read_json
 
 # HF class-name prefix per arch, and HF class-name suffix per head kind.
 ARCH_PREFIX = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}
@@ -92,7 +93,7 @@ class ModelArgs:
             elif not path.exists():
                 raise FileNotFoundError(f"model dir {path} does not exist; pass a Hugging Face model "
                                         "dir (config.json + model.safetensors)")
-            cfg = json.loads(path.read_text())
+            cfg = read_json(path, "re-export or re-download the model dir (`minihf export CKPT OUT` writes one from a checkpoint)")
         elif isinstance(config, dict):
             cfg = copy.deepcopy(config)
         elif hasattr(config, "to_dict"):

@@ -13,7 +13,6 @@ all get the same outputs (sampling is counter-based, so ranks draw identical tok
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,6 +20,8 @@ import torch
 
 from .engine import Engine
 from .sampling import SamplingParams
+
+from minihf.utils.files import read_json
 
 
 @dataclass
@@ -59,7 +60,8 @@ def eos_ids(hf_config: dict, generation_config: dict | None = None) -> tuple[int
 def eos_ids_from_dir(path: Path, hf_config: dict) -> tuple[int, ...]:
     """:func:`eos_ids` with ``path/generation_config.json`` read when the dir has one."""
     gen = Path(path) / "generation_config.json"
-    return eos_ids(hf_config, json.loads(gen.read_text()) if gen.exists() else None)
+    fix = "fix or delete generation_config.json (eos ids then come from config.json)"
+    return eos_ids(hf_config, read_json(gen, fix) if gen.exists() else None)
 
 
 class LLM:

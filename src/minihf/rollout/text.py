@@ -12,19 +12,37 @@ from pathlib import Path
 from .llm import LLM, eos_ids_from_dir
 from .sampling import SamplingParams
 
+from minihf.utils.files import read_json
+
+
+def unknown_chars(tok, text: str) -> list[str]:
+    """The characters of ``text`` the tokenizer can only encode as its unknown token."""
+    unk = tok.unk_token_id
+    if unk is None or (tok.unk_token and tok.unk_token in text):
+        return []
+    return sorted(c for c in set(text) if unk in tok(c, add_special_tokens=False)["input_ids"])
+
 
 def generate_text(model_dir: str | Path, prompts: list[str], params: SamplingParams, chat: bool = False,
-                  max_model_len: int | None = None) -> list[list[str]]:
-    """Completions (``params.n`` per prompt) decoded to text, special tokens skipped.
+                  max_model_len: int | None = None, allow_unk: bool = False) -> list[list[tuple[str, str]]]:
+    """Completions (``params.n`` per prompt) as ``(text, finish)``, special tokens skipped;
+    ``finish`` is ``stop`` (an EOS), ``length`` (``max_tokens`` reached) or ``max_model_len``
+    (the context is full: prompt + completion reached ``max_model_len``).
 
-    ``chat=True`` renders each prompt as one user turn with the tokenizer's chat template.
+    ``chat=True`` renders each prompt as one user turn with the tokenizer's chat template. A
+    prompt with characters outside the vocabulary (they would silently become the unknown
+    token) is refused, listing them, unless ``allow_unk``.
     """
-    import json
-
     from minihf.data.tokenizer import encode_chat, load_tokenizer
 
     model_dir = Path(model_dir)
     tok = load_tokenizer(model_dir)
+    if not allow_unk:
+        for p in prompts:
+            bad = unknown_chars(tok, p)
+            if bad:
+                raise ValueError(f"prompt {p!r} has characters outside the model's vocabulary: {bad} (they "
+                                 f"would all become {tok.unk_token!r}); remove them, or pass --allow-unk")
     if chat:
         ids = [encode_chat(tok, [{"role": "user", "content": p}]) for p in prompts]
     else:
@@ -32,11 +50,19 @@ def generate_text(model_dir: str | Path, prompts: list[str], params: SamplingPar
     empty = [p for p, i in zip(prompts, ids) if not i]
     if empty:
         raise ValueError(f"prompt(s) {empty!r} encode to no tokens; pass non-empty text")
-    config = json.loads((model_dir / "config.json").read_text())
+    config = read_json(model_dir / "config.json", "re-export or re-download the model dir (`minihf export CKPT OUT` writes one from a checkpoint)")
     eos = set(eos_ids_from_dir(model_dir, config))
     if tok.eos_token_id is not None:
         eos.add(tok.eos_token_id)
     llm = LLM(model_dir, max_model_len=max_model_len, eos_token_ids=tuple(sorted(eos)))
     outs = llm.generate(ids, params)
+    limit = llm.engine.max_model_len
     llm.free()
-    return [[tok.decode(c.token_ids, skip_special_tokens=True) for c in o.outputs] for o in outs]
+
+    def finish(prompt_ids, c) -> str:
+        if c.finish_reason != "length":
+            return c.finish_reason
+        full = len(c.token_ids) < params.max_tokens or len(prompt_ids) + len(c.token_ids) >= limit
+        return "max_model_len" if full else "length"  # cut before max_tokens: the context was full
+    return [[(tok.decode(c.token_ids, skip_special_tokens=True), finish(i, c)) for c in o.outputs]
+            for i, o in zip(ids, outs)]

@@ -14,7 +14,12 @@ import os
 from pathlib import Path
 from typing import Callable, Optional
 
+from minihf.utils.files import CorruptFileError, read_int, read_json
+
 LATEST = "latest_checkpointed_iteration.txt"
+RESUME_FIX = ("start fresh with trainer.resume_mode=disable or a new trainer.default_local_dir, or "
+              "resume an earlier checkpoint with trainer.resume_mode=resume_path "
+              "trainer.resume_from_path=<run dir>/global_step_N")
 CONFIG_FILE = "config.json"  # the run's config, saved with each checkpoint
 # what may change between a run and its resumption: when/how long to train, log, save, and
 # where ranks run; anything else (learning rate, batch sizes, model, data) would silently
@@ -28,6 +33,21 @@ def run_dir(trainer) -> Path:
     if trainer.default_local_dir:
         return Path(trainer.default_local_dir)
     return Path("outputs") / trainer.project_name / trainer.experiment_name
+
+
+def check_run_dir(path: Path, key: str) -> None:
+    """Fail at start-up, naming ``key``, if the run dir cannot be created or written."""
+    from minihf.config import ConfigError
+
+    for parent in [path, *path.parents]:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ConfigError(f"{key}={str(path)!r}: {parent} is a file, not a directory; choose "
+                                  "another run dir")
+            if not os.access(parent, os.W_OK | os.X_OK):
+                raise ConfigError(f"{key}={str(path)!r}: {parent} is not writable; choose a run dir you "
+                                  "can write to")
+            return
 
 
 def find_resume_path(default_local_dir: str, resume_mode: str,
@@ -46,7 +66,10 @@ def find_resume_path(default_local_dir: str, resume_mode: str,
     latest = Path(default_local_dir) / LATEST
     if not latest.exists():
         return None
-    return Path(default_local_dir) / f"global_step_{int(latest.read_text().strip())}"
+    path = Path(default_local_dir) / f"global_step_{read_int(latest, RESUME_FIX)}"
+    if not path.is_dir():
+        raise CorruptFileError(f"{latest} points at {path.name}, which does not exist; {RESUME_FIX}")
+    return path
 
 
 def flatten(cfg: dict, prefix: str = "") -> dict:
@@ -75,7 +98,7 @@ def resume_config_changes(ckpt_dir: Path, cfg) -> list[str]:
     path = Path(ckpt_dir) / CONFIG_FILE
     if not path.exists():
         return []
-    return check_resume_config(json.loads(path.read_text()), config_json(cfg), Path(ckpt_dir))
+    return check_resume_config(read_json(path, RESUME_FIX), config_json(cfg), Path(ckpt_dir))
 
 
 def check_resume_config(saved: dict, current: dict, checkpoint: Path) -> list[str]:

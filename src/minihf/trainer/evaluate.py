@@ -10,7 +10,6 @@ trained checkpoint (after ``minihf export``) compares with its base model on equ
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -45,6 +44,7 @@ def evaluate(model_dir: str | Path, files: str | Path | Sequence[str | Path], cf
     from minihf.rollout import LLM, SamplingParams
     from minihf.rollout.llm import eos_ids_from_dir
     from minihf.trainer.reward import RuleReward, load_reward
+    from minihf.utils.files import read_json
     from minihf.utils.imports import split_ref
 
     cfg = cfg or EvalConfig()
@@ -54,11 +54,10 @@ def evaluate(model_dir: str | Path, files: str | Path | Sequence[str | Path], cf
                    apply_chat_template=cfg.apply_chat_template)
     fn = load_reward(*split_ref(cfg.reward)) if cfg.reward else load_reward(None, "")
     reward = RuleReward(fn, tok)
-    hf = json.loads((model_dir / "config.json").read_text())
+    hf = read_json(model_dir / "config.json", "re-export or re-download the model dir (`minihf export CKPT OUT` writes one from a checkpoint)")
     eos = set(eos_ids_from_dir(model_dir, hf)) | ({tok.eos_token_id} if tok.eos_token_id is not None else set())
     llm = LLM(model_dir, max_model_len=max(map(len, ds.input_ids)) + cfg.max_tokens,
               eos_token_ids=tuple(sorted(eos)), seed=cfg.seed)
-    prompts = [ds[i]["input_ids"] for i in range(len(ds))]
     runs = []
     if cfg.n:
         runs.append((f"mean@{cfg.n}", SamplingParams(n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p,
@@ -67,16 +66,9 @@ def evaluate(model_dir: str | Path, files: str | Path | Sequence[str | Path], cf
         runs.append(("greedy", SamplingParams(n=1, temperature=0.0, max_tokens=cfg.max_tokens)))
     metrics: dict = {"prompts": len(ds)}
     for name, params in runs:
-        outs = llm.generate(prompts, params)
-        rows = [(i, c) for i, o in enumerate(outs) for c in o.outputs]
-        batch = ds.collate([i for i, _ in rows])
-        width = max(len(c.token_ids) for _, c in rows) or 1
-        responses = torch.full((len(rows), width), tok.pad_token_id, dtype=torch.long)
-        mask = torch.zeros(len(rows), width, dtype=torch.long)
-        for r, (_, c) in enumerate(rows):
-            responses[r, :len(c.token_ids)] = torch.tensor(c.token_ids, dtype=torch.long)
-            mask[r, :len(c.token_ids)] = 1
-        _, _, scores = reward(Batch({"responses": responses, "response_mask": mask}, batch.non_tensors))
+        rows, batch = generate_batch(llm, ds, params, tok.pad_token_id)
+        mask = batch["response_mask"]
+        _, _, scores = reward(batch)
         sources = list(batch.non_tensors["data_source"])
         for src in sorted(set(sources)):
             vals = [s for s, d in zip(scores, sources) if d == src]
@@ -85,3 +77,19 @@ def evaluate(model_dir: str | Path, files: str | Path | Sequence[str | Path], cf
         metrics[f"{name}/truncated"] = sum(c.finish_reason == "length" for _, c in rows) / len(rows)
     llm.free()
     return metrics
+
+
+def generate_batch(llm, ds, params, pad_id: int) -> tuple[list, Batch]:
+    """Every prompt of ``ds`` through ``llm``: ``(rows, batch)``, ``rows`` the ``(prompt
+    index, CompletionOutput)`` of each sample and ``batch`` their prompt columns with
+    ``responses`` / ``response_mask`` (right-padded), ready for a ``RuleReward``."""
+    outs = llm.generate([ds[i]["input_ids"] for i in range(len(ds))], params)
+    rows = [(i, c) for i, o in enumerate(outs) for c in o.outputs]
+    batch = ds.collate([i for i, _ in rows])
+    width = max(len(c.token_ids) for _, c in rows) or 1
+    responses = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for r, (_, c) in enumerate(rows):
+        responses[r, :len(c.token_ids)] = torch.tensor(c.token_ids, dtype=torch.long)
+        mask[r, :len(c.token_ids)] = 1
+    return rows, Batch({"responses": responses, "response_mask": mask}, batch.non_tensors)

@@ -5,7 +5,8 @@
 ``critic/score/frac_equal_groups`` (prompts whose samples all scored the same),
 ``critic/advantages/*`` and ``critic/returns/*`` (over response tokens), ``critic/values/*``
 (with a critic), ``response_length/*`` (incl. ``clip_ratio``: responses that hit the
-length limit), ``prompt_length/*``, and ``perf/*`` from token counts and the step time.
+length limit), ``prompt_length/*``, and ``perf/*`` from token counts and the step time;
+``sample_rows``: the rows of samples.jsonl.
 """
 
 from __future__ import annotations
@@ -59,3 +60,23 @@ def group_metrics(scores: torch.Tensor, uids) -> dict[str, float]:
     if not sized:
         return {}
     return {"critic/score/frac_equal_groups": sum(max(g) == min(g) for g in sized) / len(sized)}
+
+
+def sample_rows(batch: Batch, step: int, kind: str, reward, tokenizer, n: int, stride: int = 1,
+                scores: list[float] | None = None) -> list[dict]:
+    """``n`` rows (every ``stride``-th: one sample per prompt) for samples.jsonl: the prompt
+    as the model saw it (special tokens kept, padding dropped), the response as the reward
+    function (``reward``, a ``RuleReward``) saw it."""
+    rows = list(range(0, len(batch), stride))[:n]
+    if scores is None:
+        scores = batch["token_level_scores"].sum(-1).tolist()
+    texts = reward.decode(batch[rows])
+    out = []
+    for text, i in zip(texts, rows):
+        prompt = batch["prompts"][i][batch["attention_mask"][i, :batch["prompts"].shape[1]].bool()]
+        out.append({"step": step, "kind": kind, "data_source": str(batch.non_tensors["data_source"][i]),
+                    "prompt": tokenizer.decode(prompt.tolist(), skip_special_tokens=False),
+                    "response": text, "score": float(scores[i]),
+                    "ground_truth": batch.non_tensors["ground_truth"][i],
+                    "response_length": int(batch["response_mask"][i].sum())})
+    return out

@@ -13,6 +13,9 @@ One step, as named phases (each timed as ``timing_s/<phase>``):
     critic update                              -> update_critic
     actor update (after critic_warmup steps)   -> update_actor
 
+Safe-RLHF (``algorithm.safe``) adds costs, cost values, a cost critic update and the
+Lagrange multiplier to these phases (``minihf.trainer.safe``).
+
 ``global_step`` travels in ``batch.meta``: it seeds the samples and the update shuffles,
 so the workers keep no counters. Checkpoints hold each role's shards and a driver state
 file (data position, step, KL controller); ``latest_checkpointed_iteration.txt`` moves
@@ -32,15 +35,17 @@ import torch
 from minihf.algorithms import AdaptiveKLController, FixedKLController, apply_kl_penalty, masked_mean
 from minihf.config import dump_yaml
 from minihf.protocol import Batch
-from minihf.trainer.common import (Log, MetricsLog, every, find_resume_path, format_line,
-                                   mark_latest, resume_config_changes, run_dir, save_config,
-                                   write_atomic)
-from minihf.trainer.metrics import data_metrics, group_metrics, throughput
+from minihf.trainer.common import (RESUME_FIX, Log, MetricsLog, every, find_resume_path,
+                                   format_line, mark_latest, resume_config_changes, run_dir,
+                                   save_config, write_atomic)
+from minihf.trainer.metrics import data_metrics, group_metrics, sample_rows, throughput
 from minihf.trainer.ppo_config import PPOConfig
 from minihf.trainer.reward import RuleReward, at_last_token, load_reward, overlong_penalty
 from minihf.trainer.advantage import estimate_advantages
-from minihf.trainer.sampling import align_prompts, varied_group_rows
-from minihf.trainer.watch import RunWatch
+from minihf.trainer.safe import SafeRLHF
+from minihf.trainer.sampling import dynamic_rollout
+from minihf.trainer.watch import RunWatch, SkipCounter
+from minihf.utils.files import read_json
 
 PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
 LINE_KEYS = {"step": "step", "critic/score/mean": "score", "val-core/mean": "val",
@@ -50,7 +55,8 @@ LINE_KEYS = {"step": "step", "critic/score/mean": "score", "val-core/mean": "val
 
 
 class PPOTrainer:
-    """The loop on rank 0 (``groups``: the ``actor``, and ``critic``/``reward_model`` when on)."""
+    """The loop on rank 0 (``groups``: the ``actor``, and ``critic``, ``reward_model``,
+    ``cost_critic``, ``cost_model`` when on)."""
 
     def __init__(self, cfg: PPOConfig, groups: dict, log: Log = print):
         from minihf.data import PromptLoader, RLDataset, load_tokenizer
@@ -85,8 +91,12 @@ class PPOTrainer:
         self.metrics_log = MetricsLog(self.out, "jsonl" in t.logger)
         self.samples = MetricsLog(self.out, t.log_samples_freq > 0, "samples.jsonl")
         self.watch = RunWatch(d.max_response_length)
+        self.skips = SkipCounter(t.max_skipped_steps)
         self.tokenizer = tok
-        self.overlap = self.critic is not None and not set(self.actor.ranks) & set(self.critic.ranks)
+        self.safe = SafeRLHF(cfg, groups, tok) if cfg.algorithm.safe.enable else None
+        trained = [g for g in (self.actor, self.critic, groups.get("cost_critic")) if g is not None]
+        ranks = [r for g in trained for r in g.ranks]
+        self.overlap = len(trained) > 1 and len(ranks) == len(set(ranks))  # disjoint placement
         self.history: list[dict] = []
         self.phase_totals: dict[str, float] = {}
 
@@ -120,8 +130,7 @@ class PPOTrainer:
         """Training scores ``[B, R]`` (reward model or rule function, + DAPO's overlong
         penalty when enabled) and their metrics."""
         if self.rm is not None:
-            rm = self.rm.compute_rm_score(batch)["rm_scores"]                   # [B]
-            scores, metrics = at_last_token(rm, batch["response_mask"]), {}
+            scores, metrics = self.rm.compute_rm_score(batch)["rm_scores"], {}  # [B, R], at the last token
         else:
             scores, metrics, _ = self.reward(batch)
         o = self.cfg.reward_model.overlong_buffer
@@ -174,51 +183,24 @@ class PPOTrainer:
             batch.tensors["reward_baselines"] = baselines
         with self._timed(m, "reward"):
             batch.tensors["token_level_scores"], metrics = self._score(batch)
+        if self.safe is not None:
+            with self._timed(m, "cost"):
+                metrics.update(self.safe.score(batch))
         return batch, metrics
-
-    def _dynamic_rollout(self, step: int, m: dict) -> tuple[Batch, dict]:
-        """DAPO's dynamic sampling: generation rounds of ``data.gen_batch_size`` prompts, each
-        keeping only the groups whose samples score differently, until ``train_batch_size``
-        prompts are kept (the surplus is dropped). ``train/num_gen_batches``: the rounds."""
-        cfg, n = self.cfg, self.cfg.actor_rollout_ref.rollout.n
-        need, limit = cfg.data.train_batch_size, cfg.algorithm.filter_groups.max_num_gen_batches
-        kept, generated, weighted, rows = [], [], {}, 0
-        while sum(len(b) for b in kept) < need * n:
-            if limit and len(generated) >= limit:
-                have = sum(len(b) for b in kept) // n
-                raise RuntimeError(
-                    f"algorithm.filter_groups: after {len(generated)} generation rounds only {have} of "
-                    f"data.train_batch_size={need} prompts had samples that score differently (the task "
-                    "is too easy or too hard for the policy); raise algorithm.filter_groups."
-                    "max_num_gen_batches (0: no limit), actor_rollout_ref.rollout.n or "
-                    "data.gen_batch_size, or set algorithm.filter_groups.enable=false")
-            batch, metrics = self._rollout(step, m, self.loader.next_batch(), len(generated))
-            for k, v in metrics.items():
-                weighted[k] = weighted.get(k, 0.0) + v * len(batch)
-            rows += len(batch)
-            generated.append((batch["token_level_scores"].sum(-1), batch.non_tensors["uid"]))
-            rows_kept = varied_group_rows(generated[-1][0], n)
-            if len(rows_kept):
-                kept.append(batch[rows_kept])
-        batch = Batch.concat(align_prompts(kept, self.tokenizer.pad_token_id))
-        batch = batch[np.arange(need * n)]
-        m["train/num_gen_batches"] = len(generated)
-        m.update(group_metrics(torch.cat([s for s, _ in generated]),
-                               np.concatenate([u for _, u in generated])))
-        return batch, {k: v / rows for k, v in weighted.items()}
 
     def train_step(self, step: int) -> dict:
         cfg, m = self.cfg, {"step": step}
         n = cfg.actor_rollout_ref.rollout.n
         with self._timed(m, "step"):
             if cfg.algorithm.filter_groups.enable:
-                batch, reward_metrics = self._dynamic_rollout(step, m)
+                batch, reward_metrics = dynamic_rollout(self, step, m)
             else:
                 batch, reward_metrics = self._rollout(step, m, self.loader.next_batch(), 0)
                 m.update(group_metrics(batch["token_level_scores"].sum(-1), batch.non_tensors["uid"]))
             m.update(reward_metrics)
             if every(cfg.trainer.log_samples_freq, step, self.total_steps):
-                self.samples.append(*self.sample_rows(batch, step, "train", stride=n))
+                self.samples.append(*sample_rows(batch, step, "train", self.reward, self.tokenizer,
+                                                 self.cfg.trainer.log_samples_n, stride=n))
             source = cfg.old_log_prob_source
             if source == "recompute":
                 with self._timed(m, "old_log_prob"):
@@ -233,6 +215,8 @@ class PPOTrainer:
                 pending.append(("ref", self.actor.compute_ref_log_prob))
             if self.critic is not None:
                 pending.append(("values", self.critic.compute_values))
+            if self.safe is not None:
+                pending.append(self.safe.values_call())
             for result in self._run_calls(m, pending, batch):
                 batch |= result
             with self._timed(m, "adv"):
@@ -246,7 +230,11 @@ class PPOTrainer:
                 batch.tensors["token_level_rewards"] = rewards
                 adv, ret = estimate_advantages(batch, cfg.algorithm, cfg.algorithm.adv_estimator)
                 batch.tensors["advantages"], batch.tensors["returns"] = adv, ret
+                if self.safe is not None:
+                    m.update(self.safe.advantages(batch, step))
             pending = [("update_critic", self.critic.update_critic)] if self.critic is not None else []
+            if self.safe is not None:
+                pending.append(self.safe.update_call())
             if step > cfg.trainer.critic_warmup:
                 pending.append(("update_actor", self.actor.update_actor))
             for result in self._run_calls(m, pending, batch):
@@ -255,26 +243,6 @@ class PPOTrainer:
         m.update(throughput(batch, m["timing_s/step"], len(self.actor.ranks)))
         return m
 
-    def sample_rows(self, batch: Batch, step: int, kind: str, stride: int = 1,
-                    scores: list[float] | None = None) -> list[dict]:
-        """``log_samples_n`` rows (every ``stride``-th: one sample per prompt) for samples.jsonl:
-        the prompt as the model saw it (special tokens kept, padding dropped), the response as
-        the reward function saw it."""
-        rows = list(range(0, len(batch), stride))[:self.cfg.trainer.log_samples_n]
-        if scores is None:
-            scores = batch["token_level_scores"].sum(-1).tolist()
-        texts = self.reward.decode(batch[rows])
-        out = []
-        for text, i in zip(texts, rows):
-            prompt = batch["prompts"][i][batch["attention_mask"][i, :batch["prompts"].shape[1]].bool()]
-            out.append({"step": step, "kind": kind,
-                        "data_source": str(batch.non_tensors["data_source"][i]),
-                        "prompt": self.tokenizer.decode(prompt.tolist(), skip_special_tokens=False),
-                        "response": text, "score": float(scores[i]),
-                        "ground_truth": batch.non_tensors["ground_truth"][i],
-                        "response_length": int(batch["response_mask"][i].sum())})
-        return out
-
     # -- validation -----------------------------------------------------------------------
     def validate(self, step: int) -> dict:
         if self.val is None:
@@ -282,7 +250,7 @@ class PPOTrainer:
         t0 = time.perf_counter()
         k = self.cfg.actor_rollout_ref.rollout.val_kwargs.n
         size = self.cfg.data.val_batch_size or len(self.val)
-        scores, sources, lengths = [], [], []
+        scores, costs, sources, lengths = [], [], [], []
         for start in range(0, len(self.val), size):
             batch = self.val.collate(list(range(start, min(len(self.val), start + size))))
             batch.non_tensors["uid"] = np.array([f"val{i}" for i in batch.non_tensors["index"]],
@@ -290,15 +258,20 @@ class PPOTrainer:
             out, _ = self._generate(batch, {"validate": True, "global_step": step})
             _, _, raw = self.reward(out)
             if start == 0 and self.cfg.trainer.log_samples_freq > 0:
-                self.samples.append(*self.sample_rows(out, step, "val", scores=raw))
+                self.samples.append(*sample_rows(out, step, "val", self.reward, self.tokenizer,
+                                                     self.cfg.trainer.log_samples_n, scores=raw))
             scores += raw
+            costs += self.safe.validate(out) if self.safe is not None else []
             sources += list(out.non_tensors["data_source"])
             lengths += out["response_mask"].sum(-1).tolist()
         m = {}
-        for src in sorted(set(sources)):
-            vals = [s for s, d in zip(scores, sources) if d == src]
-            m[f"val-core/{src}/reward/mean@{k}"] = sum(vals) / len(vals)
+        for name, values in (("reward", scores), ("cost", costs)):
+            for src in sorted(set(sources)) if values else []:
+                vals = [v for v, d in zip(values, sources) if d == src]
+                m[f"val-core/{src}/{name}/mean@{k}"] = sum(vals) / len(vals)
         m["val-core/mean"] = sum(scores) / len(scores)
+        if costs:
+            m["val-core/cost"] = sum(costs) / len(costs)
         m["val/response_length/mean"] = sum(lengths) / len(lengths)
         m["timing_s/testing"] = time.perf_counter() - t0
         self.phase_totals["testing"] = self.phase_totals.get("testing", 0.0) + m["timing_s/testing"]
@@ -311,7 +284,10 @@ class PPOTrainer:
         if self.critic is not None:
             self.critic.save_checkpoint(str(path / "critic"))
         state = {"step": step, "loader": self.loader.state_dict(),
-                 "kl_ctrl": self.kl_ctrl.state_dict()}
+                 "kl_ctrl": self.kl_ctrl.state_dict(), "skipped_steps": self.skips.total}
+        if self.safe is not None:
+            self.safe.save(path)
+            state["lagrange"] = self.safe.lagrange.state_dict()
         write_atomic(path / "driver_state.json", json.dumps(state))
         save_config(path, self.cfg)
         mark_latest(self.out, step)
@@ -323,12 +299,16 @@ class PPOTrainer:
         if path is None:
             return 0
         changed = resume_config_changes(path, self.cfg)  # refuses changes that cannot apply
-        state = json.loads((path / "driver_state.json").read_text())
+        state = read_json(path / "driver_state.json", RESUME_FIX)
         self.actor.load_checkpoint(str(path / "actor"))
         if self.critic is not None:
             self.critic.load_checkpoint(str(path / "critic"))
         self.loader.load_state_dict(state["loader"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        self.skips.total = state.get("skipped_steps", 0)
+        if self.safe is not None:
+            self.safe.load(path)
+            self.safe.lagrange.load_state_dict(state["lagrange"])
         self.metrics_log.resume_at(state["step"])
         self.samples.resume_at(state["step"])
         self.log(f"resumed from {path} at step {state['step']}"
@@ -358,6 +338,8 @@ class PPOTrainer:
             self.critic.init_model(self.optimizer_steps(self.cfg.critic))
         if self.rm is not None:
             self.rm.init_model()
+        if self.safe is not None:
+            self.safe.init_model(self.optimizer_steps(self.cfg.cost_critic))
         step = self.resume()
         dump_yaml(self.cfg, self.out / "config.yaml")  # the resolved config of this start
         if self.cfg.trainer.val_before_train and step == 0 and self.val is not None:
@@ -366,6 +348,7 @@ class PPOTrainer:
         while step < end:
             step += 1
             metrics = self.train_step(step)
+            self.skips.check(metrics)  # training/skipped_steps; too many in a row: stop
             if every(self.cfg.trainer.test_freq, step, self.total_steps):
                 metrics.update(self.validate(step))
             if every(self.cfg.trainer.save_freq, step, self.total_steps) or step == self.total_steps:

@@ -1,9 +1,11 @@
 """The RL job's config tree, with verl's section and key names.
 
 ``PPOConfig`` = ``data`` + ``actor_rollout_ref`` + ``critic`` + ``reward_model`` +
-``custom_reward_function`` + ``algorithm`` + ``trainer`` + ``controller``. One loop serves
+``custom_reward_function`` + (Safe-RLHF) ``cost_model`` + ``cost_critic`` +
+``custom_cost_function`` + ``algorithm`` + ``trainer`` + ``controller``. One loop serves
 every estimator; which roles run follows from the settings (a critic only for ``gae``, a
-reference only when a KL is used, a reward model only when ``reward_model.enable``).
+reference only when a KL is used, a reward model only when ``reward_model.enable``, a cost
+critic and model only with ``algorithm.safe``).
 Deliberate deviation from verl: ``ppo_mini_batch_size`` counts sequences (prompts x n),
 as every batch size of the workers does. ``check_sizes`` (called with the world size before
 any model loads) refuses batch sizes that do not fit the ranks, naming the key.
@@ -69,6 +71,26 @@ class FilterGroupsConfig:
 
 
 @dataclass
+class SafeConfig:
+    """Safe-RLHF (Dai et al., 2023): maximise the reward subject to ``mean episode cost <=
+    cost_limit``, with a cost model or function, a cost critic and a Lagrange multiplier
+    (``minihf.algorithms.safe``). Needs ``adv_estimator=gae``."""
+    enable: bool = False                 # score costs, train a cost critic, combine advantages with lambda
+    cost_limit: float = 0.0              # bound on the mean episode cost (Safe-RLHF's threshold)
+    lambda_init: float = 1.0             # the Lagrange multiplier's start
+    lambda_lr: float = 0.1               # lambda += lambda_lr * (mean cost - cost_limit), each step
+    lambda_max: Optional[float] = None   # cap on lambda; null: none
+    lambda_update_delay_steps: int = 0   # steps before lambda starts to move
+
+    def __post_init__(self):
+        from minihf.algorithms import LagrangeMultiplier
+
+        LagrangeMultiplier(self.lambda_init, self.lambda_lr, self.cost_limit, self.lambda_max)  # checks
+        if self.lambda_update_delay_steps < 0:
+            raise ValueError(f"lambda_update_delay_steps={self.lambda_update_delay_steps} must be >= 0")
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "gae"           # gae | grpo | rloo | reinforce_plus_plus | ... (registry)
     gamma: float = 1.0                   # discount (GAE, REINFORCE++)
@@ -78,6 +100,7 @@ class AlgorithmConfig:
     kl_penalty: str = "kl"               # estimator of the in-reward KL
     kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    safe: SafeConfig = field(default_factory=SafeConfig)  # Safe-RLHF's cost constraint
 
     def __post_init__(self):
         from minihf.algorithms import get_adv_estimator_fn
@@ -98,6 +121,14 @@ class CustomRewardConfig:
         if self.path and not Path(self.path).is_file():
             raise ValueError(f"path={self.path!r} does not exist (relative to {Path.cwd()}); "
                              "name a .py file with the reward function")
+
+
+@dataclass
+class CustomCostConfig(CustomRewardConfig):
+    """The rule cost (Safe-RLHF), a reward-style function: the built-ins by data_source
+    (e.g. ``safe_sort``) or one from a file. Scores training costs when no cost model is
+    enabled, and validation costs always."""
+    name: str = "compute_cost"           # function name in `path`
 
 
 @dataclass
@@ -123,8 +154,18 @@ class RewardModelSection(RewardModelConfig):
 
 
 @dataclass
+class CostModelSection(RewardModelConfig):
+    enable: bool = False                 # score training costs with a learned cost model (algorithm.safe)
+
+
+@dataclass
 class CriticSection(CriticConfig):
     enable: Optional[bool] = None        # None: only with adv_estimator=gae
+
+
+@dataclass
+class CostCriticSection(CriticConfig):
+    enable: Optional[bool] = None        # None: with algorithm.safe.enable
 
 
 @dataclass
@@ -145,8 +186,11 @@ class PPOTrainerConfig:
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])  # console and/or jsonl
     log_samples_freq: int = 10           # samples.jsonl rows every N steps (and validations); <= 0: off
     log_samples_n: int = 4               # rows per logged step (one sample of each of the first prompts)
+    max_skipped_steps: int = 3           # steps in a row with a NaN/Inf gradient (update skipped) before the run stops; 0: never
 
     def __post_init__(self):
+        if self.max_skipped_steps < 0:
+            raise ValueError(f"max_skipped_steps={self.max_skipped_steps} must be >= 0 (0: never stop)")
         if self.log_samples_n < 1:
             raise ValueError(f"log_samples_n={self.log_samples_n} must be >= 1 (turn samples off "
                              "with log_samples_freq=0)")
@@ -162,6 +206,9 @@ class PPOConfig:
     critic: CriticSection = field(default_factory=CriticSection)
     reward_model: RewardModelSection = field(default_factory=RewardModelSection)
     custom_reward_function: CustomRewardConfig = field(default_factory=CustomRewardConfig)
+    cost_model: CostModelSection = field(default_factory=CostModelSection)
+    cost_critic: CostCriticSection = field(default_factory=CostCriticSection)
+    custom_cost_function: CustomCostConfig = field(default_factory=CustomCostConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: PPOTrainerConfig = field(default_factory=PPOTrainerConfig)
     controller: ControllerConfig = field(default_factory=ControllerConfig)
@@ -188,6 +235,28 @@ class PPOConfig:
             raise ValueError("algorithm.adv_estimator=gae needs a critic; set critic.enable=true")
         if self.critic.enable and not self.critic.model.path:
             self.critic.model.path = self.actor_rollout_ref.model.path
+        self._check_safe()
+
+    def _check_safe(self) -> None:
+        safe = self.algorithm.safe.enable
+        if self.cost_critic.enable is None:
+            self.cost_critic.enable = safe
+        for key, on in (("cost_model.enable", self.cost_model.enable),
+                        ("cost_critic.enable", self.cost_critic.enable)):
+            if on and not safe:
+                raise ValueError(f"{key}=true needs algorithm.safe.enable=true")
+        if not safe:
+            return
+        if self.algorithm.adv_estimator != "gae":
+            raise ValueError(f"algorithm.safe needs adv_estimator=gae (a reward critic and a cost "
+                             f"critic), not {self.algorithm.adv_estimator!r}")
+        if not self.cost_critic.enable:
+            raise ValueError("algorithm.safe needs the cost critic; drop cost_critic.enable=false")
+        if self.cost_model.enable and not self.cost_model.model.path:
+            raise ValueError("cost_model.enable=true needs cost_model.model.path (a score-head "
+                             "model dir from `minihf rm` on cost pairs)")
+        if not self.cost_critic.model.path:
+            self.cost_critic.model.path = self.critic.model.path
 
     @property
     def use_ref(self) -> bool:

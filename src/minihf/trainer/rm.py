@@ -57,7 +57,8 @@ class RMConfig:
 
 class RMDriver(SFTDriver):
     """The SFT loop over preference pairs; validation reports ``val/loss``,
-    ``val/accuracy`` (pairs ranked right) and ``val/margin``."""
+    ``val/accuracy`` (pairs ranked right), ``val/margin`` and, for sign-labeled pairs (a
+    cost model), ``val/sign_accuracy`` (sides whose score has the labeled sign)."""
 
     def dataset(self, files, tokenizer):
         from minihf.data import PairDataset
@@ -68,15 +69,19 @@ class RMDriver(SFTDriver):
     def validate(self) -> dict[str, float]:
         if self.val is None:
             return {}
-        sums = {"loss_sum": 0.0, "correct": 0.0, "margin_sum": 0.0, "pairs": 0.0}
+        sums = {"loss_sum": 0.0, "correct": 0.0, "margin_sum": 0.0, "sign_correct": 0.0,
+                "signed": 0.0, "pairs": 0.0}
         n, bs = len(self.val), self.cfg.data.val_batch_size
         for start in range(0, n, bs):
             batch = self.val.collate(list(range(start, min(n, start + bs))))
             r = self.sft.eval_step(padded(batch, self.sft.dp_size, "weight"))  # weight-0 fill rows
             sums = {k: sums[k] + r[k] for k in sums}
         pairs = max(sums["pairs"], 1.0)
-        return {"val/loss": sums["loss_sum"] / pairs, "val/accuracy": sums["correct"] / pairs,
-                "val/margin": sums["margin_sum"] / pairs}
+        out = {"val/loss": sums["loss_sum"] / pairs, "val/accuracy": sums["correct"] / pairs,
+               "val/margin": sums["margin_sum"] / pairs}
+        if sums["signed"]:
+            out["val/sign_accuracy"] = sums["sign_correct"] / sums["signed"]  # scores of the right sign
+        return out
 
 
 def rm_driver(cfg: RMConfig, stop_after: int | None = None):

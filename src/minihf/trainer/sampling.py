@@ -1,6 +1,6 @@
-"""DAPO's dynamic sampling, the pure parts: which rows of a round to keep, and joining
-rounds whose prompts were padded to different widths (the loop is
-``PPOTrainer._dynamic_rollout``)."""
+"""DAPO's dynamic sampling: the loop over generation rounds (``dynamic_rollout``, called by
+``PPOTrainer.train_step``), which rows of a round to keep, and joining rounds whose prompts
+were padded to different widths."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from minihf.protocol import Batch
+from minihf.trainer.metrics import group_metrics
 
 
 def varied_group_rows(scores: torch.Tensor, n: int) -> np.ndarray:
@@ -35,3 +36,36 @@ def align_prompts(batches: list[Batch], pad_id: int) -> list[Batch]:
             b = Batch(tensors, b.non_tensors, b.meta)
         out.append(b)
     return out
+
+
+def dynamic_rollout(trainer, step: int, m: dict) -> tuple[Batch, dict]:
+    """DAPO's dynamic sampling for ``trainer`` (a ``PPOTrainer``): generation rounds of
+    ``data.gen_batch_size`` prompts, each keeping only the groups whose samples score
+    differently, until ``train_batch_size`` prompts are kept (the surplus is dropped).
+    ``train/num_gen_batches``: the rounds."""
+    cfg, n = trainer.cfg, trainer.cfg.actor_rollout_ref.rollout.n
+    need, limit = cfg.data.train_batch_size, cfg.algorithm.filter_groups.max_num_gen_batches
+    kept, generated, weighted, rows = [], [], {}, 0
+    while sum(len(b) for b in kept) < need * n:
+        if limit and len(generated) >= limit:
+            have = sum(len(b) for b in kept) // n
+            raise RuntimeError(
+                f"algorithm.filter_groups: after {len(generated)} generation rounds only {have} of "
+                f"data.train_batch_size={need} prompts had samples that score differently (the task "
+                "is too easy or too hard for the policy); raise algorithm.filter_groups."
+                "max_num_gen_batches (0: no limit), actor_rollout_ref.rollout.n or "
+                "data.gen_batch_size, or set algorithm.filter_groups.enable=false")
+        batch, metrics = trainer._rollout(step, m, trainer.loader.next_batch(), len(generated))
+        for k, v in metrics.items():
+            weighted[k] = weighted.get(k, 0.0) + v * len(batch)
+        rows += len(batch)
+        generated.append((batch["token_level_scores"].sum(-1), batch.non_tensors["uid"]))
+        rows_kept = varied_group_rows(generated[-1][0], n)
+        if len(rows_kept):
+            kept.append(batch[rows_kept])
+    batch = Batch.concat(align_prompts(kept, trainer.tokenizer.pad_token_id))
+    batch = batch[np.arange(need * n)]
+    m["train/num_gen_batches"] = len(generated)
+    m.update(group_metrics(torch.cat([s for s, _ in generated]),
+                           np.concatenate([u for _, u in generated])))
+    return batch, {k: v / rows for k, v in weighted.items()}

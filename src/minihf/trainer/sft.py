@@ -17,7 +17,7 @@ from typing import Literal, Optional, Union
 
 from minihf.config import dump_yaml
 from minihf.controller.config import ControllerConfig
-from minihf.trainer.common import (MetricsLog, find_resume_path, mark_latest,
+from minihf.trainer.common import (MetricsLog, check_run_dir, find_resume_path, mark_latest,
                                    resume_config_changes, run_dir, save_config)
 from minihf.workers.optim import OptimConfig
 from minihf.workers.config import FSDPConfig, ModelConfig
@@ -195,14 +195,15 @@ def check_paths(cfg: SFTConfig) -> None:
     if not cfg.model.path or not (model / "config.json").is_file():
         what = "is empty" if not cfg.model.path else (
             "does not exist" if not model.exists() else "has no config.json")
-        raise ConfigError(f"model.path={cfg.model.path!r} {what}; pass an HF checkpoint dir "
-                          "(make one offline with `minihf init-model DIR --task digits`)")
+        raise ConfigError(f"model.path={cfg.model.path!r} {what} (relative paths are from {Path.cwd()}); "
+                          "pass an HF checkpoint dir (make one offline with `minihf init-model DIR --task digits`)")
     for key in ("train_files", "val_files"):
         files = getattr(cfg.data, key)
         for f in [files] if isinstance(files, str) else (files or []):
             if not Path(f).is_file():
                 raise ConfigError(f"data.{key}: {f!r} does not exist (relative paths are from "
                                   f"{Path.cwd()}); write task data with `minihf make-data`")
+    check_run_dir(run_dir(cfg.trainer), "trainer.default_local_dir")
 
 
 def run_sft(cfg: SFTConfig) -> list[dict] | None:

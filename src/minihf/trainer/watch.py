@@ -14,6 +14,10 @@ the first time one of these shows up:
 * KL exploding (``actor/kl_loss``, ``actor/ppo_kl`` or the in-reward KL above 1.0): the
   policy runs away from the reference or from its own rollout.
 
+:class:`SkipCounter` counts the steps whose update skipped an optimizer step for a
+NaN/Inf gradient (``training/skipped_steps``) and stops the run after
+``trainer.max_skipped_steps`` of them in a row.
+
 Sample generations go to ``samples.jsonl`` in the run dir (a ``MetricsLog`` of that name,
 cut back on resume like ``metrics.jsonl``): a few prompt / response / score rows every
 ``trainer.log_samples_freq`` steps and the first rows of each validation.
@@ -28,6 +32,35 @@ ENTROPY_FRACTION = 0.1
 EQUAL_GROUPS = 0.8
 KL_LIMIT = 1.0
 KL_KEYS = ("actor/kl_loss", "actor/ppo_kl", "actor/reward_kl_penalty")
+
+
+class SkipCounter:
+    """RL steps whose update skipped an optimizer step for a non-finite gradient (a role's
+    ``<role>/skipped_updates``): ``training/skipped_steps`` counts them; ``limit`` of them in
+    a row stop the run, naming the phase and the last finite metrics."""
+    KEYS = ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "actor/entropy")
+
+    def __init__(self, limit: int):
+        self.limit, self.total, self.in_a_row = limit, 0, 0
+        self.last_good: dict = {}
+
+    def check(self, metrics: dict) -> None:
+        phases = sorted(k.split("/")[0] for k, v in metrics.items() if k.endswith("/skipped_updates") and v)
+        if phases:
+            self.total, self.in_a_row = self.total + 1, self.in_a_row + 1
+        else:
+            self.in_a_row = 0
+            self.last_good = {"step": metrics.get("step"),
+                              **{k: metrics[k] for k in self.KEYS if k in metrics}}
+        metrics["training/skipped_steps"] = self.total
+        if phases and self.limit and self.in_a_row >= self.limit:
+            last = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                             for k, v in self.last_good.items()) or "none (no step was finite)"
+            raise RuntimeError(
+                f"{self.in_a_row} steps in a row had a NaN/Inf loss or gradient in "
+                f"{', '.join(f'update_{p}' for p in phases)} (their optimizer steps were skipped); last "
+                f"finite step: {last}. Lower the learning rate, check the reward/score scale, or raise "
+                "trainer.max_skipped_steps")
 
 
 class RunWatch:

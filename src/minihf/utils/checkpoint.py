@@ -28,8 +28,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
+
+from minihf.utils.files import CorruptFileError, read_json
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "chat_template.jinja", "generation_config.json",
@@ -104,6 +107,30 @@ def save_checkpoint(path: str | Path, model: torch.nn.Module, optimizer=None, lr
     return path
 
 
+CKPT_FIX = ("resume from an earlier global_step_N (trainer.resume_mode=resume_path), start fresh "
+            "(trainer.resume_mode=disable or a new trainer.default_local_dir)")
+
+
+def _dcp_load(state: dict, shard_dir: Path, group, **kw) -> None:
+    """``dcp.load`` with one line instead of every rank's traceback when the shards are
+    incomplete, truncated, or written for a model of another shape (``CorruptFileError``)."""
+    if not (shard_dir / ".metadata").is_file():
+        raise CorruptFileError(f"{shard_dir} has no .metadata file (the checkpoint was not written "
+                               f"completely); {CKPT_FIX}")
+    try:
+        dcp.load(state, checkpoint_id=str(shard_dir), process_group=group, **kw)
+    except (Exception, CheckpointException) as exc:  # DCP wraps every rank's error in one (a BaseException)
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        last, low = (lines[-1][:240] if lines else type(exc).__name__), str(exc).lower()
+        if "size mismatch" in low:
+            why = f"it was written for a model of a different shape ({last})"
+        elif "missing key" in low:
+            why = f"it lacks tensors this model has, another architecture? ({last})"
+        else:
+            why = f"{last} (a truncated or damaged shard?)"
+        raise CorruptFileError(f"cannot load the checkpoint shards in {shard_dir}: {why}; {CKPT_FIX}") from None
+
+
 def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer=None, lr_scheduler=None,
                     *, group=None, restore_rng: bool = True) -> dict:
     """Load what :func:`save_checkpoint` wrote into the (already sharded) ``model`` etc.
@@ -122,11 +149,11 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer=None, lr
                                 "without an optimizer")
     with _quiet_single_process(group is None):
         state = {"model": get_model_state_dict(model)}
-        dcp.load(state, checkpoint_id=str(path / "model"), process_group=group)
+        _dcp_load(state, path / "model", group)
         set_model_state_dict(model, state["model"])
         if optimizer is not None:
             ostate = {"optim": get_optimizer_state_dict(model, optimizer)}
-            dcp.load(ostate, checkpoint_id=str(path / "optim"), process_group=group)
+            _dcp_load(ostate, path / "optim", group)
             set_optimizer_state_dict(model, optimizer, ostate["optim"])
     own = path / "extra" / f"rank_{rank}.pt"
     if not own.exists():
@@ -156,11 +183,12 @@ def export_hf(ckpt: str | Path, out: str | Path, dtype: torch.dtype | None = Non
                                 "written by save_checkpoint (e.g. .../global_step_N/actor)")
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"export target {out} is a file; pass a directory path")
-    head = json.loads((ckpt / "meta.json").read_text())["head"]
+    head = read_json(ckpt / "meta.json", "the checkpoint was not written completely; export an earlier "
+                     "global_step_N").get("head")
     model = build_model(load_args(ckpt / "hf"), head)
     state = {"model": model.state_dict()}
     with _quiet_single_process(True):
-        dcp.load(state, checkpoint_id=str(ckpt / "model"), no_dist=True)
+        _dcp_load(state, ckpt / "model", None, no_dist=True)
     model.load_state_dict(state["model"])
     model.tie_weights()
     if dtype is not None:

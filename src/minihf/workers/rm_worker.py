@@ -4,7 +4,9 @@ A batch holds one row per preference pair (``chosen_*`` and ``rejected_*`` tenso
 ``minihf.data.PairDataset``), so DP chunks and micro-batches never split a pair. Each
 micro-batch runs the model on its chosen and its rejected sequences and adds
 ``-log sigmoid(r_chosen - r_rejected)`` for each pair, divided by the number of pairs in
-the whole global batch (exact over any micro-batching and rank count). ``eval_step``
+the whole global batch (exact over any micro-batching and rank count). Sides with a sign
+label (``<side>_sign`` = +1 / -1, Safe-RLHF's cost-model safety labels) add
+``-log sigmoid(sign * r)``, which fixes the score's zero: positive means costly. ``eval_step``
 returns sums (loss, correct pairs, margin, pairs) so the driver forms exact means.
 """
 
@@ -24,7 +26,22 @@ from minihf.workers.train_step import all_reduce_, plan_micro_batches, take_rows
 
 SIDES = ("chosen", "rejected")
 KEYS = tuple(f"{side}_{k}" for side in SIDES for k in ("input_ids", "attention_mask", "position_ids")) \
-    + ("weight",)  # weight: 1 per pair, 0 on rows the driver added to fill the DP ranks
+    + ("chosen_sign", "rejected_sign", "weight")  # weight: 1 per pair, 0 on fill rows (driver)
+
+
+def pair_loss(chosen: torch.Tensor, rejected: torch.Tensor, mb: dict) -> dict[str, torch.Tensor]:
+    """Per-batch sums over the micro-batch's weighted pairs: ``loss`` (Bradley-Terry + the
+    sign terms), ``correct``, ``margin``, ``sign_correct`` and ``signed`` (labeled sides)."""
+    w, diff = mb["weight"].float(), chosen - rejected
+    loss = -(F.logsigmoid(diff) * w).sum()
+    sign_correct, signed = diff.new_zeros(()), diff.new_zeros(())
+    for score, sign in ((chosen, mb["chosen_sign"]), (rejected, mb["rejected_sign"])):
+        labeled = (sign != 0).float() * w
+        loss = loss - (F.logsigmoid(sign * score) * labeled).sum()
+        sign_correct = sign_correct + ((sign * score > 0).float() * labeled).sum()
+        signed = signed + labeled.sum()
+    return {"loss": loss, "correct": ((diff > 0).float() * w).sum(), "margin": (diff * w).sum(),
+            "sign_correct": sign_correct, "signed": signed}
 
 
 def pair_scores(model, mb: dict, use_remove_padding: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,35 +79,35 @@ class RMTrainWorker(Worker):
 
     @register(dispatch=Dispatch.DP_COMPUTE_EXACT, collect=Dispatch.RANK_ZERO)
     def train_step(self, batch: Batch) -> dict[str, float]:
-        """One optimizer step: ``train/loss`` (mean BT loss), ``train/accuracy`` (pairs with
-        r_chosen > r_rejected), ``train/margin`` (mean r_chosen - r_rejected)."""
+        """One optimizer step: ``train/loss`` (per pair: BT loss + sign terms), ``train/accuracy``
+        (pairs with r_chosen > r_rejected), ``train/margin`` (mean r_chosen - r_rejected)."""
         data = tensors_of(batch, KEYS, self.device)
         norm = self._pairs(data)
         rmpad = self.model_cfg.use_remove_padding
 
         def loss_fn(mb):
-            chosen, rejected = pair_scores(self.state.model, mb, rmpad)
-            w, diff = mb["weight"].float(), chosen - rejected
-            loss = -(F.logsigmoid(diff) * w).sum() / norm
-            return loss, {"loss": loss, "accuracy": ((diff > 0).float() * w).sum() / norm,
-                          "margin": (diff * w).sum() / norm}
+            sums = pair_loss(*pair_scores(self.state.model, mb, rmpad), mb)
+            loss = sums["loss"] / norm
+            return loss, {"loss": loss, "accuracy": sums["correct"] / norm,
+                          "margin": sums["margin"] / norm}
         stats = self.state.step([take_rows(data, rows) for rows in self._plan(data)], loss_fn)
         return prefixed(stats, "train")
 
     @register(dispatch=Dispatch.DP_COMPUTE_EXACT, collect=Dispatch.RANK_ZERO)
     def eval_step(self, batch: Batch) -> dict[str, float]:
-        """Sums over the batch's pairs: ``loss_sum``, ``correct``, ``margin_sum``, ``pairs``."""
+        """Sums over the batch's pairs: ``loss_sum``, ``correct``, ``margin_sum``, ``pairs``,
+        ``sign_correct``, ``signed``."""
         data = tensors_of(batch, KEYS, self.device)
-        total = torch.zeros(4, device=self.device)
+        names = ("loss", "correct", "margin", "sign_correct", "signed")
+        total = torch.zeros(len(names) + 1, device=self.device)
         with torch.no_grad():
             for rows in self._plan(data):
                 mb = take_rows(data, rows)
-                chosen, rejected = pair_scores(self.state.model, mb, self.model_cfg.use_remove_padding)
-                w, diff = mb["weight"].float(), chosen - rejected
-                total += torch.stack([-(F.logsigmoid(diff) * w).sum(), ((diff > 0).float() * w).sum(),
-                                      (diff * w).sum(), w.sum()])
+                sums = pair_loss(*pair_scores(self.state.model, mb, self.model_cfg.use_remove_padding), mb)
+                total += torch.stack([sums[k] for k in names] + [mb["weight"].float().sum()])
         all_reduce_(total, self.group)
-        return dict(zip(("loss_sum", "correct", "margin_sum", "pairs"), total.tolist()))
+        return dict(zip(("loss_sum", "correct", "margin_sum", "sign_correct", "signed", "pairs"),
+                        total.tolist()))
 
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Dispatch.RANK_ZERO)
     def save_checkpoint(self, path: str, extra: dict | None = None) -> str:

@@ -67,7 +67,8 @@ class TrainState:
         For each mini-batch the global loss normaliser and token count (over all DP ranks)
         are computed first; ``make_loss_fn(norm, tokens)`` builds the micro-batch loss that
         divides by them (exact accumulation, see ``train_step``). Returns the per-step
-        metrics averaged over the call's optimizer steps.
+        metrics averaged over the call's optimizer steps, and ``skipped_updates`` (how many
+        had a non-finite gradient and did not update) when any did.
         """
         steps = []
         num_rows = len(next(iter(data.values())))
@@ -79,7 +80,11 @@ class TrainState:
             plan = plan_micro_batches(mini["attention_mask"], micro_batch_size=micro_batch_size,
                                       max_tokens=max_tokens, group=self.group)
             steps.append(self.step([take_rows(mini, p) for p in plan], make_loss_fn(norm, tokens)))
-        return mean_metrics(steps)
+        skipped = sum(s.pop("skipped", 0.0) for s in steps)
+        out = mean_metrics(steps)
+        if skipped:
+            out["skipped_updates"] = skipped
+        return out
 
     def save(self, path: str, extra: dict | None = None) -> str:
         """Sharded model + optimizer + schedule + RNG (+ ``extra``) under ``path``; every
@@ -89,9 +94,18 @@ class TrainState:
         return str(path)
 
     def load(self, path: str) -> dict:
-        """Restore what :meth:`save` wrote; returns the saved ``extra``."""
-        return ckpt.load_checkpoint(path, self.model, self.optimizer, self.lr_scheduler,
-                                    group=self.group)
+        """Restore what :meth:`save` wrote; returns the saved ``extra``. The learning rate of
+        the next step comes from this run's schedule at the saved step, not from the saved
+        optimizer: a resumed run with a changed length (``total_epochs``) is on its new
+        schedule from its first step (with an unchanged one, the two are the same numbers)."""
+        extra = ckpt.load_checkpoint(path, self.model, self.optimizer, self.lr_scheduler,
+                                     group=self.group)
+        sched = self.lr_scheduler
+        lrs = [base * fn(sched.last_epoch) for base, fn in zip(sched.base_lrs, sched.lr_lambdas)]
+        for group, lr in zip(self.optimizer.param_groups, lrs):
+            group["lr"] = lr
+        sched._last_lr = lrs
+        return extra
 
     @contextlib.contextmanager
     def optimizer_on_host(self, enabled: bool = True):

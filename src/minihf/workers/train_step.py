@@ -95,7 +95,8 @@ def train_minibatch(model: nn.Module, optimizer: torch.optim.Optimizer, lr_sched
     mini-batch loss (partial sum / global normaliser); ``stats`` are shares of global
     statistics. Returns the stats summed over micro-batches and ranks plus ``grad_norm``
     (the true global norm, before clipping) and ``lr`` (the one used for this step). A
-    non-finite gradient norm skips the parameter update.
+    non-finite gradient norm (a NaN/Inf loss or gradient) skips the parameter update and
+    adds ``skipped: 1.0``.
     """
     dp = group_size(group)
     optimizer.zero_grad(set_to_none=True)
@@ -108,13 +109,16 @@ def train_minibatch(model: nn.Module, optimizer: torch.optim.Optimizer, lr_sched
             sums[k] = sums[k] + v if k in sums else v
     grad_norm = clip_grad_norm_(model.parameters(), clip_grad)
     lr = optimizer.param_groups[0]["lr"]
-    if torch.isfinite(grad_norm):
+    finite = bool(torch.isfinite(grad_norm))
+    if finite:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     if lr_scheduler is not None:
         lr_scheduler.step()
     keys = sorted(sums)
     out: dict[str, float] = {"grad_norm": float(grad_norm), "lr": float(lr)}
+    if not finite:
+        out["skipped"] = 1.0
     if keys:
         stacked = torch.stack([sums[k].to(grad_norm.device) for k in keys])
         all_reduce_(stacked, group)

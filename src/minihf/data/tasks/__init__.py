@@ -1,5 +1,6 @@
 """Synthetic tasks with generators and reward functions: ``digits``, ``sort``, ``arith``,
-``countdown``, and ``chat_arith`` (English prompts for a pretrained chat model).
+``countdown``, ``chat_arith`` (English prompts for a pretrained chat model), and
+``safe_sort`` (``sort`` with a costly digit: a task with a ``compute_cost`` for Safe-RLHF).
 
 ``TASKS`` maps a task name to its module; ``make_task_data(name, out_dir, ...)`` writes
 train/test files in verl's format.
@@ -9,11 +10,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from minihf.data.tasks import arith, chat_arith, countdown, digits, sort
+from minihf.data.tasks import arith, chat_arith, countdown, digits, safe_sort, sort
 from minihf.data.tasks.common import write_task_data
 
 TASKS = {"digits": digits, "sort": sort, "arith": arith, "countdown": countdown,
-         "chat_arith": chat_arith}
+         "chat_arith": chat_arith, "safe_sort": safe_sort}
 
 
 def get_task(name: str):
@@ -23,7 +24,8 @@ def get_task(name: str):
 
 
 def make_task_data(name: str, out_dir: str | Path, num_train: int = 1000, num_test: int = 100, seed: int = 0,
-                   pairs: bool = False) -> dict[str, Path]:
+                   pairs: bool = False, pairs_by: str = "reward") -> dict[str, Path]:
     """Write ``train``/``test`` .parquet and .jsonl files for task ``name`` (prompts, or
-    preference pairs with ``pairs``); returns the parquet paths."""
-    return write_task_data(get_task(name), out_dir, num_train, num_test, seed, pairs=pairs)
+    preference pairs with ``pairs``, ranked by the task's ``reward`` or ``cost``); returns
+    the parquet paths."""
+    return write_task_data(get_task(name), out_dir, num_train, num_test, seed, pairs=pairs, pairs_by=pairs_by)

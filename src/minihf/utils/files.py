@@ -1,0 +1,56 @@
+"""Reading the files minihf depends on, with one clear line when one is broken.
+
+A half-written, empty or hand-edited file (``config.json``, a safetensors shard, a
+checkpoint's metadata, ``latest_checkpointed_iteration.txt``) raises ``CorruptFileError``
+naming the path, what is wrong, and the way out the caller gives (``fix``), instead of a
+decoder's traceback without the file name.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+class CorruptFileError(ValueError):
+    """A file exists but cannot be read as what it should be."""
+
+
+def read_json(path: str | Path, fix: str) -> Any:
+    """The JSON in ``path``; ``CorruptFileError`` if it is empty, not UTF-8 or not JSON."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError:
+        raise CorruptFileError(f"{path} is not UTF-8 text (a binary or damaged file); {fix}") from None
+    if not text.strip():
+        raise CorruptFileError(f"{path} is empty (written only in part?); {fix}")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise CorruptFileError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}, column "
+                               f"{exc.colno}); {fix}") from None
+
+
+def open_safetensors(path: str | Path, fix: str):
+    """``safetensors.safe_open`` of ``path`` (torch tensors); ``CorruptFileError`` for an
+    empty, truncated or foreign file."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(str(path), framework="pt")
+    except SafetensorError as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise CorruptFileError(f"{path} is not a readable safetensors file ({reason}; "
+                               f"{Path(path).stat().st_size} bytes); {fix}") from None
+
+
+def read_int(path: str | Path, fix: str) -> int:
+    """The integer that is the whole content of ``path`` (e.g. the latest checkpoint step)."""
+    text = Path(path).read_text(errors="replace").strip()
+    try:
+        return int(text)
+    except ValueError:
+        shown = repr(text[:40]) if text else "nothing"
+        raise CorruptFileError(f"{path} holds {shown}, not a step number; {fix}") from None

@@ -1,0 +1,263 @@
+"""Broken files get one line naming the path, what is wrong and the way out
+(docs/reliability.md): model dirs (config.json, safetensors), checkpoints (shards, their
+metadata, the latest-step pointer, the driver state), and the RL driver's resume."""
+
+import json
+import math
+import shutil
+
+import pytest
+
+from minihf.models import ModelArgs, build_model, init_weights
+from minihf.utils.checkpoint import load_checkpoint, save_checkpoint
+from minihf.utils.files import CorruptFileError
+
+from test_fsdp import ARGS
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from minihf.data import init_model
+
+    root = tmp_path_factory.mktemp("rel")
+    init_model(root / "m", size="tiny", task="sort")
+    return root / "m"
+
+
+def broken_copy(model_dir, tmp_path, name, mutate):
+    out = tmp_path / name.replace("/", "_")
+    shutil.copytree(model_dir, out)
+    target = out / name
+    target.write_bytes(mutate(target.read_bytes()))
+    return out
+
+
+@pytest.mark.parametrize("name, mutate, message", [
+    ("config.json", lambda b: b[:-20], r"config.json is not valid JSON \(.* at line \d+, column \d+\); re-export"),
+    ("config.json", lambda b: b"", r"config.json is empty \(written only in part\?\)"),
+    ("config.json", lambda b: b"\xff\xfe\x00bin", r"config.json is not UTF-8 text"),
+    ("model.safetensors", lambda b: b"", r"model.safetensors is not a readable safetensors file \(.*0 bytes\)"),
+    ("model.safetensors", lambda b: b[:len(b) // 2], r"model.safetensors is not a readable safetensors file"),
+    ("generation_config.json", lambda b: b"{", r"generation_config.json is not valid JSON.*delete generation_config"),
+])
+def test_broken_model_dirs_name_the_file(model_dir, tmp_path, name, mutate, message):
+    from minihf.models import load_hf
+    from minihf.rollout.text import generate_text
+    from minihf.rollout import SamplingParams
+
+    bad = broken_copy(model_dir, tmp_path, name, mutate)
+    with pytest.raises(CorruptFileError, match=message):
+        if name == "generation_config.json":
+            generate_text(bad, ["1,2"], SamplingParams(max_tokens=2))
+        else:
+            load_hf(bad)
+
+
+def test_broken_model_dir_through_the_cli_is_one_line(model_dir, tmp_path):
+    from typer.testing import CliRunner
+
+    from minihf.cli import app
+
+    bad = broken_copy(model_dir, tmp_path, "config.json", lambda b: b[:-20])
+    res = CliRunner().invoke(app, ["generate", str(bad), "-p", "1,2"])
+    assert res.exit_code != 0 and "Traceback" not in res.output
+    assert "config.jsonisnotvalidJSON" in "".join(res.output.replace("│", " ").split())  # Rich wraps paths
+
+
+def small(**overrides):
+    return init_weights(build_model(ModelArgs(**{**ARGS, **overrides}), "lm"), seed=0)
+
+
+def test_broken_checkpoints_name_the_shard_dir(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    save_checkpoint(ckpt, small(), extra={"step": 1})
+    load_checkpoint(ckpt, small())                                   # the intact one loads
+    with pytest.raises(CorruptFileError, match=r"model: it was written for a model of a different shape \(.*Size mismatch.*"
+                                               r"trainer.resume_mode=disable"):
+        load_checkpoint(ckpt, small(intermediate_size=96))
+    shard = next((ckpt / "model").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(CorruptFileError, match=r"cannot load the checkpoint shards in .*model: .*damaged shard"):
+        load_checkpoint(ckpt, small())
+    (ckpt / "model" / ".metadata").unlink()
+    with pytest.raises(CorruptFileError, match=r"model has no .metadata file \(the checkpoint was not written "
+                                               r"completely\); resume from an earlier global_step_N"):
+        load_checkpoint(ckpt, small())
+
+
+@pytest.mark.parametrize("content, message", [
+    ("", r"holds nothing, not a step number"),
+    ("12abc\n", r"holds '12abc', not a step number"),
+    ("7\n", r"points at global_step_7, which does not exist"),
+])
+def test_latest_checkpoint_pointer(tmp_path, content, message):
+    from minihf.trainer.common import LATEST, find_resume_path
+
+    (tmp_path / LATEST).write_text(content)
+    with pytest.raises(CorruptFileError, match=message + r".*trainer.resume_mode=disable"):
+        find_resume_path(str(tmp_path), "auto", None)
+    (tmp_path / "global_step_7").mkdir()
+    if content == "7\n":
+        assert find_resume_path(str(tmp_path), "auto", None) == tmp_path / "global_step_7"
+
+
+def test_saved_run_config_that_is_broken(tmp_path):
+    from minihf.trainer.common import CONFIG_FILE, resume_config_changes
+
+    (tmp_path / CONFIG_FILE).write_text('{"data": ')
+    with pytest.raises(CorruptFileError, match=rf"{CONFIG_FILE} is not valid JSON"):
+        resume_config_changes(tmp_path, None)
+
+
+def test_run_dir_that_is_a_file_fails_at_start_up(model_dir, tmp_path):
+    from minihf.config import ConfigError, load_config
+    from minihf.data import make_task_data
+    from minihf.trainer.ppo_job import PPOJobConfig, check_paths
+    from minihf.trainer.sft import SFTConfig, check_paths as check_sft_paths
+
+    make_task_data("sort", tmp_path / "d", 4, 2)
+    (tmp_path / "taken").write_text("x")
+    common = [f"data.train_files={tmp_path}/d/train.parquet", f"trainer.default_local_dir={tmp_path}/taken/run"]
+    cfg = load_config(PPOJobConfig, "grpo", common + [f"actor_rollout_ref.model.path={model_dir}"])
+    with pytest.raises(ConfigError, match=r"trainer.default_local_dir=.*taken/run.*taken is a file, not a directory"):
+        check_paths(cfg)
+    sft = load_config(SFTConfig, "sft_sort", common + [f"model.path={model_dir}", "data.val_files=null"])
+    with pytest.raises(ConfigError, match=r"trainer.default_local_dir=.*is a file"):
+        check_sft_paths(sft)
+
+
+def test_reward_that_returns_nan_names_the_sample():
+    from minihf.data import RewardError, compute_score
+
+    def fn(source, text, truth, info):
+        return float("nan") if text == "b" else 1.0
+    with pytest.raises(RewardError, match=r"returned score=nan for sample 1 \(data_source='s'\); it must be a "
+                                          r"finite number"):
+        compute_score(fn, ["s", "s"], ["a", "b"], [None, None])
+
+
+def test_export_refuses_a_non_empty_target(tmp_path):
+    from typer.testing import CliRunner
+
+    from minihf.cli import app
+
+    save_checkpoint(tmp_path / "ckpt", small())
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("x")
+    res = CliRunner().invoke(app, ["export", str(tmp_path / "ckpt"), str(tmp_path / "out")])
+    assert res.exit_code != 0 and "isnotempty;pass--overwrite" in "".join(res.output.replace("│", " ").split())
+    assert (tmp_path / "out" / "keep.txt").exists()
+
+
+def test_non_finite_gradient_skips_the_update():
+    import torch
+
+    from minihf.workers.optim import OptimConfig, build_optimizer
+    from minihf.workers.train_step import train_minibatch
+
+    model = small()
+    opt = build_optimizer(model.parameters(), OptimConfig(lr=1e-2))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = torch.randint(0, 48, (2, 5), generator=torch.Generator().manual_seed(0))
+
+    def nan_loss(mb):
+        return model(mb["ids"]).float().mean() * float("nan"), {}
+    out = train_minibatch(model, opt, None, [{"ids": ids}], nan_loss, clip_grad=1.0)
+    assert out["skipped"] == 1.0 and not math.isfinite(out["grad_norm"])
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+    def loss(mb):
+        return model(mb["ids"]).float().logsumexp(-1).mean(), {}
+    assert "skipped" not in train_minibatch(model, opt, None, [{"ids": ids}], loss, clip_grad=1.0)
+
+
+def test_skip_counter_counts_and_stops_after_the_limit():
+    from minihf.trainer.watch import SkipCounter
+
+    skips = SkipCounter(limit=2)
+    good = {"step": 1, "critic/score/mean": 0.5, "actor/pg_loss": 0.1}
+    skips.check(good)
+    assert good["training/skipped_steps"] == 0
+    bad = {"step": 2, "actor/skipped_updates": 3.0}
+    skips.check(bad)
+    assert bad["training/skipped_steps"] == 1
+    skips.check({"step": 3})                                          # a finite step resets the run
+    skips.check({"step": 4, "critic/skipped_updates": 1.0})
+    with pytest.raises(RuntimeError, match=r"2 steps in a row had a NaN/Inf loss or gradient in update_actor, "
+                                           r"update_critic .*last finite step: step=3.*trainer.max_skipped_steps"):
+        skips.check({"step": 5, "actor/skipped_updates": 1.0, "critic/skipped_updates": 2.0})
+    assert skips.total == 3
+    SkipCounter(limit=0).check({"step": 1, "actor/skipped_updates": 1.0})  # 0: never stops
+
+
+def _blow_up(rank, world, model, data, out):
+    from minihf.config import load_config
+    from minihf.controller import run
+    from minihf.trainer.ppo_job import PPOJobConfig, ppo_driver, ppo_roles
+
+    cfg = load_config(PPOJobConfig, "grpo", [
+        f"actor_rollout_ref.model.path={model}", f"data.train_files={data}/train.parquet", "data.val_files=null",
+        "data.max_prompt_length=16", "data.max_response_length=8", "data.train_batch_size=4",
+        "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+        "actor_rollout_ref.actor.optim.lr=1e30", "actor_rollout_ref.actor.optim.clip_grad=1e30",
+        "trainer.total_training_steps=8", "trainer.max_skipped_steps=2", f"trainer.default_local_dir={out}",
+        "prepare.task=null", "prepare.sft_recipe=null", "controller.timeout_s=120"])
+    run(ppo_driver(cfg), ppo_roles(cfg), cfg.controller)
+
+
+def test_rl_run_with_exploding_weights_stops_naming_the_phase(model_dir, tmp_path):
+    from minihf.data import make_task_data
+    from minihf.utils.spawn import spawn_ranks
+
+    make_task_data("sort", tmp_path / "d", 16, 2)
+    with pytest.raises(Exception, match=r"steps in a row had a NaN/Inf loss or gradient in update_actor"):
+        spawn_ranks(_blow_up, 1, str(model_dir), str(tmp_path / "d"), str(tmp_path / "run"), timeout_s=300)
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert rows and rows[-1]["training/skipped_steps"] >= 1
+
+
+def test_every_entry_point_takes_the_same_keys_and_hints_the_dotted_path():
+    from minihf.config import ConfigError, load_config
+    from minihf.trainer.ppo_job import PPOJobConfig
+    from minihf.trainer.rm import RMConfig
+    from minihf.trainer.sft import SFTConfig
+
+    for cls, recipe in ((PPOJobConfig, "grpo"), (SFTConfig, "sft_sort"), (RMConfig, "rm_sort")):
+        assert load_config(cls, recipe, ["controller.timeout_s=5"]).controller.timeout_s == 5.0
+        with pytest.raises(ConfigError, match=r"unknown key 'timeout_s'; did you mean 'controller.timeout_s'\?"):
+            load_config(cls, recipe, ["timeout_s=5"])
+    with pytest.raises(ConfigError, match=r"did you mean 'actor_rollout_ref.actor.optim.lr' or 'cost_critic.optim.lr' "
+                                          r"or 'critic.optim.lr'\?"):
+        load_config(PPOJobConfig, "grpo", ["lr=1e-3"])
+
+
+def test_make_data_with_nothing_to_write(tmp_path):
+    from typer.testing import CliRunner
+
+    from minihf.cli import app
+
+    res = CliRunner().invoke(app, ["make-data", "sort", str(tmp_path / "d"), "--train", "0", "--test", "0"])
+    assert res.exit_code != 0 and "train and test sizes are both 0: nothing to write" in " ".join(
+        res.output.replace("│", " ").split())
+
+
+def test_resume_with_a_longer_schedule_is_on_the_new_curve_at_once(tmp_path):
+    import torch
+
+    from minihf.workers.optim import OptimConfig, lr_factor
+    from minihf.workers.train_state import TrainState
+
+    cfg = OptimConfig(lr=1e-2, lr_scheduler="cosine", warmup_steps=0)
+    state = TrainState(small(), cfg, total_steps=10)
+    ids = torch.randint(0, 48, (2, 5), generator=torch.Generator().manual_seed(0))
+    for _ in range(3):
+        state.step([{"ids": ids}], lambda mb: (state.model(mb["ids"]).float().logsumexp(-1).mean(), {}))
+    state.save(str(tmp_path / "ckpt"))
+    same = TrainState(small(), cfg, total_steps=10)
+    same.load(str(tmp_path / "ckpt"))
+    assert same.optimizer.param_groups[0]["lr"] == state.optimizer.param_groups[0]["lr"]  # unchanged: bitwise
+    longer = TrainState(small(), cfg, total_steps=20)
+    longer.load(str(tmp_path / "ckpt"))
+    want = 1e-2 * lr_factor(3, OptimConfig(lr=1e-2, lr_scheduler="cosine", warmup_steps=0, total_training_steps=20))
+    assert longer.optimizer.param_groups[0]["lr"] == pytest.approx(want)
+    assert longer.optimizer.param_groups[0]["lr"] > state.optimizer.param_groups[0]["lr"]

@@ -4,7 +4,9 @@
   promptly and non-zero, rank 0 showing the remote traceback with rank, role and method;
 * SIGKILL of the whole job at a random point after a checkpoint, then the same command
   again: it resumes from the last complete checkpoint and ends with the parameters and
-  metrics of an uninterrupted run, bitwise.
+  metrics of an uninterrupted run, bitwise;
+* rank 1 killed (SIGKILL) or frozen (SIGSTOP) mid-training: the job ends non-zero within
+  about ``controller.timeout_s``, naming rank 1, and leaves no process behind.
 """
 
 import json
@@ -12,11 +14,12 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
-from test_controller_launch import ROOT, TORCHRUN, _run
+from test_controller_launch import ROOT, TORCHRUN, _alive, _run
 
 BOOM = '''
 import torch.distributed as dist
@@ -92,3 +95,62 @@ def test_killed_job_rerun_resumes_and_equals_an_uninterrupted_run(job, tmp_path)
     assert _metrics(killed) == _metrics(tmp_path / "full")
     a, b = _params(tmp_path / "full" / "global_step_5" / "actor"), _params(killed / "global_step_5" / "actor")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _rank_pids(agent_pid: int, timeout: float = 120) -> dict[int, int]:
+    """RANK -> pid of a torchrun agent's worker processes (from their environment)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pids = {}
+        for child in Path("/proc").glob("[0-9]*"):
+            try:
+                if int(child.joinpath("stat").read_text().split()[3]) != agent_pid:
+                    continue
+                env = dict(x.split("=", 1) for x in child.joinpath("environ").read_bytes().decode(
+                    errors="replace").split("\0") if "=" in x)
+            except (OSError, ValueError, IndexError):
+                continue
+            if "RANK" in env:
+                pids[int(env["RANK"])] = int(child.name)
+        if len(pids) == 2:
+            return pids
+        time.sleep(0.2)
+    raise AssertionError("the job's two ranks never started")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
+def test_lost_rank_ends_the_rl_job_naming_it(job, tmp_path, sig):
+    """Rank 1 killed, or frozen, during training: the job ends non-zero within about
+    controller.timeout_s, rank 0 names rank 1, and no process is left behind."""
+    root, args = job
+    run_dir = tmp_path / "run"
+    cmd = TORCHRUN + args + ["trainer.total_training_steps=200", "controller.timeout_s=20",
+                             f"trainer.default_local_dir={run_dir}"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    pids: dict[int, int] = {}
+    try:
+        pids = _rank_pids(proc.pid)
+        metrics = run_dir / "metrics.jsonl"
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+            time.sleep(0.1)                                   # in training (step 1 logged)
+        os.kill(pids[1], sig)
+        t0 = time.monotonic()
+        out, err = proc.communicate(timeout=150)
+        elapsed = time.monotonic() - t0
+        time.sleep(1)
+        alive = [p for p in pids.values() if _alive(p)]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        for pid in pids.values():
+            try:
+                os.kill(pid, signal.SIGKILL)                  # never leave a stopped rank behind
+            except ProcessLookupError:
+                pass
+    assert proc.returncode != 0, err
+    assert "rank 1" in err, err
+    assert elapsed < 20 + 60, (elapsed, err)                  # timeout_s, plus the slow 2-core box
+    assert not alive, (alive, err)                            # no process left behind

@@ -263,12 +263,16 @@ def apply_override(data: dict, override: str) -> None:
 
 
 def find_recipe(recipe: str | Path, recipes_dir: str | Path | None = None) -> Path:
-    """A recipe name (``recipes/<name>/config.yaml``), a recipe directory or a YAML file."""
+    """A recipe directory or YAML file; else a name: ``recipes/<name>/config.yaml`` under the
+    working directory (your own project's recipes, e.g. a fork), then minihf's own."""
     path = Path(recipe)
     if path.is_dir():
         path = path / "config.yaml"
     if path.is_file():
         return path
+    local = Path("recipes") / str(recipe) / "config.yaml"
+    if recipes_dir is None and local.is_file():
+        return local
     root = Path(recipes_dir) if recipes_dir is not None else DEFAULT_RECIPES_DIR
     named = root / str(recipe) / "config.yaml"
     if named.is_file():

@@ -217,6 +217,8 @@ class Driver:
             stop = pack(Stop(), self.cuda)
             acks = [(p, p.send(stop, "<controller>", "stop")) for p in self._peers.values()]
         self._stopping.set()
+        if self._heartbeat.is_alive():  # no thread may sit in a send when the groups go
+            self._heartbeat.join(timeout=self.timeout_s)
         self._local.shutdown(wait=True)
         for peer, fut in acks:
             fut.result(timeout=self.timeout_s)

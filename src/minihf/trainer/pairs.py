@@ -23,7 +23,9 @@ def sampled_pairs(model_dir: str | Path, files, n: int = 4, by: str = "reward", 
     from minihf.data import RLDataset, compute_score, default_cost_fn, default_reward_fn, load_tokenizer
     from minihf.data.files import read_many
     from minihf.rollout import LLM, SamplingParams
+    from minihf.rollout.llm import eos_ids_from_dir
     from minihf.trainer.evaluate import generate_batch
+    from minihf.utils.files import read_json
     from minihf.trainer.reward import RuleReward
 
     if by not in ("reward", "cost"):
@@ -33,8 +35,9 @@ def sampled_pairs(model_dir: str | Path, files, n: int = 4, by: str = "reward", 
     tok = load_tokenizer(model_dir)
     entries = read_many(files)
     ds = RLDataset(files, tok, max_prompt_length=4096)
+    eos = set(eos_ids_from_dir(model_dir, read_json(Path(model_dir) / "config.json", "re-export the model dir")))
     llm = LLM(model_dir, max_model_len=max(map(len, ds.input_ids)) + max_tokens,
-              eos_token_ids=(tok.eos_token_id,), seed=seed)
+              eos_token_ids=tuple(sorted(eos | {tok.eos_token_id})), seed=seed)
     rows, batch = generate_batch(llm, ds, SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens,
                                                          seed=seed), tok.pad_token_id)
     llm.free()
@@ -64,7 +67,7 @@ def sampled_pairs(model_dir: str | Path, files, n: int = 4, by: str = "reward", 
 
 
 def add_sampled_pairs(out_dir: str | Path, model_dir: str | Path, n: int, by: str = "reward",
-                      seed: int = 0) -> dict[str, int]:
+                      seed: int = 0, max_tokens: int = 32) -> dict[str, int]:
     """Append sampled pairs (``sampled_pairs`` on each split's own prompts) to the
     ``train``/``test`` .parquet and .jsonl pair files in ``out_dir``; returns the pairs added."""
     from minihf.data.files import read_many, write_rows
@@ -75,7 +78,7 @@ def add_sampled_pairs(out_dir: str | Path, model_dir: str | Path, n: int, by: st
         if not path.is_file():
             continue
         rows = [row for _, _, row in read_many(path)]
-        new = sampled_pairs(model_dir, path, n=n, by=by, seed=seed + (split == "test"))
+        new = sampled_pairs(model_dir, path, n=n, by=by, seed=seed + (split == "test"), max_tokens=max_tokens)
         for suffix in (".parquet", ".jsonl"):
             write_rows(rows + new, path.with_suffix(suffix))
         added[split] = len(new)

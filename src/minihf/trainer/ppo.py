@@ -35,9 +35,10 @@ import torch
 from minihf.algorithms import AdaptiveKLController, FixedKLController, apply_kl_penalty, masked_mean
 from minihf.config import dump_yaml
 from minihf.protocol import Batch
-from minihf.trainer.common import (RESUME_FIX, Log, MetricsLog, every, find_resume_path,
-                                   format_line, mark_latest, resume_config_changes, run_dir,
-                                   save_config, write_atomic)
+from minihf.trainer.common import (RESUME_FIX, Log, MetricsLog, config_json, every,
+                                   find_resume_path, format_line, mark_latest,
+                                   resume_config_changes, run_dir, save_config, write_atomic)
+from minihf.trainer.loggers import Console, Trackers
 from minihf.trainer.metrics import data_metrics, group_metrics, sample_rows, throughput
 from minihf.trainer.ppo_config import PPOConfig
 from minihf.trainer.reward import RuleReward, at_last_token, load_reward, overlong_penalty
@@ -90,6 +91,8 @@ class PPOTrainer:
         self.out = run_dir(t)
         self.metrics_log = MetricsLog(self.out, "jsonl" in t.logger)
         self.samples = MetricsLog(self.out, t.log_samples_freq > 0, "samples.jsonl")
+        self.trackers = None  # wandb / tensorboard, opened by fit
+        self.console = Console(self.total_steps, log, LINE_KEYS)
         self.watch = RunWatch(d.max_response_length)
         self.skips = SkipCounter(t.max_skipped_steps)
         self.tokenizer = tok
@@ -199,8 +202,8 @@ class PPOTrainer:
                 m.update(group_metrics(batch["token_level_scores"].sum(-1), batch.non_tensors["uid"]))
             m.update(reward_metrics)
             if every(cfg.trainer.log_samples_freq, step, self.total_steps):
-                self.samples.append(*sample_rows(batch, step, "train", self.reward, self.tokenizer,
-                                                 self.cfg.trainer.log_samples_n, stride=n))
+                self.log_samples(step, sample_rows(batch, step, "train", self.reward, self.tokenizer,
+                                                   self.cfg.trainer.log_samples_n, stride=n))
             source = cfg.old_log_prob_source
             if source == "recompute":
                 with self._timed(m, "old_log_prob"):
@@ -258,8 +261,8 @@ class PPOTrainer:
             out, _ = self._generate(batch, {"validate": True, "global_step": step})
             _, _, raw = self.reward(out)
             if start == 0 and self.cfg.trainer.log_samples_freq > 0:
-                self.samples.append(*sample_rows(out, step, "val", self.reward, self.tokenizer,
-                                                     self.cfg.trainer.log_samples_n, scores=raw))
+                self.log_samples(step, sample_rows(out, step, "val", self.reward, self.tokenizer,
+                                                   self.cfg.trainer.log_samples_n, scores=raw))
             scores += raw
             costs += self.safe.validate(out) if self.safe is not None else []
             sources += list(out.non_tensors["data_source"])
@@ -322,13 +325,20 @@ class PPOTrainer:
         return self.total_steps * (rows // section.ppo_mini_batch_size) * section.ppo_epochs
 
     # -- the loop -------------------------------------------------------------------------
+    def log_samples(self, step: int, rows: list[dict]) -> None:
+        self.samples.append(*rows)
+        if self.trackers is not None:
+            self.trackers.samples(rows, step)
+
     def record(self, metrics: dict) -> None:
         self.history.append(metrics)
         self.metrics_log.append(metrics)
+        if self.trackers is not None:
+            self.trackers.log(metrics, metrics["step"])
         for warning in self.watch.check(metrics):
-            self.log(f"warning: {warning}")
+            self.console.message(f"warning: {warning}")
         if "console" in self.cfg.trainer.logger:
-            self.log(format_line(metrics, LINE_KEYS))
+            self.console.step(metrics, format_line(metrics, LINE_KEYS))
 
     def fit(self, stop_after: int | None = None) -> list[dict]:
         """Train to ``total_steps`` (or ``stop_after`` more steps, as if preempted)."""
@@ -342,6 +352,8 @@ class PPOTrainer:
             self.safe.init_model(self.optimizer_steps(self.cfg.cost_critic))
         step = self.resume()
         dump_yaml(self.cfg, self.out / "config.yaml")  # the resolved config of this start
+        t = self.cfg.trainer
+        self.trackers = Trackers(t.logger, self.out, t.project_name, t.experiment_name, config_json(self.cfg))
         if self.cfg.trainer.val_before_train and step == 0 and self.val is not None:
             self.record({"step": 0, **self.validate(0)})
         end = self.total_steps if stop_after is None else min(self.total_steps, step + stop_after)
@@ -354,7 +366,9 @@ class PPOTrainer:
             if every(self.cfg.trainer.save_freq, step, self.total_steps) or step == self.total_steps:
                 self.save(step)
             self.record(metrics)
+        self.console.close()
         self.summary(time.perf_counter() - t0)
+        self.trackers.close()
         return self.history
 
     def summary(self, wall_s: float) -> None:

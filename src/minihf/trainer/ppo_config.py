@@ -183,7 +183,7 @@ class PPOTrainerConfig:
     resume_from_path: Optional[str] = None  # a global_step_N dir (resume_mode=resume_path)
     project_name: str = "minihf"         # run grouping name (loggers)
     experiment_name: str = "run"         # run name (loggers)
-    logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])  # console and/or jsonl
+    logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])  # console, jsonl, wandb, tensorboard
     log_samples_freq: int = 10           # samples.jsonl rows every N steps (and validations); <= 0: off
     log_samples_n: int = 4               # rows per logged step (one sample of each of the first prompts)
     max_skipped_steps: int = 3           # steps in a row with a NaN/Inf gradient (update skipped) before the run stops; 0: never
@@ -194,9 +194,9 @@ class PPOTrainerConfig:
         if self.log_samples_n < 1:
             raise ValueError(f"log_samples_n={self.log_samples_n} must be >= 1 (turn samples off "
                              "with log_samples_freq=0)")
-        bad = [x for x in self.logger if x not in ("console", "jsonl")]
-        if bad:
-            raise ValueError(f"trainer.logger: unknown {bad}; choose from ['console', 'jsonl']")
+        from minihf.trainer.loggers import check_loggers
+
+        check_loggers(self.logger)
 
 
 @dataclass

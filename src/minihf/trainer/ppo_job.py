@@ -191,7 +191,8 @@ def prepare_pairs(cfg: PPOJobConfig) -> None:
         print(f"[prepare] writing {p.task} pairs by {by} to {out}")
         make_task_data(p.task, out, p.num_train, p.num_test, p.seed, pairs=True, pairs_by=by)
         if p.pair_samples:
-            added = add_sampled_pairs(out, rm.model.path, p.pair_samples, by=by, seed=p.seed)
+            added = add_sampled_pairs(out, rm.model.path, p.pair_samples, by=by, seed=p.seed,
+                                      max_tokens=cfg.data.max_response_length)
             print(f"[prepare] + pairs of {p.pair_samples} samples per prompt from {rm.model.path}: {added}")
 
 

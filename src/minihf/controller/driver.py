@@ -45,6 +45,20 @@ def _reply_into(receive_into: Callable, k: int, reply: Any) -> dict:
     return receive_into(k, reply.value)
 
 
+CAUSE_GRACE_S = 10.0  # how long a collective's timeout waits for the failure that caused it
+FALLOUT = ("Timed out waiting", "Connection closed by peer", "Connection reset by peer",
+           "NCCL communicator was aborted", "Watchdog caught collective operation timeout")
+
+
+def _rank(error: BaseException) -> int:
+    """Which of several failures of one call to report: 0 a rank's own error, 1 a lost rank,
+    2 a collective that failed because its peer was gone (the fallout of the others)."""
+    if isinstance(error, RankLostError):
+        return 1
+    text = getattr(error, "traceback", "") or str(error)
+    return 2 if any(marker in text for marker in FALLOUT) else 0
+
+
 class CallFuture:
     """The result of one driver call: wait for every rank's part, then collect once."""
 
@@ -79,11 +93,16 @@ class CallFuture:
         if not self._finished:
             done, pending = wait(list(self._parts.values()), timeout, return_when=FIRST_EXCEPTION)
             errors = [f.exception() for f in done if f.exception() is not None]
+            if errors and pending and all(_rank(e) == 2 for e in errors):
+                # a collective that timed out waits for a rank that is about to be declared
+                # lost (or to report its own error): give the cause a moment to arrive
+                more, pending = wait(pending, CAUSE_GRACE_S, return_when=FIRST_EXCEPTION)
+                errors += [f.exception() for f in more if f.exception() is not None]
             if not errors and pending:
                 raise TimeoutError(f"{self.layout.role}.{self.spec.name}: no reply within {timeout}s")
             values = {i: f.result() for i, f in self._parts.items() if not errors}
-            if errors:  # report a real failure before ranks lost as a consequence
-                errors.sort(key=lambda e: isinstance(e, RankLostError))
+            if errors:  # the cause first: a rank's own error, a lost rank, then collective fallout
+                errors.sort(key=_rank)
                 if not isinstance(errors[0], RemoteError):
                     raise errors[0]
                 self._error = errors[0]

@@ -118,7 +118,7 @@ def _rank_pids(agent_pid: int, timeout: float = 120) -> dict[int, int]:
     raise AssertionError("the job's two ranks never started")
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["SIGKILL", "SIGSTOP"])
 def test_lost_rank_ends_the_rl_job_naming_it(job, tmp_path, sig):
     """Rank 1 killed, or frozen, during training: the job ends non-zero within about
     controller.timeout_s, rank 0 names rank 1, and no process is left behind."""

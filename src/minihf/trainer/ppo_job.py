@@ -10,8 +10,8 @@ reward or cost model (``reward_model`` / ``cost_model`` enabled, its dir absent)
 with ``prepare.reward_model_recipe`` / ``cost_model_recipe`` (``minihf rm`` recipes) after
 the warm start, on preference pairs of ``prepare.task`` ranked by its reward / cost,
 written to the recipe's data files when absent (plus, with ``prepare.pair_samples``, pairs
-of the recipe's start model's own answers: ``minihf.trainer.pairs``). Rank 0 writes the files; each training run
-is a controller job of its own on all ranks, before the RL one.
+of the recipe's start model's own answers: ``minihf.trainer.pairs``). Rank 0 writes the
+files; each training run is a controller job of its own on all ranks, before the RL one.
 """
 
 from __future__ import annotations

@@ -51,8 +51,8 @@ def to_messages(prompt, where: str, column: str = "prompt", allow_text: bool = T
     if isinstance(prompt, list) and prompt and all(
         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt
     ):
-        return [{"role": check_text(m["role"], where), "content": check_text(m["content"], f"{where}, column {column!r}")}
-                for m in prompt]
+        where = f"{where}, column {column!r}"
+        return [{"role": check_text(m["role"], where), "content": check_text(m["content"], where)} for m in prompt]
     raise DataFileError(
         f"{where}, column {column!r}: expected {'a string or ' if allow_text else ''}a non-empty list of "
         "{'role': str, 'content': str} "

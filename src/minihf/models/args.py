@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from minihf.utils.files import read_json
+from minihf.utils.files import MODEL_FIX, read_json
 
 # HF class-name prefix per arch, and HF class-name suffix per head kind.
 ARCH_PREFIX = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}
@@ -93,7 +93,7 @@ class ModelArgs:
             elif not path.exists():
                 raise FileNotFoundError(f"model dir {path} does not exist; pass a Hugging Face model "
                                         "dir (config.json + model.safetensors)")
-            cfg = read_json(path, "re-export or re-download the model dir (`minihf export CKPT OUT` writes one from a checkpoint)")
+            cfg = read_json(path, MODEL_FIX)
         elif isinstance(config, dict):
             cfg = copy.deepcopy(config)
         elif hasattr(config, "to_dict"):

@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from .args import ModelArgs
 from .model import HEADS, build_model, materialize
 
-from minihf.utils.files import CorruptFileError, open_safetensors, read_json
+from minihf.utils.files import MODEL_FIX, CorruptFileError, open_safetensors, read_json
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -126,7 +126,7 @@ class CheckpointReader:
     def _slice(self, name: str):
         f, key = self._files[name]
         if f not in self._handles:
-            self._handles[f] = open_safetensors(self.path / f, FIX)
+            self._handles[f] = open_safetensors(self.path / f, MODEL_FIX)
         return self._handles[f].get_slice(key)
 
     def read(self, name: str, dim: int | None = None, start: int = 0,
@@ -141,21 +141,18 @@ class CheckpointReader:
         return self._slice(name)[index]
 
 
-FIX = "re-export or re-download the model dir (`minihf export CKPT OUT` writes one from a checkpoint)"
-
-
 def _checkpoint_keys(path: Path) -> dict[str, list[str]]:
     """File name -> tensor keys of a checkpoint dir (single file or sharded with an index)."""
     if (path / INDEX).exists():
-        weight_map = read_json(path / INDEX, FIX).get("weight_map")
+        weight_map = read_json(path / INDEX, MODEL_FIX).get("weight_map")
         if not isinstance(weight_map, dict):
-            raise CorruptFileError(f"{path / INDEX} has no 'weight_map' object; {FIX}")
+            raise CorruptFileError(f"{path / INDEX} has no 'weight_map' object; {MODEL_FIX}")
         files: dict[str, list[str]] = {}
         for key, f in weight_map.items():
             files.setdefault(f, []).append(key)
         return files
     if (path / SINGLE).exists():
-        with open_safetensors(path / SINGLE, FIX) as fh:
+        with open_safetensors(path / SINGLE, MODEL_FIX) as fh:
             return {SINGLE: list(fh.keys())}
     found = sorted(p.name for p in path.glob("pytorch_model*.bin"))
     hint = f"found {found[0]}, a PyTorch pickle; " if found else ""
@@ -169,7 +166,7 @@ def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
     path = Path(path)
     state = {}
     for f, keys in _checkpoint_keys(path).items():
-        with open_safetensors(path / f, FIX) as fh:
+        with open_safetensors(path / f, MODEL_FIX) as fh:
             for k in keys:
                 if not _IGNORED.match(k):
                     state[k] = fh.get_tensor(k)

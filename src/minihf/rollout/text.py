@@ -12,7 +12,7 @@ from pathlib import Path
 from .llm import LLM, eos_ids_from_dir
 from .sampling import SamplingParams
 
-from minihf.utils.files import read_json
+from minihf.utils.files import MODEL_FIX, read_json
 
 
 def unknown_chars(tok, text: str) -> list[str]:
@@ -50,7 +50,7 @@ def generate_text(model_dir: str | Path, prompts: list[str], params: SamplingPar
     empty = [p for p, i in zip(prompts, ids) if not i]
     if empty:
         raise ValueError(f"prompt(s) {empty!r} encode to no tokens; pass non-empty text")
-    config = read_json(model_dir / "config.json", "re-export or re-download the model dir (`minihf export CKPT OUT` writes one from a checkpoint)")
+    config = read_json(model_dir / "config.json", MODEL_FIX)
     eos = set(eos_ids_from_dir(model_dir, config))
     if tok.eos_token_id is not None:
         eos.add(tok.eos_token_id)

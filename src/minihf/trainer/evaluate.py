@@ -44,7 +44,7 @@ def evaluate(model_dir: str | Path, files: str | Path | Sequence[str | Path], cf
     from minihf.rollout import LLM, SamplingParams
     from minihf.rollout.llm import eos_ids_from_dir
     from minihf.trainer.reward import RuleReward, load_reward
-    from minihf.utils.files import read_json
+    from minihf.utils.files import MODEL_FIX, read_json
     from minihf.utils.imports import split_ref
 
     cfg = cfg or EvalConfig()
@@ -54,7 +54,7 @@ def evaluate(model_dir: str | Path, files: str | Path | Sequence[str | Path], cf
                    apply_chat_template=cfg.apply_chat_template)
     fn = load_reward(*split_ref(cfg.reward)) if cfg.reward else load_reward(None, "")
     reward = RuleReward(fn, tok)
-    hf = read_json(model_dir / "config.json", "re-export or re-download the model dir (`minihf export CKPT OUT` writes one from a checkpoint)")
+    hf = read_json(model_dir / "config.json", MODEL_FIX)
     eos = set(eos_ids_from_dir(model_dir, hf)) | ({tok.eos_token_id} if tok.eos_token_id is not None else set())
     llm = LLM(model_dir, max_model_len=max(map(len, ds.input_ids)) + cfg.max_tokens,
               eos_token_ids=tuple(sorted(eos)), seed=cfg.seed)

@@ -13,6 +13,9 @@ from pathlib import Path
 from typing import Any
 
 
+MODEL_FIX = "re-export or re-download the model dir (`minihf export CKPT OUT` writes one from a checkpoint)"
+
+
 class CorruptFileError(ValueError):
     """A file exists but cannot be read as what it should be."""
 

@@ -256,3 +256,31 @@ def test_sampled_pairs_rank_a_models_own_answers(tmp_path):
     assert res.exit_code != 0 and "pass --pairs too" in flat(res)
     res = runner.invoke(app, ["make-data", "sort", str(tmp_path / "y"), "--pairs", "--sample-model", str(tmp_path)])
     assert res.exit_code != 0 and "has no config.json" in flat(res)
+
+
+def test_safe_advantages_by_hand_with_delay_and_cap():
+    from minihf.algorithms import compute_gae_advantage_return
+    from minihf.protocol import Batch
+    from minihf.trainer.ppo_job import PPOJobConfig
+    from minihf.trainer.safe import SafeRLHF
+
+    cfg = load_config(PPOJobConfig, "safe_rlhf", ["algorithm.safe.lambda_update_delay_steps=1",
+                                                  "algorithm.safe.lambda_max=1.2", "algorithm.safe.lambda_lr=0.5"])
+    safe = SafeRLHF(cfg, {"cost_critic": None}, tokenizer=None)
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    costs = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])              # both episodes cost 1
+    scores = torch.tensor([[0.0, 0.5, 0.0], [0.0, 0.0, 0.2]])
+    kl = torch.tensor([[0.1, 0.2, 0.0], [0.3, 0.1, 0.1]])
+    lams = []
+    for step in (1, 2, 3):
+        batch = Batch({"token_level_costs": costs, "token_level_scores": scores,
+                       "token_level_rewards": scores - 0.2 * kl, "cost_values": torch.zeros(2, 3),
+                       "response_mask": mask, "advantages": torch.ones(2, 3) * mask})
+        m = safe.advantages(batch, step)
+        lams.append(m["safe/lambda"])
+        want, _ = compute_gae_advantage_return(costs + 0.2 * kl, torch.zeros(2, 3), mask, 1.0, 0.95)  # + beta*kl
+        assert torch.allclose(batch["cost_advantages"], want)
+        assert torch.allclose(batch["advantages"], (mask - lams[-1] * want) / (1 + lams[-1]))
+        assert m["safe/cost/mean"] == 1.0 and m["safe/cost_violation"] == 1.0
+    # step 1 is within the delay; step 2 moves lambda 1.0 -> 1.5, capped at 1.2
+    assert lams == [1.0, 1.0, 1.2]

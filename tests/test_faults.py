@@ -11,6 +11,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -151,6 +152,8 @@ def test_lost_rank_ends_the_rl_job_naming_it(job, tmp_path, sig):
             except ProcessLookupError:
                 pass
     assert proc.returncode != 0, err
-    assert "rank 1" in err, err
+    # rank 0 names it (RankLostError), or torchrun does first: on a SIGKILL its agent may stop
+    # rank 0 before rank 0 prints, reporting "Root Cause ... rank : 1 ... SIGKILL" itself
+    assert re.search(r"rank 1\b|Root Cause[\s\S]*rank\s*:\s*1 ", err), err
     assert elapsed < 20 + 60, (elapsed, err)                  # timeout_s, plus the slow 2-core box
     assert not alive, (alive, err)                            # no process left behind

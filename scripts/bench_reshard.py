@@ -75,7 +75,8 @@ def _rank(rank, world, names, repeats):
             engines, best = {}, {}
             for mode in ("hybrid", "naive"):
                 gather, tp_group, tp_rank = groups[t]
-                cfg = RolloutConfig(tensor_model_parallel_size=t, reshard=mode)
+                cfg = RolloutConfig(tensor_model_parallel_size=t, reshard=mode,
+                                    prompt_length=8, response_length=8)  # no generation here
                 engines[mode] = HybridEngine(fsdp, cfg, all_group=dist.group.WORLD,
                                              gather_group=gather, tp_group=tp_group,
                                              tp_rank=tp_rank, device=device, eos_token_ids=(),

@@ -99,7 +99,9 @@ class ValueModel(_Base):
                 attention_mask=None) -> torch.Tensor:
         """Values [B, T]."""
         h = self.forward_hidden(tokens, positions, kv_cache, cu_seqlens, attention_mask)
-        return self.value_head(h).squeeze(-1)
+        # not a view: FSDP2 hooks a root module's output for its backward, and an in-place
+        # edit of a view would skip that hook (it warns about every view it returns)
+        return self.value_head(h).squeeze(-1).clone()
 
 
 class ScoreModel(_Base):
@@ -115,7 +117,7 @@ class ScoreModel(_Base):
                 attention_mask=None) -> torch.Tensor:
         """Scores [B, T]."""
         h = self.forward_hidden(tokens, positions, kv_cache, cu_seqlens, attention_mask)
-        return self.score(h).squeeze(-1)
+        return self.score(h).squeeze(-1).clone()  # not a view (see ValueModel.forward)
 
 
 _CLASSES = {"lm": CausalLM, "value": ValueModel, "score": ScoreModel}

@@ -222,9 +222,11 @@ def export(
 
 @app.command("eval")
 def eval_(
-    model_dir: str = typer.Argument(..., help="HF model dir (e.g. `minihf export` of a checkpoint, or the base model)."),
-    files: list[str] = typer.Argument(..., help="Prompt files in verl's format (parquet/jsonl)."),
-    n: int = typer.Option(4, help="Sampled answers per prompt, scored as mean@n (0: none)."),
+    model: str = typer.Argument(..., help="HF model dir (the base model, `minihf export` of a checkpoint) or a training "
+                                          "checkpoint (outputs/RUN/global_step_N)."),
+    files: list[str] = typer.Argument(None, help="Prompt files in verl's format (parquet/jsonl)."),
+    data: list[str] = typer.Option(None, help="A prompt file (repeatable); the same as listing it after MODEL."),
+    n: int = typer.Option(4, "--n", "-n", help="Sampled answers per prompt, scored as mean@n and pass@k (0: none)."),
     temperature: float = typer.Option(1.0, help="Sampling temperature of the n answers."),
     top_p: float = typer.Option(1.0, help="Nucleus of the n answers (1 = off)."),
     top_k: int = typer.Option(-1, help="Top-k of the n answers (-1 = off)."),
@@ -232,27 +234,58 @@ def eval_(
     max_tokens: int = typer.Option(256, help="Response tokens at most."),
     max_prompt_length: int = typer.Option(1024, help="Prompt tokens at most."),
     reward: str = typer.Option(None, help="Reward function file.py:function (default: the built-in one per data_source)."),
+    pass_threshold: float = typer.Option(1.0, help="A sample passes (pass@k) when its score is at least this."),
     seed: int = typer.Option(0, help="Sampling seed."),
     json_out: str = typer.Option(None, "--json", help="Also write the metrics to this JSON file."),
 ) -> None:
-    """Score a model on prompt files the way training validates: mean@n of sampled answers
-    and the greedy answer, per data source."""
+    """Score a model on prompt files the way training validates: per data source, mean@n
+    and pass@k of sampled answers and the greedy answer's score. Under torchrun
+    (`torchrun --nproc_per_node=N -m minihf.cli eval ...`) the prompts are split over the
+    ranks; the metrics do not depend on N."""
     import json
-    from pathlib import Path
 
     from minihf.data import RewardError
     from minihf.trainer.evaluate import EvalConfig, evaluate
 
+    files = list(files or []) + list(data or [])
+    if not files:
+        raise typer.BadParameter("no prompt files; list them after MODEL or pass --data FILE")
+    rank, group = _init_eval_group()
     try:
         cfg = EvalConfig(n=n, temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy,
-                         max_tokens=max_tokens, max_prompt_length=max_prompt_length, reward=reward, seed=seed)
-        metrics = evaluate(model_dir, files, cfg)
+                         max_tokens=max_tokens, max_prompt_length=max_prompt_length, reward=reward,
+                         pass_threshold=pass_threshold, seed=seed)
+        metrics = evaluate(model, files, cfg)
     except (ValueError, FileNotFoundError, RewardError) as exc:
         raise typer.BadParameter(str(exc)) from exc
+    finally:
+        if group:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+    if rank != 0:
+        return
     for key, value in metrics.items():
         typer.echo(f"{key:<40} {value:.4f}" if isinstance(value, float) else f"{key:<40} {value}")
     if json_out:
         Path(json_out).write_text(json.dumps(metrics, indent=2) + "\n")
+
+
+def _init_eval_group() -> tuple[int, bool]:
+    """Under torchrun (WORLD_SIZE > 1): join the job's process group (gloo: only the scores
+    travel, as Python objects) and pin this rank's GPU. ``(rank, whether a group was made)``."""
+    import os
+    from datetime import timedelta
+
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return 0, False
+    import torch
+    import torch.distributed as dist
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("gloo", timeout=timedelta(minutes=30))
+    return dist.get_rank(), True
 
 
 @app.command("convert-gguf")

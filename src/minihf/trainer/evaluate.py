@@ -1,27 +1,37 @@
-"""Score a model dir on prompt files, offline: ``minihf eval`` (one process).
+"""Score a model on prompt files, offline: ``minihf eval``, on one process or under torchrun.
 
 The prompts go through the training path -- ``RLDataset`` renders the chat template and
 counts ``max_prompt_length`` in tokens, generation stops at the generation config's EOS ids
 (and the tokenizer's eos), each response is decoded with special tokens skipped and scored
 by the same reward function as training (``RuleReward``). Reports, per data source, the mean
-score of ``n`` sampled answers per prompt (``mean@n``) and of the greedy answer, so a
-trained checkpoint (after ``minihf export``) compares with its base model on equal terms.
+score of ``n`` sampled answers per prompt (``mean@n``), ``pass@k`` for k = 1, 2, 4, ..., n
+(the unbiased estimate of Chen et al. 2021 that at least one of k samples passes, i.e. scores
+at least ``pass_threshold``) and the greedy answer's score, so a trained checkpoint compares
+with its base model on equal terms.
+
+The model is an HF dir or a training checkpoint (``.../global_step_N`` or its ``actor``),
+exported to a temporary dir first. Under torchrun each rank generates for every
+``world``-th prompt and the scores are gathered; sample j of prompt i draws from a stream
+seeded by (``seed``, i, j) alone, so the metrics do not depend on the number of ranks.
 """
 
 from __future__ import annotations
 
+import math
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 import torch
+import torch.distributed as dist
 
 from minihf.protocol import Batch
 
 
 @dataclass
 class EvalConfig:
-    n: int = 4                      # sampled answers per prompt (mean@n); 0: none
+    n: int = 4                      # sampled answers per prompt (mean@n, pass@k); 0: none
     temperature: float = 1.0        # sampling temperature of the n answers
     top_p: float = 1.0              # nucleus of the n answers
     top_k: int = -1                 # top-k of the n answers; -1: off
@@ -30,25 +40,67 @@ class EvalConfig:
     max_prompt_length: int = 1024   # prompt tokens at most (longer: an error naming the row)
     apply_chat_template: bool = True
     reward: str | None = None       # file.py:function; None: the built-in scorer per data_source
+    pass_threshold: float = 1.0     # a sample passes (for pass@k) when it scores at least this
     seed: int = 0
 
     def __post_init__(self):
         if self.n < 0 or (self.n == 0 and not self.greedy):
             raise ValueError(f"n={self.n} with greedy={self.greedy}: nothing to evaluate; use n >= 1 or greedy")
+        if self.max_tokens < 1 or self.max_prompt_length < 1:
+            raise ValueError(f"max_tokens={self.max_tokens}, max_prompt_length={self.max_prompt_length}: "
+                             "both must be >= 1")
 
 
-def evaluate(model_dir: str | Path, files: str | Path | Sequence[str | Path], cfg: EvalConfig | None = None) -> dict:
-    """Metrics ``{"<source>/mean@n", "<source>/greedy", "response_length/...", ...}`` over all
-    prompts of ``files`` (verl-format parquet/jsonl)."""
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The probability that at least one of k samples drawn without replacement from n, of
+    which c pass, passes: ``1 - C(n-c, k) / C(n, k)`` (unbiased for the model's pass@k)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def ks_for(n: int) -> list[int]:
+    """1, 2, 4, ... up to n, and n."""
+    return sorted({2 ** i for i in range(n.bit_length()) if 2 ** i <= n} | {n})
+
+
+def model_dir_of(path: str | Path, scratch: Path) -> Path:
+    """An HF model dir for ``path``: itself, or a training checkpoint (``global_step_N`` of
+    an RL run, its ``actor``, or an SFT ``global_step_N``) exported under ``scratch``."""
+    from minihf.utils.checkpoint import export_hf
+
+    path = Path(path)
+    for ckpt in (path, path / "actor"):  # a checkpoint's config.json is the run's config
+        if (ckpt / "meta.json").is_file():
+            return export_hf(ckpt, scratch / "hf")
+    if (path / "config.json").is_file():
+        return path
+    raise FileNotFoundError(f"{path} is neither an HF model dir (config.json) nor a training checkpoint "
+                            "(meta.json, or actor/meta.json); pass e.g. outputs/RUN/global_step_N")
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def evaluate(model: str | Path, files: str | Path | Sequence[str | Path], cfg: EvalConfig | None = None) -> dict:
+    """Metrics ``{"<source>/mean@n", "<source>/pass@k", "<source>/greedy", ...}`` over all
+    prompts of ``files`` (verl-format parquet/jsonl); the same on every rank."""
+    cfg = cfg or EvalConfig()
+    with tempfile.TemporaryDirectory(prefix="minihf-eval-") as scratch:
+        return _evaluate(model_dir_of(model, Path(scratch)), files, cfg)
+
+
+def _evaluate(model_dir: Path, files, cfg: EvalConfig) -> dict:
     from minihf.data import RLDataset, load_tokenizer
-    from minihf.rollout import LLM, SamplingParams
     from minihf.rollout.llm import eos_ids_from_dir
     from minihf.trainer.reward import RuleReward, load_reward
     from minihf.utils.files import MODEL_FIX, read_json
     from minihf.utils.imports import split_ref
 
-    cfg = cfg or EvalConfig()
-    model_dir = Path(model_dir)
+    rank, world = _rank_world()
     tok = load_tokenizer(model_dir)
     ds = RLDataset(files, tok, max_prompt_length=cfg.max_prompt_length,
                    apply_chat_template=cfg.apply_chat_template)
@@ -56,35 +108,79 @@ def evaluate(model_dir: str | Path, files: str | Path | Sequence[str | Path], cf
     reward = RuleReward(fn, tok)
     hf = read_json(model_dir / "config.json", MODEL_FIX)
     eos = set(eos_ids_from_dir(model_dir, hf)) | ({tok.eos_token_id} if tok.eos_token_id is not None else set())
-    llm = LLM(model_dir, max_model_len=max(map(len, ds.input_ids)) + cfg.max_tokens,
-              eos_token_ids=tuple(sorted(eos)), seed=cfg.seed)
+    mine = list(range(rank, len(ds), world))
+    try:
+        results, error = _score_prompts(model_dir, ds, mine, reward, eos, tok.pad_token_id, cfg), None
+    except Exception as e:  # noqa: BLE001 - reported on every rank below, not left to hang the others
+        if world == 1:
+            raise
+        results, error = None, f"rank {rank}: {type(e).__name__}: {e}"
+    if world > 1:
+        gathered = [None] * world
+        dist.all_gather_object(gathered, (results, error))
+        errors = [err for _, err in gathered if err]
+        if errors:
+            raise ValueError("; ".join(errors))
+        results = {name: [r for part, _ in gathered for r in part[name]] for name in results}
+    return summarize({name: sorted(rows) for name, rows in results.items()}, len(ds), cfg)
+
+
+def _score_prompts(model_dir: Path, ds, mine: list[int], reward, eos: set, pad_id: int,
+                   cfg: EvalConfig) -> dict:
+    """``(prompt, sample, data source, score, length, truncated)`` of every sample of the prompts
+    ``mine``, per run (``mean@n``, ``greedy``)."""
+    from minihf.rollout import LLM, SamplingParams
+    from minihf.rollout.sampling import request_seed
+
     runs = []
     if cfg.n:
-        runs.append((f"mean@{cfg.n}", SamplingParams(n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p,
-                                                     top_k=cfg.top_k, max_tokens=cfg.max_tokens, seed=cfg.seed)))
+        runs.append((f"mean@{cfg.n}", [SamplingParams(
+            n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_tokens=cfg.max_tokens,
+            seed=request_seed(cfg.seed, i)) for i in mine]))
     if cfg.greedy:
-        runs.append(("greedy", SamplingParams(n=1, temperature=0.0, max_tokens=cfg.max_tokens)))
-    metrics: dict = {"prompts": len(ds)}
+        runs.append(("greedy", [SamplingParams(n=1, temperature=0.0, max_tokens=cfg.max_tokens)] * len(mine)))
+    results: dict = {name: [] for name, _ in runs}
+    if not mine:  # more ranks than prompts
+        return results
+    llm = LLM(model_dir, max_model_len=max(map(len, ds.input_ids)) + cfg.max_tokens,
+              eos_token_ids=tuple(sorted(eos)), seed=cfg.seed)
     for name, params in runs:
-        rows, batch = generate_batch(llm, ds, params, tok.pad_token_id)
-        mask = batch["response_mask"]
+        rows, batch = generate_batch(llm, ds, params, pad_id, mine)
         _, _, scores = reward(batch)
-        sources = list(batch.non_tensors["data_source"])
-        for src in sorted(set(sources)):
-            vals = [s for s, d in zip(scores, sources) if d == src]
-            metrics[f"{src}/{name}"] = sum(vals) / len(vals)
-        metrics[f"{name}/response_length/mean"] = mask.sum(-1).float().mean().item()
-        metrics[f"{name}/truncated"] = sum(c.finish_reason == "length" for _, c in rows) / len(rows)
+        lengths = batch["response_mask"].sum(-1).tolist()
+        results[name] = [(i, c.index, src, s, n, c.finish_reason == "length") for (i, c), src, s, n in zip(
+            rows, batch.non_tensors["data_source"], scores, lengths)]
     llm.free()
+    return results
+
+
+def summarize(results: dict, prompts: int, cfg: EvalConfig) -> dict:
+    """The metrics of the ``(prompt, sample, source, score, length, truncated)`` rows of
+    each run, in (prompt, sample) order."""
+    metrics: dict = {"prompts": prompts}
+    for name, rows in results.items():
+        for src in sorted({r[2] for r in rows}):
+            scores = [r[3] for r in rows if r[2] == src]
+            metrics[f"{src}/{name}"] = sum(scores) / len(scores)
+            if name.startswith("mean@"):
+                passed: dict[int, int] = {}
+                for i, _, _, score, *_ in (r for r in rows if r[2] == src):
+                    passed[i] = passed.get(i, 0) + (score >= cfg.pass_threshold)
+                for k in ks_for(cfg.n):
+                    metrics[f"{src}/pass@{k}"] = sum(pass_at_k(cfg.n, c, k) for c in passed.values()) / len(passed)
+        metrics[f"{name}/response_length/mean"] = sum(r[4] for r in rows) / len(rows)
+        metrics[f"{name}/truncated"] = sum(r[5] for r in rows) / len(rows)
     return metrics
 
 
-def generate_batch(llm, ds, params, pad_id: int) -> tuple[list, Batch]:
-    """Every prompt of ``ds`` through ``llm``: ``(rows, batch)``, ``rows`` the ``(prompt
-    index, CompletionOutput)`` of each sample and ``batch`` their prompt columns with
-    ``responses`` / ``response_mask`` (right-padded), ready for a ``RuleReward``."""
-    outs = llm.generate([ds[i]["input_ids"] for i in range(len(ds))], params)
-    rows = [(i, c) for i, o in enumerate(outs) for c in o.outputs]
+def generate_batch(llm, ds, params, pad_id: int, indices: Sequence[int] | None = None) -> tuple[list, Batch]:
+    """The prompts ``indices`` of ``ds`` (default: all) through ``llm`` with ``params`` (one,
+    or one per prompt): ``(rows, batch)``, ``rows`` the ``(prompt index, CompletionOutput)``
+    of each sample and ``batch`` their prompt columns with ``responses`` / ``response_mask``
+    (right-padded), ready for a ``RuleReward``."""
+    indices = list(range(len(ds))) if indices is None else list(indices)
+    outs = llm.generate([ds[i]["input_ids"] for i in indices], params)
+    rows = [(i, c) for i, o in zip(indices, outs) for c in o.outputs]
     batch = ds.collate([i for i, _ in rows])
     width = max(len(c.token_ids) for _, c in rows) or 1
     responses = torch.full((len(rows), width), pad_id, dtype=torch.long)

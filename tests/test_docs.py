@@ -77,9 +77,9 @@ def test_writing_a_recipe_runs_as_written(tmp_path):
 # --- every fenced command and code block of the README and docs/ --------------------------
 # Each doc below runs top to bottom in an empty directory, as a reader would: a `name`:
 # block is written to that file, a python block runs, each line of a bash block runs (torchrun
-# as torchrun, --standalone; `minihf` as `python -m minihf.cli`). Training commands get the
-# TINY overrides for keys they do not set themselves (a tiny model, 2 steps); nothing else
-# is changed. A command that cannot run here names the test (or CI step) that runs it.
+# as torchrun, --standalone; `minihf` as `python -m minihf.cli`). RL training commands get
+# the TINY overrides for keys they do not set themselves (a tiny model, 2 steps), `minihf rm`
+# stops after 2 steps; nothing else is changed. A command that cannot run here names the test (or CI step) that runs it.
 
 DOCS = {"README.md", "docs/controller.md", "docs/placement.md", "docs/hybrid-engine.md"}
 WHOLE_DOC_ELSEWHERE = {
@@ -139,6 +139,8 @@ def doc_steps(doc: str) -> list[tuple[str, str]]:
 def argv_of(command: str) -> list[str]:
     argv = shlex.split(command)
     if argv[0] == "minihf":
+        if argv[1] == "rm" and not any(a.startswith("trainer.total_training_steps=") for a in argv):
+            argv.append("trainer.total_training_steps=2")         # a tiny model: no need for 31 steps
         argv = [sys.executable, "-m", "minihf.cli"] + argv[1:]
     elif argv[0] == "torchrun":
         argv = [sys.executable, "-m", "torch.distributed.run"] + (

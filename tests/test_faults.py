@@ -119,9 +119,7 @@ def _rank_pids(agent_pid: int, timeout: float = 120) -> dict[int, int]:
     raise AssertionError("the job's two ranks never started")
 
 
-# a frozen rank is reported after this; the tiny job's calls take milliseconds. (torchrun then
-# takes another ~30 s to reap the stopped rank and exit, whatever its --shutdown-timeout)
-LOST_TIMEOUT_S = 12
+LOST_TIMEOUT_S = 12  # a frozen rank is reported after this; the tiny job's calls take milliseconds
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["SIGKILL", "SIGSTOP"])
@@ -160,5 +158,7 @@ def test_lost_rank_ends_the_rl_job_naming_it(job, tmp_path, sig):
     # rank 0 names it (RankLostError), or torchrun does first: on a SIGKILL its agent may stop
     # rank 0 before rank 0 prints, reporting "Root Cause ... rank : 1 ... SIGKILL" itself
     assert re.search(r"rank 1\b|Root Cause[\s\S]*rank\s*:\s*1 ", err), err
-    assert elapsed < LOST_TIMEOUT_S + 60, (elapsed, err)      # timeout_s, plus the slow 2-core box
+    # timeout_s, the cause grace (<= 10 s), the slow 2-core box; rank 0 SIGKILLs a frozen rank
+    # on its host, else torchrun would wait ~30 s more for it to act on SIGTERM
+    assert elapsed < LOST_TIMEOUT_S + 25, (elapsed, err)
     assert not alive, (alive, err)                            # no process left behind

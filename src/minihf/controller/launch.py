@@ -27,6 +27,8 @@ resolve the process group"). A fresh thread per run starts every rank with empty
 from __future__ import annotations
 
 import os
+import signal
+import socket
 import sys
 import traceback
 from concurrent.futures import ThreadPoolExecutor
@@ -40,7 +42,7 @@ import torch.distributed as dist
 from minihf.controller.config import ControllerConfig, resolve_placement
 from minihf.controller.layout import DEFAULT_LAYOUT, RoleLayout
 from minihf.controller.driver import Driver, run_driver
-from minihf.controller.errors import ControllerAborted, ControllerError
+from minihf.controller.errors import ControllerAborted, ControllerError, RankLostError
 from minihf.controller.group import WorkerGroup
 from minihf.controller.serve import serve
 from minihf.controller.transport import Channel
@@ -289,20 +291,59 @@ def _die_with_launcher() -> None:
         os._exit(1)
 
 
+def _start_time(pid: int) -> str | None:
+    """The start time of process ``pid`` (Linux ``/proc``; ``None`` if it is gone or unknown):
+    with the pid, it names one process even after the pid is reused."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]  # field 22, after "pid (comm)"
+    except (OSError, IndexError):
+        return None
+
+
+def _rank_processes() -> list[tuple[str, int, str | None]]:
+    """``(host, pid, start time)`` of every rank (a collective: every rank calls it)."""
+    me = (socket.gethostname(), os.getpid(), _start_time(os.getpid()))
+    if dist.get_world_size() == 1:
+        return [me]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, me)
+    return out
+
+
+def _kill_lost_rank(error: BaseException, processes: list) -> None:
+    """After rank ``r`` stopped answering (``RankLostError``): if it still runs on this host
+    (frozen, e.g. SIGSTOPped or stuck in the kernel), SIGKILL it. A frozen rank cannot act on
+    torchrun's SIGTERM, and torchrun would otherwise wait ~30 s more before the job ends."""
+    if not isinstance(error, RankLostError) or not 0 <= error.rank < len(processes):
+        return
+    host, pid, start = processes[error.rank]
+    if host != socket.gethostname() or start is None or _start_time(pid) != start:
+        return  # on another host, or already gone (its pid may belong to someone else now)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except OSError:
+        pass
+
+
 def launch_job(job: Callable[[torch.device], Any], config: ControllerConfig | None = None) -> Any:
     """Like ``launch``, for a job of several controller runs: ``job(device)`` runs on every
     rank inside the initialised default group and calls ``run`` as often as it needs (e.g.
     an SFT warm start, then RL). Returns its result on rank 0, ``None`` elsewhere; any error
-    on any rank prints the error and exits the process with status 1."""
+    on any rank prints the error and exits the process with status 1 (rank 0 first stops a
+    lost rank still running on its host, see ``_kill_lost_rank``)."""
     config = config or ControllerConfig()
     _die_with_launcher()
     rank, device = _init_from_env(config)
+    processes = _rank_processes()
     try:
         result = job(device)
     except BaseException as e:  # noqa: BLE001 - every failure ends this rank non-zero
         print(f"[minihf rank {rank}] {failure_report(e)}", file=sys.stderr)
         sys.stdout.flush()
         sys.stderr.flush()
+        if rank == 0:
+            _kill_lost_rank(e, processes)
         os._exit(1)  # not sys.exit: threads blocked in a receive must not delay the exit
     dist.destroy_process_group()
     return result if rank == 0 else None

@@ -244,13 +244,16 @@ def eval_(
     ranks; the metrics do not depend on N."""
     import json
 
+    import torch.distributed as dist
+
+    from minihf.controller.launch import join_launcher_group
     from minihf.data import RewardError
     from minihf.trainer.evaluate import EvalConfig, evaluate
 
     files = list(files or []) + list(data or [])
     if not files:
         raise typer.BadParameter("no prompt files; list them after MODEL or pass --data FILE")
-    rank, group = _init_eval_group()
+    group = join_launcher_group()  # under torchrun: the prompts are split over the ranks
     try:
         cfg = EvalConfig(n=n, temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy,
                          max_tokens=max_tokens, max_prompt_length=max_prompt_length, reward=reward,
@@ -259,9 +262,8 @@ def eval_(
     except (ValueError, FileNotFoundError, RewardError) as exc:
         raise typer.BadParameter(str(exc)) from exc
     finally:
+        rank = dist.get_rank() if group else 0
         if group:
-            import torch.distributed as dist
-
             dist.destroy_process_group()
     if rank != 0:
         return
@@ -269,23 +271,6 @@ def eval_(
         typer.echo(f"{key:<40} {value:.4f}" if isinstance(value, float) else f"{key:<40} {value}")
     if json_out:
         Path(json_out).write_text(json.dumps(metrics, indent=2) + "\n")
-
-
-def _init_eval_group() -> tuple[int, bool]:
-    """Under torchrun (WORLD_SIZE > 1): join the job's process group (gloo: only the scores
-    travel, as Python objects) and pin this rank's GPU. ``(rank, whether a group was made)``."""
-    import os
-    from datetime import timedelta
-
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return 0, False
-    import torch
-    import torch.distributed as dist
-
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("gloo", timeout=timedelta(minutes=30))
-    return dist.get_rank(), True
 
 
 @app.command("convert-gguf")

@@ -263,6 +263,16 @@ def _init_from_env(config: ControllerConfig) -> tuple[int, torch.device]:
     return rank, torch.device("cuda", local_rank) if cuda else torch.device("cpu")
 
 
+def join_launcher_group(timeout_s: float = 1800.0) -> bool:
+    """For a command that also runs alone (``minihf eval``): under torchrun, initialise the
+    default process group from its env (gloo; this rank's GPU pinned) and return True;
+    alone, do nothing and return False."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return False
+    _init_from_env(ControllerConfig(backend="gloo", timeout_s=timeout_s))
+    return True
+
+
 def run_script(main: Callable[[list[str]], Any], argv: list[str]) -> None:
     """Entry of ``scripts/*.py``: ``main(argv)``; an error raised before the job starts (a
     bad config key, a missing file) is reported like a job failure (``failure_report``: one

@@ -21,7 +21,8 @@ warm-up step then ``--steps`` measured steps; the median step is reported.
 
 Where the time goes: minihf's per-phase seconds (``timing_s/*``), and per phase the
 achieved model FLOP/s (2 x matmul parameters x tokens for a forward, 6 x for forward and
-backward; attention ignored, it is small at these lengths) next to the fp32 ``torch.mm``
+backward; attention ignored, it is small at these lengths; a prompt's tokens counted once
+for its 8 responses, as minihf runs them: TRL runs them 8 times) next to the fp32 ``torch.mm``
 peak measured in the same run at the same thread count: a model-FLOPs utilisation (MFU).
 ``ceiling`` = TRL's step time / (minihf's model FLOPs of the step at that peak): the
 speed-up minihf would reach if every phase ran at the matmul peak; a target above it is
@@ -234,7 +235,7 @@ def compare(label: str, model: str, data: str, args, forced: bool, params: int, 
             out[fw]["prompt_tokens"] = median([t for r in rs for t in r["prompt_tokens"]])
     m, t = out["minihf"], out["trl"]
     ratio, tok_ratio = t["step_s"] / m["step_s"], t["s_per_token"] / m["s_per_token"]
-    out["mfu"] = phase_mfu(m, params, peak)
+    out["mfu"] = phase_mfu(m, params, peak, args.samples)
     # the best speed-up possible in fp32 here: TRL's step vs minihf's model FLOPs at the peak
     ceiling = t["step_s"] / (out["mfu"]["step"][1] * m["step_s"] / peak)
     lines.append(f"| {label} | {'forced 64' if forced else 'eos'} | {m['step_s']:.2f} | "
@@ -245,9 +246,11 @@ def compare(label: str, model: str, data: str, args, forced: bool, params: int, 
     return out
 
 
-def phase_mfu(m: dict, params: int, peak_gflops: float) -> dict:
-    """Model FLOPs of each phase (per step) / its time / the mm peak."""
-    total = m["prompt_tokens"] + m["tokens"]
+def phase_mfu(m: dict, params: int, peak_gflops: float, samples: int) -> dict:
+    """Model FLOPs of each phase (per step) / its time / the mm peak. The FLOPs are those of
+    the work minihf does: each prompt once for its ``samples`` responses (the engine prefills
+    a shared prompt once, and the trainer's packed forwards run it once, ``share_prompt``)."""
+    total = m["prompt_tokens"] / samples + m["tokens"]
     flops = {"gen": 2 * params * total, "old_log_prob": 2 * params * total,
              "ref": 2 * params * total, "update_actor": 6 * params * total}
     out = {}

@@ -19,7 +19,7 @@ from minihf.protocol import Batch
 from minihf.workers.optim import OptimConfig
 from minihf.utils.spawn import spawn_ranks
 from minihf.workers.actor import ActorRolloutRefWorker
-from minihf.workers.config import (ActorConfig, ActorRolloutRefConfig, ModelConfig,
+from minihf.workers.config import (ActorConfig, ActorRolloutRefConfig, RLModelConfig,
                                    RolloutConfig)
 
 from test_rollout_engine import build_tiny
@@ -44,7 +44,7 @@ class Actor(ActorRolloutRefWorker):
 
 def config(path, tp, rows):
     return ActorRolloutRefConfig(
-        model=ModelConfig(path=path),
+        model=RLModelConfig(path=path),
         actor=ActorConfig(ppo_mini_batch_size=rows, ppo_micro_batch_size_per_gpu=2,
                           log_prob_micro_batch_size_per_gpu=3,
                           optim=OptimConfig(lr=5e-2, warmup_steps=0)),

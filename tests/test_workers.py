@@ -15,7 +15,7 @@ from minihf.utils.checkpoint import export_hf
 from minihf.utils.spawn import spawn_ranks
 from minihf.workers.actor import ActorRolloutRefWorker
 from minihf.workers.config import (ActorConfig, ActorRolloutRefConfig, CriticConfig, FSDPConfig,
-                                   ModelConfig, RefConfig, RewardModelConfig)
+                                   RefConfig, RewardModelConfig, RLModelConfig)
 from minihf.workers.critic import CriticWorker
 from minihf.workers.forward import forward_scores
 from minihf.workers.reward_model import RewardModelWorker
@@ -33,7 +33,7 @@ class CheckedActor(ActorRolloutRefWorker):
 
 def actor_cfg(path, micro, max_tokens=None, shuffle=False):
     return ActorRolloutRefConfig(
-        model=ModelConfig(path=path),
+        model=RLModelConfig(path=path),
         actor=ActorConfig(ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=micro,
                           max_tokens_per_micro_batch=max_tokens, ppo_epochs=2, shuffle=shuffle,
                           entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1,
@@ -44,7 +44,7 @@ def actor_cfg(path, micro, max_tokens=None, shuffle=False):
 
 
 def critic_cfg(path, micro, max_tokens=None):
-    return CriticConfig(model=ModelConfig(path=path), ppo_mini_batch_size=4,
+    return CriticConfig(model=RLModelConfig(path=path), ppo_mini_batch_size=4,
                         ppo_micro_batch_size_per_gpu=micro, max_tokens_per_micro_batch=max_tokens,
                         forward_micro_batch_size_per_gpu=2, cliprange_value=0.05,
                         optim=OptimConfig(lr=1e-2))
@@ -133,7 +133,7 @@ def _run(rank, world, path, tmp):
         "actor": Role(CheckedActor, (actor_cfg(path, 1),)),
         "actor2": Role(ActorRolloutRefWorker, (actor_cfg(path, 1),)),
         "critic": Role(CriticWorker, (critic_cfg(path, None, max_tokens=20),)),
-        "rm": Role(RewardModelWorker, (RewardModelConfig(model=ModelConfig(path=path)),)),
+        "rm": Role(RewardModelWorker, (RewardModelConfig(model=RLModelConfig(path=path)),)),
     }
     return run(_driver(path, tmp), roles, ControllerConfig(timeout_s=120))
 

@@ -129,7 +129,8 @@ def test_mini_batch_rows_epochs_shuffle_and_divisibility():
 
 def test_rollout_logprobs_equal_compute_log_prob_path():
     """Issue 5: the engine's sampled-token log-probs vs the trainer's own path
-    (``forward_log_probs``, packed and padded, verl batch layout), batch > 1."""
+    (``forward_log_probs``, packed with and without shared prompts and padded, verl batch
+    layout), batch > 1."""
     from minihf.rollout import LLM, SamplingParams
 
     trainer = tiny("lm")
@@ -152,8 +153,9 @@ def test_rollout_logprobs_equal_compute_log_prob_path():
     assert len({len(c.token_ids) for _, c in pairs}) > 1  # right padding is exercised
     worst = 0.0
     with torch.no_grad():
-        for packed in (True, False):
-            lp = forward_log_probs(trainer, mb, use_remove_padding=packed, temperature=temperature)
+        for packed, share in ((True, True), (True, False), (False, False)):
+            lp = forward_log_probs(trainer, mb, use_remove_padding=packed, share_prompt=share,
+                                   temperature=temperature)
             for i, (_, c) in enumerate(pairs):
                 got = lp["log_probs"][i, :len(c.token_ids)]
                 worst = max(worst, (got - torch.tensor(c.logprobs)).abs().max().item())

@@ -73,10 +73,14 @@ class Attention(nn.Module):
             # their rounding flipped a greedy near-tie vs transformers: 1/64 rows, 30M bench)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         elif meta.cu_seqlens is not None:
-            out = flash_attn_varlen_func(
-                q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
-                meta.cu_seqlens, meta.cu_seqlens, meta.max_seqlen, meta.max_seqlen, causal=True,
-            ).transpose(0, 1)[None]  # [1, heads, T, hd]
+            q, k, v = (t[0].transpose(0, 1) for t in (q, k, v))                  # [T, h, hd]
+            cu_k, max_k = meta.cu_seqlens, meta.max_seqlen
+            if meta.kv_gather is not None:  # shared prefixes: each sequence's keys after its prefix's
+                k, v = k.index_select(0, meta.kv_gather), v.index_select(0, meta.kv_gather)
+                cu_k, max_k = meta.cu_seqlens_k, meta.max_seqlen_k
+            # causal with more keys than queries aligns bottom-right (flash-attn >= 2.1)
+            out = flash_attn_varlen_func(q, k, v, meta.cu_seqlens, cu_k, meta.max_seqlen, max_k,
+                                         causal=True).transpose(0, 1)[None]   # [1, heads, T, hd]
         elif meta.segments is not None:  # packed, no flash-attn: right-padded buckets
             seg, hd = meta.segments, self.head_dim
             tok = [t[0].transpose(0, 1) for t in (q, k, v)]                      # [T, h, hd]

@@ -1,7 +1,9 @@
 """The Llama-family decoder and its three heads (LM, value, score).
 
 One forward serves training and generation:
-``forward(tokens, positions, kv_cache=None, cu_seqlens=None, attention_mask=None)``.
+``forward(tokens, positions, kv_cache=None, cu_seqlens=None, attention_mask=None,
+shared_prefix=None)``; ``shared_prefix`` [S] (packed input only) says which packed sequence
+each one continues (-1: none), so a prompt shared by several responses is packed once.
 The model never touches torch.distributed; tensor parallelism and FSDP are applied after
 construction by ``minihf.parallel``. Build order (STYLE rule 2): construct on the meta
 device (``build_model(args, device="meta")``), parallelize, then ``materialize`` and load
@@ -33,7 +35,7 @@ class DecoderModel(nn.Module):
         self.rope = RopeTable(args)  # not a module or buffer: invisible to state dicts / FSDP
 
     def forward(self, tokens, positions=None, kv_cache=None, cu_seqlens=None,
-                attention_mask=None) -> torch.Tensor:
+                attention_mask=None, shared_prefix=None) -> torch.Tensor:
         if positions is None:
             if kv_cache is not None:
                 raise ValueError("positions are required with a kv_cache (they say where "
@@ -43,8 +45,8 @@ class DecoderModel(nn.Module):
             raise ValueError("with a kv_cache the cache decides the mask: pass positions only "
                              "(not cu_seqlens or attention_mask)")
         h = self.embed_tokens(tokens)
-        meta = None if kv_cache is not None else build_attn_meta(tokens, attention_mask,
-                                                                   cu_seqlens, h.dtype)
+        meta = None if kv_cache is not None else build_attn_meta(
+            tokens, attention_mask, cu_seqlens, h.dtype, shared_prefix)
         cos, sin = self.rope(positions, h.dtype)
         for layer in self.layers:
             h = layer(h, cos, sin, positions, meta, kv_cache)
@@ -60,9 +62,9 @@ class _Base(nn.Module):
         self.model = DecoderModel(args)
 
     def forward_hidden(self, tokens, positions=None, kv_cache=None, cu_seqlens=None,
-                       attention_mask=None) -> torch.Tensor:
+                       attention_mask=None, shared_prefix=None) -> torch.Tensor:
         """Final normed hidden states [B, T, H]."""
-        return self.model(tokens, positions, kv_cache, cu_seqlens, attention_mask)
+        return self.model(tokens, positions, kv_cache, cu_seqlens, attention_mask, shared_prefix)
 
     def tie_weights(self) -> None:
         """Re-establish weight sharing (``to_empty`` breaks it); no-op when untied."""
@@ -81,10 +83,10 @@ class CausalLM(_Base):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, tokens, positions=None, kv_cache=None, cu_seqlens=None,
-                attention_mask=None) -> torch.Tensor:
+                attention_mask=None, shared_prefix=None) -> torch.Tensor:
         """Logits [B, T, V] in the parameter dtype."""
         return self.lm_head(self.forward_hidden(tokens, positions, kv_cache, cu_seqlens,
-                                                attention_mask))
+                                                attention_mask, shared_prefix))
 
 
 class ValueModel(_Base):
@@ -96,9 +98,10 @@ class ValueModel(_Base):
         self.value_head = nn.Linear(args.hidden_size, 1)
 
     def forward(self, tokens, positions=None, kv_cache=None, cu_seqlens=None,
-                attention_mask=None) -> torch.Tensor:
+                attention_mask=None, shared_prefix=None) -> torch.Tensor:
         """Values [B, T]."""
-        h = self.forward_hidden(tokens, positions, kv_cache, cu_seqlens, attention_mask)
+        h = self.forward_hidden(tokens, positions, kv_cache, cu_seqlens, attention_mask,
+                                shared_prefix)
         # not a view: FSDP2 hooks a root module's output for its backward, and an in-place
         # edit of a view would skip that hook (it warns about every view it returns)
         return self.value_head(h).squeeze(-1).clone()
@@ -114,9 +117,10 @@ class ScoreModel(_Base):
         self.score = nn.Linear(args.hidden_size, 1, bias=False)
 
     def forward(self, tokens, positions=None, kv_cache=None, cu_seqlens=None,
-                attention_mask=None) -> torch.Tensor:
+                attention_mask=None, shared_prefix=None) -> torch.Tensor:
         """Scores [B, T]."""
-        h = self.forward_hidden(tokens, positions, kv_cache, cu_seqlens, attention_mask)
+        h = self.forward_hidden(tokens, positions, kv_cache, cu_seqlens, attention_mask,
+                                shared_prefix)
         return self.score(h).squeeze(-1).clone()  # not a view (see ValueModel.forward)
 
 

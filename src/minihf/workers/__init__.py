@@ -13,12 +13,12 @@ here imports ``minihf.trainer``: drivers sit above workers.
 from minihf.workers.actor import ActorRolloutRefWorker
 from minihf.workers.config import (ActorConfig, ActorRolloutRefConfig, CriticConfig, FSDPConfig,
                                    ModelConfig, PolicyLossConfig, RefConfig, RewardModelConfig,
-                                   RolloutConfig, ValKwargs)
+                                   RLModelConfig, RolloutConfig, ValKwargs)
 from minihf.workers.critic import CriticWorker
 from minihf.workers.reward_model import RewardModelWorker
 
 __all__ = [
     "ActorConfig", "ActorRolloutRefConfig", "ActorRolloutRefWorker", "CriticConfig",
     "CriticWorker", "FSDPConfig", "ModelConfig", "PolicyLossConfig", "RefConfig",
-    "RewardModelConfig", "RewardModelWorker", "RolloutConfig", "ValKwargs",
+    "RewardModelConfig", "RewardModelWorker", "RLModelConfig", "RolloutConfig", "ValKwargs",
 ]

@@ -32,6 +32,12 @@ class ModelConfig:
     use_remove_padding: bool = True      # padding-free packed micro-batches
 
 
+@dataclass
+class RLModelConfig(ModelConfig):
+    """An RL role's model: its forwards see n responses per prompt."""
+    share_prompt: bool = True            # packed: a prompt shared by several responses runs once per micro-batch
+
+
 def _check_micro(micro: Optional[int], max_tokens: Optional[int]) -> None:
     if micro is None and max_tokens is None:
         raise ValueError("set a micro-batch size (*_micro_batch_size_per_gpu) or "
@@ -185,7 +191,7 @@ class RolloutConfig:
 @dataclass
 class ActorRolloutRefConfig:
     """The hybrid actor/rollout/reference worker."""
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: RLModelConfig = field(default_factory=RLModelConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     ref: RefConfig = field(default_factory=RefConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -194,7 +200,7 @@ class ActorRolloutRefConfig:
 @dataclass
 class CriticConfig:
     """PPO value-function update (model.path may be a causal-LM checkpoint)."""
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: RLModelConfig = field(default_factory=RLModelConfig)
     ppo_mini_batch_size: int = 16        # sequences per critic optimizer step, global
     ppo_micro_batch_size_per_gpu: Optional[int] = 4  # rows per forward/backward (when no token budget)
     max_tokens_per_micro_batch: Optional[int] = None  # token budget per micro-batch (wins when set)
@@ -213,7 +219,7 @@ class CriticConfig:
 @dataclass
 class RewardModelConfig:
     """A learned reward model (score head; scored at the last response token)."""
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: RLModelConfig = field(default_factory=RLModelConfig)
     micro_batch_size_per_gpu: Optional[int] = 8  # rows per reward-model forward
     max_tokens_per_micro_batch: Optional[int] = None  # token budget per forward (wins when set)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)

@@ -18,6 +18,7 @@ import torch.nn as nn
 from minihf.models import CheckpointReader, build_model, load_hf, materialize
 from minihf.parallel.fsdp import apply_fsdp, fsdp_mesh, load_sharded, reshard
 from minihf.workers.config import FSDPConfig, ModelConfig
+from minihf.workers.packing import response_prompt_groups
 from minihf.workers.train_step import plan_micro_batches, take_rows
 
 
@@ -61,14 +62,17 @@ def tensors_of(batch, keys: Sequence[str], device: torch.device) -> dict[str, to
 @torch.no_grad()
 def run_micro_batches(data: dict[str, torch.Tensor], fn: Callable[[dict], dict],
                       *, micro_batch_size: int | None, max_tokens: int | None,
-                      group, model: nn.Module | None = None) -> dict[str, torch.Tensor]:
+                      group, model: nn.Module | None = None,
+                      share_prompt: bool = False) -> dict[str, torch.Tensor]:
     """``fn`` over micro-batches of ``data`` (no grad), outputs back in row order.
 
     Every rank of ``group`` runs the same number of forwards (FSDP all-gathers per call).
-    ``model`` (the FSDP model ``fn`` runs) is resharded afterwards.
+    ``model`` (the FSDP model ``fn`` runs) is resharded afterwards. ``share_prompt``: ``fn``
+    runs a shared prompt once, so a token budget plans the rows sharing one together.
     """
+    groups = response_prompt_groups(data) if share_prompt and max_tokens is not None else None
     plan = plan_micro_batches(data["attention_mask"], micro_batch_size=micro_batch_size,
-                              max_tokens=max_tokens, group=group)
+                              max_tokens=max_tokens, group=group, groups=groups)
     outs = [fn(take_rows(data, rows)) for rows in plan]
     order = torch.tensor([i for rows in plan for i in rows])
     result = {}

@@ -7,8 +7,9 @@ response of length ``R``; ``attention_mask``/``position_ids`` ``[B, T]``; ``resp
 
 Two equivalent paths: padded (``attention_mask`` passed to the model) and padding-free
 (:mod:`minihf.workers.packing`: one packed row with ``cu_seqlens``), selected by
-``use_remove_padding``. The model is called through ``__call__`` (never a sub-module
-directly) so FSDP's hooks gather its parameters.
+``use_remove_padding``. Packed, ``share_prompt`` runs a prompt shared by several rows
+once (see :mod:`minihf.workers.packing`). The model is called through ``__call__`` (never
+a sub-module directly) so FSDP's hooks gather its parameters.
 """
 
 from __future__ import annotations
@@ -20,19 +21,23 @@ from minihf.algorithms import entropy_from_logits, logprobs_from_logits
 from minihf.workers.packing import next_token_labels, pack, unpack
 
 
-def _run(model: nn.Module, mb: dict, use_remove_padding: bool):
-    """Model outputs in the padded ``[B, T, ...]`` layout plus, if packed, the packing."""
+def _run(model: nn.Module, mb: dict, use_remove_padding: bool, share_prompt: bool = False):
+    """Model outputs in the padded ``[B, T, ...]`` layout, or, if packed, on the packed
+    row ``[N, ...]`` with the packing."""
     if use_remove_padding:
-        packed = pack(mb["input_ids"], mb["attention_mask"], mb["position_ids"])
-        out = model(packed.tokens, packed.positions, cu_seqlens=packed.cu_seqlens)  # [1, N, ...]
+        t = mb["input_ids"].shape[1]
+        prompt_length = t - mb["responses"].shape[1] if share_prompt else None
+        packed = pack(mb["input_ids"], mb["attention_mask"], mb["position_ids"], prompt_length)
+        out = model(packed.tokens, packed.positions, cu_seqlens=packed.cu_seqlens,
+                    shared_prefix=packed.shared_prefix)                         # [1, N, ...]
         return out[0], packed
     out = model(mb["input_ids"], mb["position_ids"], attention_mask=mb["attention_mask"])
     return out, None
 
 
 def forward_log_probs(model: nn.Module, mb: dict, *, use_remove_padding: bool = True,
-                      temperature: float = 1.0, calc_entropy: bool = False,
-                      entropy_grad: bool = True) -> dict:
+                      share_prompt: bool = False, temperature: float = 1.0,
+                      calc_entropy: bool = False, entropy_grad: bool = True) -> dict:
     """Log-probs (and entropy) of the response tokens under ``model`` (an LM).
 
     Returns ``{"log_probs": [B, R]}`` (+ ``"entropy": [B, R]``), fp32, computed from
@@ -42,19 +47,18 @@ def forward_log_probs(model: nn.Module, mb: dict, *, use_remove_padding: bool = 
     """
     r = mb["responses"].shape[1]
     valid = mb["attention_mask"][:, -r:].float()                             # [B, R]
-    out, packed = _run(model, mb, use_remove_padding)
+    out, packed = _run(model, mb, use_remove_padding, share_prompt)
     if packed is not None:
-        # only positions that predict a response token are upcast (prompt logits are not)
-        t = packed.shape[1]
-        col = packed.indices % t                                             # [N]
-        sel = ((col >= t - r - 1) & (col < t - 1)).nonzero().squeeze(-1)      # [M]
+        # only the positions that predict a real response token go through the (upcast)
+        # log-softmax: the token before it, which for the first one may be a shared prompt's
+        b, t = packed.shape
+        real = valid.bool()                                                  # [B, R]
+        sel = packed.slot.view(b, t)[:, t - r - 1:t - 1][real]               # [M]
         logits = out[sel].float() / temperature                             # [M, V]
-        labels = next_token_labels(packed)[0][sel]                          # [M]
 
         def to_response(values):                                            # [M] -> [B, R]
-            flat = values.new_zeros(out.shape[0]).index_copy_(0, sel, values)
-            return unpack(flat, packed)[:, -r - 1:-1] * valid
-        result = {"log_probs": to_response(logprobs_from_logits(logits, labels))}
+            return values.new_zeros((b, r)).index_put_((real.nonzero(as_tuple=True)), values)
+        result = {"log_probs": to_response(logprobs_from_logits(logits, mb["responses"][real]))}
         if calc_entropy:
             result["entropy"] = to_response(entropy_from_logits(
                 logits if entropy_grad else logits.detach()))
@@ -66,20 +70,23 @@ def forward_log_probs(model: nn.Module, mb: dict, *, use_remove_padding: bool = 
     return result
 
 
-def forward_values(model: nn.Module, mb: dict, *, use_remove_padding: bool = True) -> torch.Tensor:
+def forward_values(model: nn.Module, mb: dict, *, use_remove_padding: bool = True,
+                   share_prompt: bool = False) -> torch.Tensor:
     """Critic values for the response tokens ``[B, R]`` (fp32): the value at the token
     before each response token, as in verl; zero at response padding."""
     r = mb["responses"].shape[1]
-    out, packed = _run(model, mb, use_remove_padding)
+    out, packed = _run(model, mb, use_remove_padding, share_prompt)
     if packed is not None:
         out = unpack(out, packed)                                            # [B, T]
     return out[:, -r - 1:-1].float() * mb["attention_mask"][:, -r:]
 
 
-def last_token_scores(model: nn.Module, mb: dict, *, use_remove_padding: bool = True) -> torch.Tensor:
+def last_token_scores(model: nn.Module, mb: dict, *, use_remove_padding: bool = True,
+                      share_prompt: bool = False) -> torch.Tensor:
     """A score model's output at the last real token of each row ``[B]`` (fp32; left- or
-    right-padded rows), as transformers' ``*ForSequenceClassification`` pools."""
-    out, packed = _run(model, mb, use_remove_padding)
+    right-padded rows), as transformers' ``*ForSequenceClassification`` pools.
+    ``share_prompt`` needs ``responses`` in ``mb`` (the prompt is what precedes them)."""
+    out, packed = _run(model, mb, use_remove_padding, share_prompt)
     if packed is not None:
         out = unpack(out, packed)                                            # [B, T]
     mask = mb["attention_mask"].bool()
@@ -88,11 +95,13 @@ def last_token_scores(model: nn.Module, mb: dict, *, use_remove_padding: bool = 
     return out.float().gather(1, last.clamp(min=0)[:, None]).squeeze(1)      # [B]
 
 
-def forward_scores(model: nn.Module, mb: dict, *, use_remove_padding: bool = True) -> torch.Tensor:
+def forward_scores(model: nn.Module, mb: dict, *, use_remove_padding: bool = True,
+                   share_prompt: bool = False) -> torch.Tensor:
     """Reward-model token-level scores ``[B, R]``: the score head's output at the last
     real token, placed at the last response token (zeros elsewhere and for rows with an
     empty response)."""
-    score = last_token_scores(model, mb, use_remove_padding=use_remove_padding)  # [B]
+    score = last_token_scores(model, mb, use_remove_padding=use_remove_padding,
+                              share_prompt=share_prompt)                       # [B]
     resp_len = mb["response_mask"].sum(-1).long()                             # [B]
     scores = torch.zeros(mb["responses"].shape, dtype=torch.float32, device=score.device)
     rows = (resp_len > 0).nonzero().squeeze(-1)

@@ -12,6 +12,11 @@ Pure Python (no torch), so the plans are unit-tested alone. Two ways to cut:
 Plans are lists of row-index lists; every row appears exactly once. Because losses are
 normalised by the whole mini-batch (see ``minihf.algorithms.loss_agg``), the cut changes
 only speed and memory, never the update.
+
+With ``groups`` (rows that share a prompt and their prompt lengths; the packed forward
+runs a shared prompt once) the token budget plans whole groups as units costing their
+packed tokens, so the n responses of a prompt stay in one micro-batch; a group over the
+budget is cut into consecutive chunks that fit.
 """
 
 from __future__ import annotations
@@ -61,12 +66,40 @@ def balanced_partition(seq_lens: Sequence[int], k: int) -> list[list[int]]:
     return sorted(out, key=lambda b: b[0])
 
 
+Groups = tuple[Sequence[Sequence[int]], Sequence[int]]  # (rows sharing a prompt, prompt lengths)
+
+
+def share_units(seq_lens: Sequence[int], max_tokens: int,
+                groups: Groups) -> tuple[list[list[int]], list[int]]:
+    """Rows that share a prompt as units that stay in one micro-batch, and each unit's
+    packed token count (its prompt once). A group over ``max_tokens`` is cut into
+    consecutive chunks under it (a row over it alone is left for the caller to report)."""
+    units, costs = [], []
+    for rows, plen in zip(*groups):
+        unit, cost = [], 0
+        for i in rows:
+            extra = seq_lens[i] - (plen if unit else 0)
+            if unit and cost + extra > max_tokens:
+                units.append(unit)
+                costs.append(cost)
+                unit, cost, extra = [], 0, seq_lens[i]
+            unit.append(i)
+            cost += extra
+        if unit:
+            units.append(unit)
+            costs.append(cost)
+    return units, costs
+
+
 def plan_token_budget(seq_lens: Sequence[int], max_tokens: int,
-                      num_micro_batches: int | None = None) -> list[list[int]]:
+                      num_micro_batches: int | None = None,
+                      groups: Groups | None = None) -> list[list[int]]:
     """Fewest balanced micro-batches with at most ``max_tokens`` tokens each.
 
     ``num_micro_batches`` forces at least that many (capped at the row count), so that
     data-parallel ranks agree on a count. Raises if one row alone exceeds the budget.
+    ``groups``: plan the rows sharing a prompt as units (see the module docstring); when
+    the forced count exceeds the units, rows are planned alone.
     """
     if max_tokens < 1:
         raise ValueError(f"max_tokens_per_micro_batch={max_tokens} must be >= 1")
@@ -74,13 +107,22 @@ def plan_token_budget(seq_lens: Sequence[int], max_tokens: int,
     if n == 0:
         return []
     k = max(min_micro_batches(seq_lens, max_tokens), min(num_micro_batches or 1, n))
+    units, costs = [[i] for i in range(n)], list(seq_lens)
+    if groups is not None:
+        shared_units, shared_costs = share_units(seq_lens, max_tokens, groups)
+        if sorted(i for u in shared_units for i in u) != list(range(n)):
+            raise ValueError(f"groups must hold every one of the {n} rows exactly once")
+        if (num_micro_batches or 1) <= len(shared_units):
+            units, costs = shared_units, shared_costs
+            k = max(min_micro_batches(costs, max_tokens), min(num_micro_batches or 1, n))
     while True:
-        plan = balanced_partition(seq_lens, k)
-        if max(sum(seq_lens[i] for i in b) for b in plan) <= max_tokens or k == n:
-            return plan
+        plan = balanced_partition(costs, k)
+        if max(sum(costs[u] for u in b) for b in plan) <= max_tokens or k == len(units):
+            return sorted((sorted(i for u in b for i in units[u]) for b in plan), key=lambda b: b[0])
         k += 1
 
 
-def count_token_budget(seq_lens: Sequence[int], max_tokens: int) -> int:
+def count_token_budget(seq_lens: Sequence[int], max_tokens: int,
+                       groups: Groups | None = None) -> int:
     """How many micro-batches :func:`plan_token_budget` makes without a forced count."""
-    return len(plan_token_budget(seq_lens, max_tokens))
+    return len(plan_token_budget(seq_lens, max_tokens, groups=groups))

@@ -6,6 +6,12 @@ A padded batch ``[B, T]`` (prompts left-padded, responses right-padded) becomes 
 attends within each sequence only. Outputs computed on the packed row are scattered back
 to ``[B, T]`` with :func:`unpack` (zeros at the padding), which keeps every caller's
 indexing (``[:, -R-1:-1]`` for response tokens) the same as on the padded path.
+
+RL batches hold ``n`` responses per prompt. Packed with ``prompt_length``, a micro-batch
+runs each distinct prompt once: its responses become sequences that continue it (the
+model's ``shared_prefix``), which removes ``(n - 1) x`` prompt tokens from every forward
+and backward. The outputs are the same as without sharing up to float rounding; a shared
+token's gradient is the sum over its responses, as it is when each row has its own copy.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ class Packed:
     cu_seqlens: torch.Tensor  # [S+1] int32, cumulative sequence lengths
     indices: torch.Tensor     # [N] long, flat index into the [B*T] padded layout
     shape: tuple[int, int]    # (B, T) of the padded batch
+    slot: torch.Tensor        # [B*T] long: the packed token at each padded position, -1 at pads
+    shared_prefix: torch.Tensor | None = None  # [S] long: the sequence each continues (-1: none)
 
     @property
     def max_seqlen(self) -> int:
@@ -30,13 +38,8 @@ class Packed:
         return int((self.cu_seqlens[1:] - self.cu_seqlens[:-1]).max().item())
 
 
-def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor,
-         position_ids: torch.Tensor) -> Packed:
-    """Pack the real tokens of ``input_ids`` ``[B, T]`` (``attention_mask`` 1 = real).
-
-    Each row's real tokens must be contiguous (left-padded prompt + right-padded
-    response is); rows with no real token are dropped from the packed row.
-    """
+def _spans(attention_mask: torch.Tensor) -> tuple[list[int], list[int]]:
+    """First and one-past-last real column of each row (contiguity checked)."""
     mask = attention_mask.bool()
     lens = mask.sum(-1)                                                  # [B]
     pos = torch.arange(mask.shape[1], device=mask.device)
@@ -48,19 +51,96 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor,
         raise ValueError(f"row {bad} of attention_mask has a gap between real tokens; packing "
                          "needs each row's real tokens contiguous (left-padded prompt + "
                          "right-padded response)")
-    indices = mask.flatten().nonzero().squeeze(-1)                       # [N]
-    cu = torch.zeros(len(lens[lens > 0]) + 1, dtype=torch.int32, device=input_ids.device)
-    cu[1:] = torch.cumsum(lens[lens > 0], 0)
+    return first.tolist(), (last + 1).tolist()
+
+
+def prompt_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                  position_ids: torch.Tensor, prompt_length: int) -> tuple[list[list[int]], list[int]]:
+    """Rows that share a prompt: the rows grouped by the real tokens (and positions) in
+    their first ``prompt_length`` columns, in order of first appearance, and each group's
+    prompt length (0 for a row with no prompt token, which shares nothing)."""
+    first, end = _spans(attention_mask)
+    ids, pos = input_ids.cpu(), position_ids.cpu()
+    groups: dict = {}
+    for i, (a, b) in enumerate(zip(first, end)):
+        b = min(b, prompt_length)
+        key = (ids[i, a:b].numpy().tobytes(), pos[i, a:b].numpy().tobytes()) if a < b else i
+        groups.setdefault(key, []).append(i)
+    return list(groups.values()), [max(0, min(end[g[0]], prompt_length) - first[g[0]])
+                                   for g in groups.values()]
+
+
+def response_prompt_groups(data: dict) -> tuple[list[list[int]], list[int]]:
+    """:func:`prompt_groups` of an RL batch (the prompt is what precedes ``responses``)."""
+    prompt_length = data["input_ids"].shape[1] - data["responses"].shape[1]
+    return prompt_groups(data["input_ids"], data["attention_mask"], data["position_ids"],
+                         prompt_length)
+
+
+def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor,
+         position_ids: torch.Tensor, prompt_length: int | None = None) -> Packed:
+    """Pack the real tokens of ``input_ids`` ``[B, T]`` (``attention_mask`` 1 = real).
+
+    Each row's real tokens must be contiguous (left-padded prompt + right-padded
+    response is); rows with no real token are dropped from the packed row.
+
+    With ``prompt_length`` (the prompt's column count, ``T - R``) rows with the same
+    prompt share one copy of it (:func:`prompt_groups`): the packed row holds the prompt
+    once, then each row's response as a sequence that continues it (``shared_prefix``).
+    A prompt of a single row stays one sequence with its response. ``slot`` maps every
+    real padded position to the packed token holding it, shared ones included.
+    """
+    B, T = input_ids.shape
+    first, end = _spans(attention_mask)
+    pieces: list[tuple[int, int, int]] = []  # (row, first col, end col) of each sequence
+    prefix: list[int] = []
+    shared: list[tuple[int, int, int]] = []  # (row, row holding its prompt, prompt length)
+    groups = ([[i] for i in range(B)], [0] * B) if prompt_length is None else \
+        prompt_groups(input_ids, attention_mask, position_ids, prompt_length)
+    for rows, plen in zip(*groups):
+        if len(rows) == 1 or plen == 0:
+            for i in rows:
+                if end[i] > first[i]:
+                    pieces.append((i, first[i], end[i]))
+                    prefix.append(-1)
+            continue
+        head = rows[0]
+        p = len(pieces)
+        pieces.append((head, first[head], first[head] + plen))
+        prefix.append(-1)
+        for i in rows:
+            if end[i] > first[i] + plen:
+                pieces.append((i, first[i] + plen, end[i]))
+                prefix.append(p)
+            if i != head:
+                shared.append((i, head, plen))
+    indices = torch.tensor([i * T + c for i, a, b in pieces for c in range(a, b)],
+                           dtype=torch.long).to(input_ids.device)                # [N]
+    cu = torch.zeros(len(pieces) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor([b - a for _, a, b in pieces], dtype=torch.int32), 0)
+    slot = torch.full((B * T,), -1, dtype=torch.long, device=input_ids.device)
+    slot[indices] = torch.arange(len(indices), device=input_ids.device)
+    for i, head, plen in shared:  # a shared prompt's columns read the head row's tokens
+        slot[i * T + first[i]:i * T + first[i] + plen] = \
+            slot[head * T + first[head]:head * T + first[head] + plen]
+    has_prefix = any(p != -1 for p in prefix)
     return Packed(tokens=input_ids.flatten()[indices].unsqueeze(0),
                   positions=position_ids.flatten()[indices].unsqueeze(0),
-                  cu_seqlens=cu, indices=indices, shape=tuple(input_ids.shape))
+                  cu_seqlens=cu.to(input_ids.device), indices=indices, shape=(B, T), slot=slot,
+                  shared_prefix=torch.tensor(prefix, dtype=torch.long, device=input_ids.device)
+                  if has_prefix else None)
 
 
 def unpack(values: torch.Tensor, packed: Packed) -> torch.Tensor:
-    """Scatter per-token ``values`` ``[N, ...]`` back to ``[B, T, ...]`` (zeros at pads)."""
+    """Per-token ``values`` ``[N, ...]`` back to ``[B, T, ...]`` (zeros at pads; a shared
+    prompt's value at each of its rows)."""
     b, t = packed.shape
     out = values.new_zeros((b * t,) + tuple(values.shape[1:]))
-    out[packed.indices] = values
+    if packed.shared_prefix is None:
+        out[packed.indices] = values
+    else:
+        real = (packed.slot >= 0).nonzero().squeeze(-1)
+        out[real] = values[packed.slot[real]]
     return out.view(b, t, *values.shape[1:])
 
 
@@ -68,6 +148,10 @@ def next_token_labels(packed: Packed) -> torch.Tensor:
     """Labels for next-token log-probs on the packed row: ``tokens`` shifted left by one.
 
     The label at each sequence's last token is the next sequence's first token; callers
-    never read it (it lies beyond the response, or under the response mask).
+    never read it (it lies beyond the response, or under the response mask). Not for
+    shared prompts (a shared token has several next tokens).
     """
+    if packed.shared_prefix is not None:
+        raise ValueError("next_token_labels needs a packing without shared prompts "
+                         "(pack without prompt_length)")
     return torch.roll(packed.tokens, shifts=-1, dims=1)                  # [1, N]

@@ -37,10 +37,12 @@ class RewardModelWorker(Worker):
         c = self.config
         data = tensors_of(batch, INPUT_KEYS, self.device)
 
+        share = c.model.use_remove_padding and c.model.share_prompt
+
         def fn(mb):
-            return {"rm_scores": forward_scores(self.model, mb,
+            return {"rm_scores": forward_scores(self.model, mb, share_prompt=share,
                                                 use_remove_padding=c.model.use_remove_padding)}
         out = run_micro_batches(data, fn, micro_batch_size=c.micro_batch_size_per_gpu,
                                 max_tokens=c.max_tokens_per_micro_batch, group=self.group,
-                                model=self.model)
+                                model=self.model, share_prompt=share)
         return Batch({"rm_scores": out["rm_scores"].cpu()})

@@ -29,6 +29,7 @@ from minihf.utils import checkpoint as ckpt
 from minihf.workers.config import FSDPConfig, ModelConfig
 from minihf.workers.engine import build_fsdp_model
 from minihf.workers.optim import OptimConfig, build_lr_scheduler, build_optimizer
+from minihf.workers.packing import response_prompt_groups
 from minihf.workers.train_step import (LossFn, global_normalizer, global_token_count, group_size,
                                        mean_metrics, plan_micro_batches, take_rows,
                                        train_minibatch)
@@ -61,14 +62,16 @@ class TrainState:
     def update(self, data: dict[str, torch.Tensor], *, mini_batch_size: int,
                micro_batch_size: int | None, max_tokens: int | None, epochs: int, shuffle: bool,
                seed: int, loss_agg_mode: str,
-               make_loss_fn: Callable[[torch.Tensor, torch.Tensor], LossFn]) -> dict[str, float]:
+               make_loss_fn: Callable[[torch.Tensor, torch.Tensor], LossFn],
+               share_prompt: bool = False) -> dict[str, float]:
         """One update call of a PPO role: epochs x mini-batches x micro-batches.
 
         For each mini-batch the global loss normaliser and token count (over all DP ranks)
         are computed first; ``make_loss_fn(norm, tokens)`` builds the micro-batch loss that
         divides by them (exact accumulation, see ``train_step``). Returns the per-step
         metrics averaged over the call's optimizer steps, and ``skipped_updates`` (how many
-        had a non-finite gradient and did not update) when any did.
+        had a non-finite gradient and did not update) when any did. ``share_prompt``: the
+        loss runs a shared prompt once (a token budget keeps the rows sharing one together).
         """
         steps = []
         num_rows = len(next(iter(data.values())))
@@ -77,8 +80,9 @@ class TrainState:
             mini = take_rows(data, rows)
             norm = global_normalizer(mini["response_mask"], loss_agg_mode, self.group)
             tokens = global_token_count(mini["response_mask"], self.group)
+            groups = response_prompt_groups(mini) if share_prompt and max_tokens is not None else None
             plan = plan_micro_batches(mini["attention_mask"], micro_batch_size=micro_batch_size,
-                                      max_tokens=max_tokens, group=self.group)
+                                      max_tokens=max_tokens, group=self.group, groups=groups)
             steps.append(self.step([take_rows(mini, p) for p in plan], make_loss_fn(norm, tokens)))
         skipped = sum(s.pop("skipped", 0.0) for s in steps)
         out = mean_metrics(steps)

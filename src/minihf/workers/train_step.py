@@ -29,7 +29,7 @@ import torch.nn as nn
 
 from minihf.algorithms import loss_normalizer
 from minihf.workers.optim import clip_grad_norm_
-from minihf.workers.micro_batch import count_token_budget, plan_fixed, plan_token_budget
+from minihf.workers.micro_batch import Groups, count_token_budget, plan_fixed, plan_token_budget
 
 
 def _dist(group) -> bool:
@@ -49,12 +49,15 @@ def all_reduce_(t: torch.Tensor, group, op=None) -> torch.Tensor:
 
 
 def plan_micro_batches(attention_mask: torch.Tensor, *, micro_batch_size: int | None = None,
-                       max_tokens: int | None = None, group=None) -> list[list[int]]:
+                       max_tokens: int | None = None, group=None,
+                       groups: Groups | None = None) -> list[list[int]]:
     """Row groups for the micro-batches of one mini-batch on this rank.
 
     With ``max_tokens`` the rows are balanced by real-token count under that budget and the
     number of micro-batches is the max over ``group`` (every rank must run as many
     forward/backward passes); otherwise fixed groups of ``micro_batch_size`` rows.
+    ``groups`` (rows sharing a prompt, see ``micro_batch``) keeps them together under a
+    token budget.
     """
     n = attention_mask.shape[0]
     if max_tokens is None:
@@ -62,9 +65,9 @@ def plan_micro_batches(attention_mask: torch.Tensor, *, micro_batch_size: int | 
             raise ValueError("give micro_batch_size or max_tokens_per_micro_batch")
         return plan_fixed(n, micro_batch_size)
     seq_lens = attention_mask.sum(-1).tolist()
-    k = torch.tensor([count_token_budget(seq_lens, max_tokens)], device=attention_mask.device)
+    k = torch.tensor([count_token_budget(seq_lens, max_tokens, groups)], device=attention_mask.device)
     all_reduce_(k, group, dist.ReduceOp.MAX)
-    return plan_token_budget(seq_lens, max_tokens, num_micro_batches=int(k.item()))
+    return plan_token_budget(seq_lens, max_tokens, num_micro_batches=int(k.item()), groups=groups)
 
 
 def take_rows(data: dict, rows: Sequence[int]) -> dict:

@@ -217,3 +217,20 @@ def test_flash_varlen_path_plumbing_with_a_reference_kernel(monkeypatch):
         out = model(tokens, positions, cu_seqlens=cu)
     assert calls[0] == ([0, 3, 5, 7, 9], 3) and len(calls) == 2  # one call per layer
     assert (out - ref).abs().max() < 1e-5
+
+
+def test_logits_to_keep_selects_positions():
+    """transformers' ``logits_to_keep`` (a tensor of positions, repeats allowed): the same
+    logits as the full forward at those positions, padded or packed, and gradients flow."""
+    model = init_weights(build_model(_tiny_args()), seed=0)
+    tokens = torch.randint(0, 50, (2, 7))
+    keep = torch.tensor([6, 2, 2, 0])
+    full = model(tokens, attention_mask=torch.ones(2, 7))
+    part = model(tokens, attention_mask=torch.ones(2, 7), logits_to_keep=keep)
+    assert part.shape == (2, 4, full.shape[-1]) and torch.allclose(part, full[:, keep], atol=1e-6)
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    packed = model(tokens[:1], cu_seqlens=cu)
+    part = model(tokens[:1], cu_seqlens=cu, logits_to_keep=keep)
+    assert torch.allclose(part, packed[:, keep], atol=1e-6)
+    part.sum().backward()
+    assert model.model.layers[0].mlp.up_proj.weight.grad.abs().sum() > 0

@@ -83,10 +83,16 @@ class CausalLM(_Base):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, tokens, positions=None, kv_cache=None, cu_seqlens=None,
-                attention_mask=None, shared_prefix=None) -> torch.Tensor:
-        """Logits [B, T, V] in the parameter dtype."""
-        return self.lm_head(self.forward_hidden(tokens, positions, kv_cache, cu_seqlens,
-                                                attention_mask, shared_prefix))
+                attention_mask=None, shared_prefix=None, logits_to_keep=None) -> torch.Tensor:
+        """Logits [B, T, V] in the parameter dtype; with ``logits_to_keep`` (long [K], positions
+        along T, repeats allowed; transformers' argument) only those, [B, K, V]: the LM head
+        is the largest matmul of a real vocabulary, and a trainer needs it at response
+        positions only."""
+        h = self.forward_hidden(tokens, positions, kv_cache, cu_seqlens, attention_mask,
+                                shared_prefix)
+        if logits_to_keep is not None:
+            h = h.index_select(1, logits_to_keep)
+        return self.lm_head(h)
 
 
 class ValueModel(_Base):

@@ -21,13 +21,16 @@ from minihf.algorithms import entropy_from_logits, logprobs_from_logits
 from minihf.workers.packing import next_token_labels, pack, unpack
 
 
+def _pack(mb: dict, share_prompt: bool):
+    prompt_length = mb["input_ids"].shape[1] - mb["responses"].shape[1] if share_prompt else None
+    return pack(mb["input_ids"], mb["attention_mask"], mb["position_ids"], prompt_length)
+
+
 def _run(model: nn.Module, mb: dict, use_remove_padding: bool, share_prompt: bool = False):
     """Model outputs in the padded ``[B, T, ...]`` layout, or, if packed, on the packed
     row ``[N, ...]`` with the packing."""
     if use_remove_padding:
-        t = mb["input_ids"].shape[1]
-        prompt_length = t - mb["responses"].shape[1] if share_prompt else None
-        packed = pack(mb["input_ids"], mb["attention_mask"], mb["position_ids"], prompt_length)
+        packed = _pack(mb, share_prompt)
         out = model(packed.tokens, packed.positions, cu_seqlens=packed.cu_seqlens,
                     shared_prefix=packed.shared_prefix)                         # [1, N, ...]
         return out[0], packed
@@ -47,14 +50,16 @@ def forward_log_probs(model: nn.Module, mb: dict, *, use_remove_padding: bool = 
     """
     r = mb["responses"].shape[1]
     valid = mb["attention_mask"][:, -r:].float()                             # [B, R]
-    out, packed = _run(model, mb, use_remove_padding, share_prompt)
-    if packed is not None:
-        # only the positions that predict a real response token go through the (upcast)
-        # log-softmax: the token before it, which for the first one may be a shared prompt's
+    if use_remove_padding:
+        # logits only at the positions that predict a real response token (the token before
+        # it, which for the first one may be a shared prompt's): the LM head skips the rest
+        packed = _pack(mb, share_prompt)
         b, t = packed.shape
         real = valid.bool()                                                  # [B, R]
         sel = packed.slot.view(b, t)[:, t - r - 1:t - 1][real]               # [M]
-        logits = out[sel].float() / temperature                             # [M, V]
+        logits = model(packed.tokens, packed.positions, cu_seqlens=packed.cu_seqlens,
+                       shared_prefix=packed.shared_prefix, logits_to_keep=sel)[0]
+        logits = logits.float() / temperature                                # [M, V]
 
         def to_response(values):                                            # [M] -> [B, R]
             return values.new_zeros((b, r)).index_put_((real.nonzero(as_tuple=True)), values)
@@ -63,7 +68,10 @@ def forward_log_probs(model: nn.Module, mb: dict, *, use_remove_padding: bool = 
             result["entropy"] = to_response(entropy_from_logits(
                 logits if entropy_grad else logits.detach()))
         return result
-    logits = out[:, -r - 1:-1].float() / temperature                       # [B, R, V]
+    t = mb["input_ids"].shape[1]
+    logits = model(mb["input_ids"], mb["position_ids"], attention_mask=mb["attention_mask"],
+                   logits_to_keep=torch.arange(t - r - 1, t - 1, device=valid.device))
+    logits = logits.float() / temperature                                    # [B, R, V]
     result = {"log_probs": logprobs_from_logits(logits, mb["responses"]) * valid}
     if calc_entropy:
         result["entropy"] = entropy_from_logits(logits if entropy_grad else logits.detach()) * valid

@@ -60,6 +60,10 @@ def test_pack_shares_prompts_by_hand():
     assert torch.equal(unpack(p.tokens[0], p), ids * mask)
     with pytest.raises(ValueError, match="without shared prompts"):
         next_token_labels(p)
+    # two rows share a prompt but neither has a response: one sequence, read by both rows
+    e = pack(ids[:2], torch.tensor([[1, 1, 0, 0], [1, 1, 0, 0]]), pos[:2], prompt_length=2)
+    assert e.tokens.tolist() == [[1, 2]] and e.shared_prefix is None
+    assert unpack(e.tokens[0], e).tolist() == [[1, 2, 0, 0], [1, 2, 0, 0]]
     # no repeated prompt: the same packing as without prompt_length
     q = pack(ids[1:], mask[1:], pos[1:], prompt_length=2)
     r = pack(ids[1:], mask[1:], pos[1:])

@@ -136,11 +136,8 @@ def unpack(values: torch.Tensor, packed: Packed) -> torch.Tensor:
     prompt's value at each of its rows)."""
     b, t = packed.shape
     out = values.new_zeros((b * t,) + tuple(values.shape[1:]))
-    if packed.shared_prefix is None:
-        out[packed.indices] = values
-    else:
-        real = (packed.slot >= 0).nonzero().squeeze(-1)
-        out[real] = values[packed.slot[real]]
+    real = (packed.slot >= 0).nonzero().squeeze(-1)
+    out[real] = values[packed.slot[real]]
     return out.view(b, t, *values.shape[1:])
 
 

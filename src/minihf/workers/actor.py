@@ -120,17 +120,13 @@ class ActorRolloutRefWorker(Worker):
                    calc_entropy: bool) -> dict:
         data = tensors_of(batch, INPUT_KEYS, self.device)
         temperature = float(batch.meta.get("temperature", 1.0))
-        use_rmpad, share = self.config.model.use_remove_padding, self._share_prompt()
+        use_rmpad, share = self.config.model.use_remove_padding, self.config.model.shares_prompt
 
         def fn(mb):
             return forward_log_probs(model, mb, use_remove_padding=use_rmpad, share_prompt=share,
                                      temperature=temperature, calc_entropy=calc_entropy)
         return run_micro_batches(data, fn, micro_batch_size=micro, max_tokens=max_tokens,
                                  group=self.group, model=model, share_prompt=share)
-
-    def _share_prompt(self) -> bool:
-        m = self.config.model
-        return m.use_remove_padding and m.share_prompt
 
     @register(dispatch=Dispatch.DP_COMPUTE)
     def compute_log_prob(self, batch: Batch, calc_entropy: bool = False) -> Batch:
@@ -162,7 +158,7 @@ class ActorRolloutRefWorker(Worker):
         def loss_fn(mb):
             mask = mb["response_mask"]
             out = forward_log_probs(model, mb, use_remove_padding=self.config.model.use_remove_padding,
-                                    share_prompt=self._share_prompt(), temperature=temperature,
+                                    share_prompt=self.config.model.shares_prompt, temperature=temperature,
                                     calc_entropy=a.entropy_coeff != 0 or own_old,
                                     entropy_grad=a.entropy_coeff != 0)
             log_prob = out["log_probs"]                                       # [b, R]
@@ -210,7 +206,7 @@ class ActorRolloutRefWorker(Worker):
             max_tokens=a.max_tokens_per_micro_batch, epochs=a.ppo_epochs, shuffle=a.shuffle,
             seed=int(batch.meta.get("global_step", 0)), loss_agg_mode=a.loss_agg_mode,
             make_loss_fn=lambda norm, tokens: self._loss_fn(norm, tokens, temperature, own_old),
-            share_prompt=self._share_prompt())
+            share_prompt=self.config.model.shares_prompt)
         metrics = prefixed(stats, "actor")
         if a.use_kl_loss:
             metrics["actor/kl_coef"] = a.kl_loss_coef

@@ -37,6 +37,11 @@ class RLModelConfig(ModelConfig):
     """An RL role's model: its forwards see n responses per prompt."""
     share_prompt: bool = True            # packed: a prompt shared by several responses runs once per micro-batch
 
+    @property
+    def shares_prompt(self) -> bool:
+        """Whether forwards share prompts: only packed ones can."""
+        return self.use_remove_padding and self.share_prompt
+
 
 def _check_micro(micro: Optional[int], max_tokens: Optional[int]) -> None:
     if micro is None and max_tokens is None:

@@ -53,16 +53,12 @@ class CriticWorker(Worker):
 
         def fn(mb):
             v = forward_values(model, mb, use_remove_padding=c.model.use_remove_padding,
-                               share_prompt=self._share_prompt())
+                               share_prompt=self.config.model.shares_prompt)
             return {"values": v}
         out = run_micro_batches(data, fn, micro_batch_size=c.forward_micro_batch_size_per_gpu,
                                 max_tokens=c.max_tokens_per_micro_batch, group=self.group,
-                                model=model, share_prompt=self._share_prompt())
+                                model=model, share_prompt=self.config.model.shares_prompt)
         return Batch({"values": out["values"].cpu()})
-
-    def _share_prompt(self) -> bool:
-        m = self.config.model
-        return m.use_remove_padding and m.share_prompt
 
     def _loss_fn(self, norm, tokens):
         c, model = self.config, self.critic
@@ -70,7 +66,7 @@ class CriticWorker(Worker):
         def loss_fn(mb):
             mask = mb["response_mask"]
             vpreds = forward_values(model, mb, use_remove_padding=c.model.use_remove_padding,
-                                    share_prompt=self._share_prompt())
+                                    share_prompt=self.config.model.shares_prompt)
             vf_loss, clipfrac = compute_value_loss(vpreds, mb["returns"], mb["values"], mask,
                                                    c.cliprange_value, c.loss_agg_mode, norm)
             share = mask.float().sum() / tokens
@@ -89,7 +85,7 @@ class CriticWorker(Worker):
             micro_batch_size=c.ppo_micro_batch_size_per_gpu,
             max_tokens=c.max_tokens_per_micro_batch, epochs=c.ppo_epochs, shuffle=c.shuffle,
             seed=int(batch.meta.get("global_step", 0)), loss_agg_mode=c.loss_agg_mode,
-            make_loss_fn=self._loss_fn, share_prompt=self._share_prompt())
+            make_loss_fn=self._loss_fn, share_prompt=self.config.model.shares_prompt)
         return prefixed(stats, "critic")
 
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Dispatch.RANK_ZERO)

@@ -55,11 +55,13 @@ def _spans(attention_mask: torch.Tensor) -> tuple[list[int], list[int]]:
 
 
 def prompt_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                  position_ids: torch.Tensor, prompt_length: int) -> tuple[list[list[int]], list[int]]:
+                  position_ids: torch.Tensor, prompt_length: int,
+                  spans: tuple[list[int], list[int]] | None = None) -> tuple[list[list[int]], list[int]]:
     """Rows that share a prompt: the rows grouped by the real tokens (and positions) in
     their first ``prompt_length`` columns, in order of first appearance, and each group's
-    prompt length (0 for a row with no prompt token, which shares nothing)."""
-    first, end = _spans(attention_mask)
+    prompt length (0 for a row with no prompt token, which shares nothing). ``spans``:
+    :func:`_spans` of ``attention_mask`` when the caller has them."""
+    first, end = spans or _spans(attention_mask)
     ids, pos = input_ids.cpu(), position_ids.cpu()
     groups: dict = {}
     for i, (a, b) in enumerate(zip(first, end)):
@@ -86,49 +88,49 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor,
 
     With ``prompt_length`` (the prompt's column count, ``T - R``) rows with the same
     prompt share one copy of it (:func:`prompt_groups`): the packed row holds the prompt
-    once, then each row's response as a sequence that continues it (``shared_prefix``).
-    A prompt of a single row stays one sequence with its response. ``slot`` maps every
-    real padded position to the packed token holding it, shared ones included.
+    once (in its first row), and each row's response as a sequence that continues it
+    (``shared_prefix``). A prompt of a single row stays one sequence with its response.
+    ``slot`` maps every real padded position to the packed token holding it, shared ones
+    included.
     """
     B, T = input_ids.shape
-    first, end = _spans(attention_mask)
-    pieces: list[tuple[int, int, int]] = []  # (row, first col, end col) of each sequence
-    prefix: list[int] = []
-    shared: list[tuple[int, int, int]] = []  # (row, row holding its prompt, prompt length)
-    groups = ([[i] for i in range(B)], [0] * B) if prompt_length is None else \
-        prompt_groups(input_ids, attention_mask, position_ids, prompt_length)
-    for rows, plen in zip(*groups):
-        if len(rows) == 1 or plen == 0:
-            for i in rows:
-                if end[i] > first[i]:
-                    pieces.append((i, first[i], end[i]))
-                    prefix.append(-1)
-            continue
-        head = rows[0]
-        p = len(pieces)
-        pieces.append((head, first[head], first[head] + plen))
-        prefix.append(-1)
-        for i in rows:
-            if end[i] > first[i] + plen:
-                pieces.append((i, first[i] + plen, end[i]))
-                prefix.append(p)
-            if i != head:
-                shared.append((i, head, plen))
-    indices = torch.tensor([i * T + c for i, a, b in pieces for c in range(a, b)],
-                           dtype=torch.long).to(input_ids.device)                # [N]
-    cu = torch.zeros(len(pieces) + 1, dtype=torch.int32)
-    cu[1:] = torch.cumsum(torch.tensor([b - a for _, a, b in pieces], dtype=torch.int32), 0)
-    slot = torch.full((B * T,), -1, dtype=torch.long, device=input_ids.device)
-    slot[indices] = torch.arange(len(indices), device=input_ids.device)
-    for i, head, plen in shared:  # a shared prompt's columns read the head row's tokens
-        slot[i * T + first[i]:i * T + first[i] + plen] = \
-            slot[head * T + first[head]:head * T + first[head] + plen]
-    has_prefix = any(p != -1 for p in prefix)
+    first, end = spans = _spans(attention_mask)
+    dev = input_ids.device
+    owned = attention_mask.bool().clone()      # the positions that get a packed token
+    head_of: dict[int, tuple[int, int]] = {}   # row of a shared prompt -> (head row, prompt length)
+    if prompt_length is not None:
+        for rows, plen in zip(*prompt_groups(input_ids, attention_mask, position_ids,
+                                             prompt_length, spans)):
+            if len(rows) > 1 and plen > 0:
+                head_of.update((i, (rows[0], plen)) for i in rows)
+                for i in rows[1:]:
+                    owned[i, first[i]:first[i] + plen] = False
+    lens: list[int] = []                       # each sequence's length, in packed (row) order
+    prefix: list[int] = []                     # the sequence each one continues, -1: none
+    prompt_seq: dict[int, int] = {}            # head row -> its prompt's sequence
+    for i in range(B):  # a group's head row comes first, so its prompt precedes the readers
+        h, plen = head_of.get(i, (i, 0))
+        if h == i and plen:
+            prompt_seq[i] = len(lens)
+            lens.append(plen)
+            prefix.append(-1)
+        if end[i] - first[i] > plen:
+            lens.append(end[i] - first[i] - plen)
+            prefix.append(prompt_seq[h] if plen else -1)
+    indices = owned.flatten().nonzero().squeeze(-1)                        # [N] row-major
+    cu = torch.zeros(len(lens) + 1, dtype=torch.int32, device=dev)
+    cu[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int32, device=dev), 0)
+    slot = torch.full((B * T,), -1, dtype=torch.long, device=dev)
+    slot[indices] = torch.arange(len(indices), device=dev)
+    for i, (h, plen) in head_of.items():  # a shared prompt's columns read the head row's tokens
+        if i != h:
+            slot[i * T + first[i]:i * T + first[i] + plen] = \
+                slot[h * T + first[h]:h * T + first[h] + plen]
     return Packed(tokens=input_ids.flatten()[indices].unsqueeze(0),
                   positions=position_ids.flatten()[indices].unsqueeze(0),
-                  cu_seqlens=cu.to(input_ids.device), indices=indices, shape=(B, T), slot=slot,
-                  shared_prefix=torch.tensor(prefix, dtype=torch.long, device=input_ids.device)
-                  if has_prefix else None)
+                  cu_seqlens=cu, indices=indices, shape=(B, T), slot=slot,
+                  shared_prefix=torch.tensor(prefix, dtype=torch.long, device=dev)
+                  if any(p != -1 for p in prefix) else None)
 
 
 def unpack(values: torch.Tensor, packed: Packed) -> torch.Tensor:

@@ -37,7 +37,7 @@ class RewardModelWorker(Worker):
         c = self.config
         data = tensors_of(batch, INPUT_KEYS, self.device)
 
-        share = c.model.use_remove_padding and c.model.share_prompt
+        share = c.model.shares_prompt
 
         def fn(mb):
             return {"rm_scores": forward_scores(self.model, mb, share_prompt=share,

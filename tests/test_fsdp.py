@@ -6,6 +6,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
 from minihf.algorithms import agg_loss
@@ -108,15 +109,18 @@ def _fsdp_vs_reference(rank, world):
     param_err = max((p_full[n] - p_ref[n]).abs().max().item() for n in p_ref)
     moved = max((p_ref[n] - q).abs().max().item() for n, q in full_params(tiny_model()).items())
 
-    # activation checkpointing and CPU offload change memory, not results (tied embeddings)
-    variants = {}
+    # activation checkpointing, CPU offload and one FSDP unit for the whole model change
+    # memory and collectives, not results (tied embeddings)
+    variants, units = {}, {}
     for name, kw in (("plain", {}), ("ckpt", dict(activation_checkpointing=True)),
-                     ("offload", dict(cpu_offload=True))):
+                     ("offload", dict(cpu_offload=True)), ("root", dict(wrap_blocks=False))):
         m = apply_fsdp(tiny_model(tie=True), fsdp_mesh(group, "cpu"), **kw)
         run_update(m, local, [[0], [1]], mode, group, steps=2)
         variants[name] = full_params(m)
-    ckpt_err = max((variants["plain"][n] - variants["ckpt"][n]).abs().max().item() for n in variants["plain"])
-    offload_err = max((variants["plain"][n] - variants["offload"][n]).abs().max().item() for n in variants["plain"])
+        units[name] = sum(isinstance(x, FSDPModule) for x in m.modules())
+    ckpt_err, offload_err, root_err = (
+        max((variants["plain"][n] - variants[v][n]).abs().max().item() for n in variants["plain"])
+        for v in ("ckpt", "offload", "root"))
 
     # sizes that do not divide by 2: uneven dim-0 shards; down_proj falls back to dim 0
     odd_ref = tiny_model(intermediate_size=63, vocab_size=49)
@@ -128,7 +132,8 @@ def _fsdp_vs_reference(rank, world):
     odd_err = max((a[n] - b[n]).abs().max().item() for n in a)
     return {"placements": placements, "grad_err": grad_err, "param_err": param_err,
             "moved": moved, "stats": stats, "ref_stats": ref_stats,
-            "ckpt_err": ckpt_err, "offload_err": offload_err, "odd": (odd_place, odd_err)}
+            "ckpt_err": ckpt_err, "offload_err": offload_err, "root_err": root_err,
+            "units": units, "odd": (odd_place, odd_err)}
 
 
 def _invariance(rank, world):
@@ -183,6 +188,8 @@ def test_fsdp_two_ranks_match_single_process_reference():
         assert r["param_err"] < 1e-5, r["param_err"]
         assert r["odd"][0] == Shard(0) and r["odd"][1] < 1e-5, r["odd"]
         assert r["ckpt_err"] < 1e-6 and r["offload_err"] < 1e-6, (r["ckpt_err"], r["offload_err"])
+        assert r["root_err"] < 1e-6, r["root_err"]
+        assert r["units"]["plain"] == 3 and r["units"]["root"] == 1, r["units"]  # 2 blocks + root
         for s, s_ref in zip(r["stats"], r["ref_stats"]):
             assert s["grad_norm"] == pytest.approx(s_ref["grad_norm"], rel=1e-5)
             assert s["loss"] == pytest.approx(s_ref["loss"], rel=1e-5)
@@ -211,6 +218,24 @@ def test_lr_schedule_by_hand():
     with pytest.raises(ValueError, match="total_training_steps"):
         build_lr_scheduler(build_optimizer(tiny_model().parameters(), OptimConfig()),
                            OptimConfig(lr_scheduler="cosine"))
+
+
+def test_optimizer_is_fused_and_matches_torch_reference_adamw():
+    """build_optimizer's fused AdamW takes the steps torch's for-loop AdamW takes."""
+    a, b = tiny_model(), tiny_model()
+    cfg = OptimConfig(lr=1e-2, weight_decay=0.1)
+    ours = build_optimizer(a.parameters(), cfg)
+    ref = torch.optim.AdamW(b.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    assert ours.param_groups[0]["fused"] is True
+    for step in range(3):
+        batch = make_batch(3, 4, 3, seed=step)
+        for m, opt in ((a, ours), (b, ref)):
+            opt.zero_grad()
+            nll_loss_fn(m, "token-mean", None)(batch)[0].backward()
+            opt.step()
+    moved = max((p - q).abs().max().item() for p, q in zip(a.parameters(), tiny_model().parameters()))
+    err = max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
+    assert moved > 1e-2 and err < 1e-5, (moved, err)  # fp32 rounding, amplified by 1/sqrt(v)
 
 
 def test_clip_grad_norm_matches_torch_single_process():

@@ -1,12 +1,16 @@
 """Optimisation pieces shared by the actor, the critic and SFT (through ``TrainState``).
 
-* :func:`build_optimizer`: AdamW over the (FSDP-sharded) parameters.
+* :func:`build_optimizer`: AdamW over the (FSDP-sharded) parameters, fused: one kernel
+  call updates every parameter. torch's default on CPU loops over the parameters, about
+  ten DTensor ops each (the 0.9M main-job model on 2 ranks: 30 ms an optimizer step, fused
+  3.8 ms); devices without a fused kernel get the for-each implementation.
 * :func:`build_lr_scheduler`: linear warmup then constant or cosine decay to
   ``min_lr_ratio * lr``; a ``LambdaLR`` so its state (the step) checkpoints with
   ``state_dict()``. Warmup starts at ``lr / warmup_steps`` (not 0, so no step is wasted).
 * :func:`clip_grad_norm_`: the true global L2 norm of the gradients, summed over the local
   shards of DTensor gradients and all-reduced over their mesh, then scaled in place
-  (``clip = max_norm / (norm + 1e-6)`` if below 1, as ``torch.nn.utils.clip_grad_norm_``).
+  (``clip = max_norm / (norm + 1e-6)`` if below 1, as ``torch.nn.utils.clip_grad_norm_``);
+  the norms and the scaling are for-each ops over the local shards.
 """
 
 from __future__ import annotations
@@ -49,11 +53,17 @@ class OptimConfig:
             raise ValueError(f"total_training_steps={self.total_training_steps} must be >= 1")
 
 
+FUSED_DEVICES = ("cpu", "cuda")  # where torch has a fused AdamW kernel for every float dtype
+
+
 def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.AdamW:
-    """AdamW over the trainable ``params`` with ``cfg``'s hyper-parameters."""
+    """AdamW over the trainable ``params`` with ``cfg``'s hyper-parameters (fused where the
+    parameters' devices have the kernel, see the module docstring)."""
     params = [p for p in params if p.requires_grad]
+    fused = all(p.device.type in FUSED_DEVICES and p.is_floating_point() for p in params)
     return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
-                             weight_decay=cfg.weight_decay)
+                             weight_decay=cfg.weight_decay, fused=fused or None,
+                             foreach=None if fused else True)
 
 
 def lr_factor(step: int, cfg: OptimConfig) -> float:
@@ -77,6 +87,30 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig) -> to
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg))
 
 
+def _grads(parameters: Iterable[torch.nn.Parameter]) -> tuple[dict, list[torch.Tensor]]:
+    """The gradients as local tensors: DTensor shards by mesh, plain ones apart."""
+    sharded: dict[object, list[torch.Tensor]] = {}
+    plain: list[torch.Tensor] = []
+    for p in parameters:
+        g = p.grad
+        if g is None:
+            continue
+        if isinstance(g, DTensor):
+            if any(not pl.is_shard() for pl in g.placements):
+                raise NotImplementedError(f"gradient with placements {g.placements}: only "
+                                          "sharded DTensors (FSDP) are supported here")
+            sharded.setdefault(g.device_mesh, []).append(g.to_local())
+        else:
+            plain.append(g)
+    return sharded, plain
+
+
+def _square_sum(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Sum of squares of all ``tensors`` (fp32, 0-d), from one for-each norm call."""
+    norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)  # what clip_grad_norm_ calls
+    return torch.stack([n.to(tensors[0].device) for n in norms]).square().sum()
+
+
 @torch.no_grad()
 def global_grad_norm(parameters: Iterable[torch.nn.Parameter]) -> torch.Tensor:
     """L2 norm of all gradients, over every shard of every DTensor (fp32, 0-d tensor).
@@ -86,29 +120,16 @@ def global_grad_norm(parameters: Iterable[torch.nn.Parameter]) -> torch.Tensor:
     so the sum is the full norm squared. Plain tensors count once (they are the same on
     every rank).
     """
-    by_group: dict[object, torch.Tensor] = {}
-    plain = None
-    for p in parameters:
-        g = p.grad
-        if g is None:
-            continue
-        if isinstance(g, DTensor):
-            if any(not pl.is_shard() for pl in g.placements):
-                raise NotImplementedError(f"gradient with placements {g.placements}: only "
-                                          "sharded DTensors (FSDP) are supported here")
-            key = g.device_mesh
-            sq = g.to_local().float().square().sum()
-            by_group[key] = by_group.get(key, torch.zeros((), device=sq.device)) + sq
-        else:
-            sq = g.float().square().sum()
-            plain = sq if plain is None else plain + sq
+    sharded, plain = _grads(parameters)
     total = None
-    for mesh, sq in by_group.items():
+    for mesh, grads in sharded.items():
+        sq = _square_sum(grads)
         for dim in range(mesh.ndim):
             dist.all_reduce(sq, group=mesh.get_group(dim))
         total = sq if total is None else total + sq.to(total.device)
-    if plain is not None:
-        total = plain if total is None else total + plain.to(total.device)
+    if plain:
+        sq = _square_sum(plain)
+        total = sq if total is None else total + sq.to(total.device)
     if total is None:
         return torch.zeros(())
     return total.sqrt()
@@ -125,7 +146,11 @@ def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float) -
     norm = global_grad_norm(parameters)
     if max_norm > 0 and torch.isfinite(norm):
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for p in parameters:
-            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            g.mul_(coef.to(g.device))  # in place on the local shard
+        sharded, plain = _grads(parameters)
+        for grads in [*sharded.values(), plain]:
+            by_device: dict[torch.device, list[torch.Tensor]] = {}
+            for g in grads:
+                by_device.setdefault(g.device, []).append(g)
+            for device, gs in by_device.items():
+                torch._foreach_mul_(gs, coef.to(device))  # in place on the local shards
     return norm

@@ -23,6 +23,7 @@ class FSDPConfig:
     activation_checkpointing: bool = False  # recompute block activations in backward (less memory)
     mixed_precision: Literal["auto", "none"] = "auto"  # auto: bf16/fp32-reduce on CUDA, fp32 on CPU
     reshard_after_forward: bool = True   # free gathered parameters after each block's forward
+    wrap_blocks: bool = True             # one FSDP unit per block; false: the whole model is one unit (fewer collectives, faster for small models)
 
 
 @dataclass

@@ -47,7 +47,8 @@ def shard_model(model: nn.Module, fsdp_cfg: FSDPConfig, *, group, device: torch.
                       activation_checkpointing=fsdp_cfg.activation_checkpointing and trainable,
                       cpu_offload=fsdp_cfg.param_offload,
                       mixed_precision=fsdp_cfg.mixed_precision,
-                      reshard_after_forward=fsdp_cfg.reshard_after_forward)
+                      reshard_after_forward=fsdp_cfg.reshard_after_forward,
+                      wrap_blocks=fsdp_cfg.wrap_blocks)
 
 
 def tensors_of(batch, keys: Sequence[str], device: torch.device) -> dict[str, torch.Tensor]:

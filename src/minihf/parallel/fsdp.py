@@ -5,7 +5,7 @@ with one all-gather per forward and reduced with one reduce-scatter per backward
 of one per block. A block's gather can no longer overlap the previous block's compute and
 the whole model is unsharded at once, which suits small models, where a step is made of
 collectives' latency more than of their bytes (the 0.9M main-job model on 2 CPU ranks:
-an optimizer step 165 -> 131 ms, measured in one process alternating the two).
+an optimizer step 165 -> 129 ms, medians measured in one process alternating the two).
 
 Shard placement follows the weight's tensor-parallel role so that the resharding engine
 (training FSDP layout -> generation TP layout) can gather a TP shard from a small group:

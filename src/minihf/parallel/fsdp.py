@@ -102,7 +102,8 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype |
         # The last block is resharded right after forward only to be gathered again at
         # the start of backward; keeping it saves one all-gather (torchtitan does this).
         fully_shard(block, reshard_after_forward=reshard_after_forward and i < len(blocks) - 1, **kw)
-    fully_shard(model, reshard_after_forward=reshard_after_forward, **kw)
+    # alone (wrap_blocks=False) the root is that last unit: kept gathered for backward too
+    fully_shard(model, reshard_after_forward=reshard_after_forward and bool(blocks), **kw)
     return model
 
 

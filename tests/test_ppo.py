@@ -110,12 +110,23 @@ def test_grpo_and_ppo_one_process(tiny_job, tmp_path):
 def test_two_processes_and_resume_equals_uninterrupted(tiny_job, tmp_path):
     model, data = tiny_job
     extra = {"trainer.total_training_steps": 4, "trainer.save_freq": 2}
-    cases = [("grpo", "grpo", None, "grpo", {}), ("ppo", "ppo", None, "ppo", {}),
+    one_mini = {"actor_rollout_ref.actor.ppo_mini_batch_size": 8,  # 2 prompt groups a rank
+                "data.max_response_length": 16}  # lengths that differ
+    cases = [("grpo", "grpo", None, "grpo", one_mini), ("ppo", "ppo", None, "ppo", {}),
+             ("unbalanced", "grpo", None, "unbalanced", {**one_mini, "trainer.balance_batch": False}),
              ("full", "ppo", None, "full", extra), ("first", "ppo", 2, "resumed", extra),
              ("rest", "ppo", None, "resumed", extra)]
     res = spawn_ranks(_runs, 2, model, data, str(tmp_path), cases, timeout_s=600)[0]
     check_metrics(res["grpo"], with_critic=False)
     check_metrics(res["ppo"], with_critic=True)
+    # balancing moves rows between ranks, which changes the update by rounding only
+    steps = [h for h in res["grpo"] if h["step"] > 0]
+    assert all(h["global_seqlen/balanced_imbalance"] <= h["global_seqlen/imbalance"] for h in steps)
+    assert any(h["global_seqlen/balanced_imbalance"] < h["global_seqlen/imbalance"] for h in steps)
+    assert all("global_seqlen/imbalance" not in h for h in res["unbalanced"])
+    for h, u in zip(steps, [h for h in res["unbalanced"] if h["step"] > 0]):
+        for k in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "actor/kl_loss"):
+            assert h[k] == pytest.approx(u[k], rel=1e-4, abs=1e-6), (h["step"], k)
 
     def strip(h):
         return {k: v for k, v in h.items() if not k.startswith(("timing_s/", "perf/throughput"))}

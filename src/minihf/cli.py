@@ -259,6 +259,8 @@ def eval_(
                          max_tokens=max_tokens, max_prompt_length=max_prompt_length, reward=reward,
                          pass_threshold=pass_threshold, seed=seed)
         metrics = evaluate(model, files, cfg)
+        if group:  # no rank tears gloo down while a peer's last receive is in flight
+            dist.barrier()  # (a rank exiting early was seen to abort in gloo's threads)
     except (ValueError, FileNotFoundError, RewardError) as exc:
         raise typer.BadParameter(str(exc)) from exc
     finally:

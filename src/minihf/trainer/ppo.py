@@ -43,6 +43,7 @@ from minihf.trainer.metrics import data_metrics, group_metrics, sample_rows, thr
 from minihf.trainer.ppo_config import PPOConfig
 from minihf.trainer.reward import RuleReward, at_last_token, load_reward, overlong_penalty
 from minihf.trainer.advantage import estimate_advantages
+from minihf.trainer.balance import balance_batch
 from minihf.trainer.safe import SafeRLHF
 from minihf.trainer.sampling import dynamic_rollout
 from minihf.trainer.watch import RunWatch, SkipCounter
@@ -201,6 +202,11 @@ class PPOTrainer:
                 batch, reward_metrics = self._rollout(step, m, self.loader.next_batch(), 0)
                 m.update(group_metrics(batch["token_level_scores"].sum(-1), batch.non_tensors["uid"]))
             m.update(reward_metrics)
+            if cfg.trainer.balance_batch and self.actor.dp_size > 1:
+                a = cfg.actor_rollout_ref.actor
+                batch = balance_batch(batch, m, self.actor.dp_size, n, len(batch) if a.shuffle
+                                      else a.ppo_mini_batch_size,  # shuffled: whole chunks
+                                      cfg.actor_rollout_ref.model.shares_prompt)
             if every(cfg.trainer.log_samples_freq, step, self.total_steps):
                 self.log_samples(step, sample_rows(batch, step, "train", self.reward, self.tokenizer,
                                                    self.cfg.trainer.log_samples_n, stride=n))

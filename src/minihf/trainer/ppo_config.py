@@ -186,6 +186,7 @@ class PPOTrainerConfig:
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])  # console, jsonl, wandb, tensorboard
     log_samples_freq: int = 10           # samples.jsonl rows every N steps (and validations); <= 0: off
     log_samples_n: int = 4               # rows per logged step (one sample of each of the first prompts)
+    balance_batch: bool = True           # even out each mini-batch's tokens over the actor's DP ranks (rows move between ranks, not mini-batches)
     max_skipped_steps: int = 3           # steps in a row with a NaN/Inf gradient (update skipped) before the run stops; 0: never
 
     def __post_init__(self):

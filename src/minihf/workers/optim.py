@@ -120,7 +120,11 @@ def global_grad_norm(parameters: Iterable[torch.nn.Parameter]) -> torch.Tensor:
     so the sum is the full norm squared. Plain tensors count once (they are the same on
     every rank).
     """
-    sharded, plain = _grads(parameters)
+    return _norm(*_grads(parameters))
+
+
+def _norm(sharded: dict, plain: list[torch.Tensor]) -> torch.Tensor:
+    """:func:`global_grad_norm` of gradients already split by :func:`_grads`."""
     total = None
     for mesh, grads in sharded.items():
         sq = _square_sum(grads)
@@ -142,11 +146,10 @@ def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float) -
     ``max_norm <= 0`` only measures. A non-finite norm leaves gradients untouched (the
     caller should skip the optimizer step).
     """
-    parameters = [p for p in parameters if p.grad is not None]
-    norm = global_grad_norm(parameters)
+    sharded, plain = _grads(parameters)
+    norm = _norm(sharded, plain)
     if max_norm > 0 and torch.isfinite(norm):
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        sharded, plain = _grads(parameters)
         for grads in [*sharded.values(), plain]:
             by_device: dict[torch.device, list[torch.Tensor]] = {}
             for g in grads:

@@ -36,7 +36,7 @@ def _mini_batches(num_rows: int, dp: int, mini_batch_size: int) -> list[list[lis
             for k in range(0, chunk, local)]
 
 
-def rank_tokens(tokens: list[float], dp: int, mini_batch_size: int) -> list[list[int]] | None:
+def rank_tokens(tokens: list[float], dp: int, mini_batch_size: int) -> list[list[float]] | None:
     """Tokens of each rank ``[k][r]`` in each mini-batch ``k`` for rows in this order."""
     layout = _mini_batches(len(tokens), dp, mini_batch_size)
     if layout is None:
@@ -56,9 +56,9 @@ def imbalance(tokens: list[float], dp: int, mini_batch_size: int) -> float | Non
 
 def balanced_order(tokens: list[float], group_size: int, dp: int,
                    mini_batch_size: int) -> list[int]:
-    """A permutation of the rows (``tokens[i]``: the work of row ``i``, e.g. its real tokens; rows in groups
-    of ``group_size`` consecutive rows sharing a prompt) that keeps every mini-batch's rows
-    and evens out its ranks' token counts (see the module docstring). Groups that do not
+    """A permutation of the rows (``tokens[i]``: the work of row ``i``, e.g. its real
+    tokens; rows in groups of ``group_size`` consecutive rows sharing a prompt) that keeps
+    every mini-batch's rows and evens out its ranks' token counts (see the module docstring). Groups that do not
     fit a rank's share of a mini-batch are split into single rows; a mini-batch the split
     does not improve, and a batch that does not cut evenly over the ranks, keep their order.
 

@@ -58,9 +58,10 @@ def balanced_order(tokens: list[float], group_size: int, dp: int,
                    mini_batch_size: int) -> list[int]:
     """A permutation of the rows (``tokens[i]``: the work of row ``i``, e.g. its real
     tokens; rows in groups of ``group_size`` consecutive rows sharing a prompt) that keeps
-    every mini-batch's rows and evens out its ranks' token counts (see the module docstring). Groups that do not
-    fit a rank's share of a mini-batch are split into single rows; a mini-batch the split
-    does not improve, and a batch that does not cut evenly over the ranks, keep their order.
+    every mini-batch's rows and evens out its ranks' token counts (see the module
+    docstring). Groups that do not fit a rank's share of a mini-batch are split into single
+    rows; a mini-batch the split does not improve, and a batch that does not cut evenly
+    over the ranks, keep their order.
 
     >>> balanced_order([9, 1, 1, 1], group_size=1, dp=2, mini_batch_size=4)
     [0, 1, 2, 3]

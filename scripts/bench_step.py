@@ -3,6 +3,7 @@
     pip install -e ".[bench]"                   # trl, datasets
     python scripts/bench_step.py                # the whole report; writes docs/performance.md
     python scripts/bench_step.py --quick        # ~5M model only, fewer steps, no docs
+    python scripts/bench_step.py --device cuda  # bf16 on a CUDA GPU; docs/performance-gpu.md
 
 The same work in both frameworks: one local model directory (random-init Qwen2-style,
 ``small`` ~5M and ``medium`` ~30M parameters, minihf's character tokenizer), the same 16
@@ -30,6 +31,16 @@ out of reach in fp32 on the machine, whatever the framework does.
 Then the same step at 1, 2 and 4 processes, and its growth with response length and
 batch size.
 
+``--device cuda`` (a CUDA machine): the same comparison in bf16, written to
+``docs/performance-gpu.md``. minihf runs with its CUDA defaults (bf16 parameters with fp32
+gradient reduction in training, a bf16 engine, flash-attn's varlen kernel for packed
+forwards when ``flash_attn`` is installed); TRL with ``bf16=True`` (autocast over fp32
+weights) and ``attn_implementation="flash_attention_2"`` when ``flash_attn`` is installed,
+else SDPA. The peak is a bf16 ``torch.mm``; the report adds response tokens per second and
+each framework's peak CUDA memory (``torch.cuda.max_memory_allocated``). The CPU report
+hides CUDA (``CUDA_VISIBLE_DEVICES=""``) from its workers, so it measures the CPU path on a
+GPU machine too.
+
 Internal modes (run by the report): ``--worker minihf|trl --model DIR --data DIR ...``
 run one framework and write its per-step figures as JSON to ``--out``.
 """
@@ -37,6 +48,8 @@ run one framework and write its per-step figures as JSON to ``--out``.
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import json
 import os
 import statistics
@@ -91,7 +104,26 @@ def run_minihf(a) -> dict:
             "phases": {p: [h.get(f"timing_s/{p}", 0.0) for h in steps]
                        for p in PHASES + ("reshard",)},
             "response_tokens": [h["response_length/mean"] * a.prompts * a.samples for h in steps],
-            "prompt_tokens": [h["prompt_length/mean"] * a.prompts * a.samples for h in steps]}
+            "prompt_tokens": [h["prompt_length/mean"] * a.prompts * a.samples for h in steps],
+            **peak_memory()}
+
+
+def peak_memory() -> dict:
+    """This process's peak CUDA memory in GiB (``{}`` without CUDA)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    return {"peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30}
+
+
+def trl_device_kwargs(device: str) -> dict:
+    """The ``GRPOConfig`` keywords that choose TRL's device, precision and attention."""
+    if device == "cpu":
+        return {"use_cpu": True, "bf16": False, "fp16": False}
+    attn = "flash_attention_2" if importlib.util.find_spec("flash_attn") else "sdpa"
+    return {"use_cpu": False, "bf16": True, "fp16": False,
+            "model_init_kwargs": {"attn_implementation": attn}}
 
 
 def run_trl(a) -> dict:
@@ -134,7 +166,7 @@ def run_trl(a) -> dict:
 
     rows = a.prompts * a.samples
     config = GRPOConfig(
-        output_dir=f"{a.tmp}/trl", use_cpu=True, bf16=False, fp16=False,
+        output_dir=f"{a.tmp}/trl", **trl_device_kwargs(a.device),
         gradient_checkpointing=False, loss_type="grpo", top_k=0, top_p=1.0, temperature=1.0,
         per_device_train_batch_size=rows, num_generations=a.samples, gradient_accumulation_steps=1,
         steps_per_generation=1, num_iterations=1, max_completion_length=a.max_new, beta=0.04,
@@ -148,7 +180,8 @@ def run_trl(a) -> dict:
     trainer.train()
     logs = [log for log in timer.logs if "completions/mean_length" in log]
     return {"step_s": timer.step_s[1:],
-            "response_tokens": [log["completions/mean_length"] * rows for log in logs][1:]}
+            "response_tokens": [log["completions/mean_length"] * rows for log in logs][1:],
+            **peak_memory()}
 
 
 # -- the report ----------------------------------------------------------------------------
@@ -158,7 +191,7 @@ def worker_cmd(framework: str, model: str, data: str, tmp: str, args, *, forced:
     base = [str(ROOT / "scripts" / "bench_step.py"), "--worker", framework, "--model", model,
             "--data", data, "--tmp", tmp, "--steps", str(steps), "--prompts", str(prompts),
             "--samples", str(args.samples), "--max-new", str(max_new), "--threads", str(threads),
-            "--out", f"{tmp}/{framework}.json"] + (["--forced"] if forced else [])
+            "--device", args.device, "--out", f"{tmp}/{framework}.json"] + (["--forced"] if forced else [])
     if nproc == 1:
         return [sys.executable] + base
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -168,6 +201,8 @@ def worker_cmd(framework: str, model: str, data: str, tmp: str, args, *, forced:
 def run_worker(cmd: list[str], tmp: str, framework: str) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=cmd[cmd.index("--threads") + 1],
                HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    if cmd[cmd.index("--device") + 1] == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""  # both frameworks would pick a GPU if they saw one
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
     if proc.returncode:
         sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
@@ -175,9 +210,24 @@ def run_worker(cmd: list[str], tmp: str, framework: str) -> dict:
     return json.loads(Path(tmp, f"{framework}.json").read_text())
 
 
-def mm_peak_gflops(threads: int) -> float:
-    """fp32 ``torch.mm`` peak at ``threads`` threads (``bench_generate``'s measurement)."""
+def mm_peak_gflops(threads: int, device: str = "cpu") -> float:
+    """The matmul peak the MFU figures divide by: fp32 ``torch.mm`` at ``threads`` threads on
+    CPU (``bench_generate``'s measurement), bf16 ``torch.mm`` of 8192 x 8192 on CUDA."""
     import torch
+
+    if device == "cuda":
+        n = 8192
+        a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+        torch.mm(a, b)
+        torch.cuda.synchronize()
+        best = float("inf")
+        for _ in range(10):
+            t = time.perf_counter()
+            torch.mm(a, b)
+            torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t)
+        return 2 * n**3 / best / 1e9
 
     from bench_generate import mm_peak_gflops as peak
 
@@ -204,7 +254,7 @@ def cached(args, key: list, measure):
     measures again): a report interrupted late need not redo its first hours."""
     path = Path(args.workdir) / "results.json"
     cache = json.loads(path.read_text()) if path.exists() and not args.fresh else {}
-    k = json.dumps(key + [args.rounds, args.steps, args.threads, args.samples])
+    k = json.dumps(key + [args.rounds, args.steps, args.threads, args.samples, args.device])
     if k not in cache:
         cache[k] = measure()
         path.write_text(json.dumps(cache))
@@ -228,7 +278,9 @@ def compare(label: str, model: str, data: str, args, forced: bool, params: int, 
         step_s = [s for r in rs for s in r["step_s"]]
         tokens = [t for r in rs for t in r["response_tokens"]]
         per_tok = [s / t for r in rs for s, t in zip(r["step_s"], r["response_tokens"])]
-        out[fw] = {"step_s": median(step_s), "tokens": median(tokens), "s_per_token": median(per_tok)}
+        mem = [r["peak_mem_gib"] for r in rs if "peak_mem_gib" in r]
+        out[fw] = {"step_s": median(step_s), "tokens": median(tokens), "s_per_token": median(per_tok),
+                   "peak_mem_gib": max(mem) if mem else float("nan")}
         if fw == "minihf":
             out[fw]["phases"] = {p: median([x for r in rs for x in r["phases"][p]])
                                  for p in rs[0]["phases"]}
@@ -274,6 +326,16 @@ def minihf_only(model, data, args, **kw) -> dict:
             "phases": {p: median(v) for p, v in r["phases"].items()}}
 
 
+def process_counts(device: str) -> tuple[int, ...]:
+    """Process counts of the scaling rows: 1, 2 and 4 on CPU (4 only checks that it works on
+    a 2-core box); on CUDA one process per GPU (NCCL refuses two ranks on one GPU), up to 4."""
+    if device == "cpu":
+        return (1, 2, 4)
+    import torch
+
+    return tuple(n for n in (1, 2, 4) if n <= torch.cuda.device_count())
+
+
 def report(args) -> None:
     from minihf.data import init_model, make_task_data
 
@@ -282,8 +344,10 @@ def report(args) -> None:
     if not (data / "train.parquet").exists():
         make_task_data(TASK, data, 512, 16, seed=0)
     sizes = ["5M"] if args.quick else list(SIZES)
-    peak = mm_peak_gflops(args.threads)
-    lines = [f"fp32 `torch.mm` peak ({args.threads} threads): **{peak:.1f} GFLOP/s**", "",
+    peak = mm_peak_gflops(args.threads, args.device)
+    where = "bf16 `torch.mm` peak (CUDA)" if args.device == "cuda" else \
+        f"fp32 `torch.mm` peak ({args.threads} threads)"
+    lines = [f"{where}: **{peak:.1f} GFLOP/s**", "",
              "| model | lengths | minihf s/step | TRL s/step | minihf speed-up | ceiling | response "
              "tokens per step (minihf / TRL) | minihf ms/token | TRL ms/token | per token |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -299,6 +363,16 @@ def report(args) -> None:
                                               str(model), str(data), args, forced, params,
                                               peak, lines)
             print(lines[-1], flush=True)
+    if args.device == "cuda":
+        lines += ["", "Throughput and memory (response tokens per second of the median step; peak "
+                  "CUDA memory of each framework's process):", "",
+                  "| model | lengths | minihf tokens/s | TRL tokens/s | minihf peak GiB | TRL peak GiB |",
+                  "|---|---|---|---|---|---|"]
+        for (size, forced), r in results.items():
+            m, t = r["minihf"], r["trl"]
+            lines.append(f"| {size} | {'forced' if forced else 'eos'} | "
+                         f"{m['tokens'] / m['step_s']:.0f} | {t['tokens'] / t['step_s']:.0f} | "
+                         f"{m['peak_mem_gib']:.2f} | {t['peak_mem_gib']:.2f} |")
     lines += ["", "minihf per phase (median seconds per step; achieved GFLOP/s; MFU vs the mm peak):", "",
               "| model | lengths | phase | s | GFLOP/s | MFU |", "|---|---|---|---|---|---|"]
     for (size, forced), r in results.items():
@@ -314,7 +388,7 @@ def report(args) -> None:
         model, d = str(work / "model-5M"), str(data)
         lines += ["", "Scaling (5M, forced 64 tokens, minihf only; median s/step):", "",
                   "| variant | s/step | gen | update_actor |", "|---|---|---|---|"]
-        for nproc in (1, 2, 4):
+        for nproc in process_counts(args.device):
             r = minihf_only(model, d, args, nproc=nproc, steps=args.steps)
             lines.append(f"| {nproc} process{'es' if nproc > 1 else ''} | {r['step_s']:.2f} | "
                          f"{r['phases']['gen']:.2f} | {r['phases']['update_actor']:.2f} |")
@@ -340,15 +414,23 @@ def write_docs(path: Path, lines: list[str], args) -> None:
     import torch
     import trl
 
-    machine = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-               f"torch {torch.__version__}, trl {trl.__version__}, Python {platform.python_version()}")
+    versions = f"torch {torch.__version__}, trl {trl.__version__}, Python {platform.python_version()}"
+    if args.device == "cuda":
+        flash = (f"flash-attn {getattr(importlib.import_module('flash_attn'), '__version__', '?')}"
+                 if importlib.util.find_spec("flash_attn") else "no flash-attn")
+        machine = f"{torch.cuda.get_device_name()}, bf16, {flash}, {versions}"
+        command, title = "python scripts/bench_step.py --device cuda", " on a GPU"
+    else:
+        machine = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {versions}; "
+                   f"{args.threads} threads per framework")
+        command, title = "python scripts/bench_step.py", ""
     text = [
-        "# Performance: a GRPO step, minihf vs TRL",
+        f"# Performance{title}: a GRPO step, minihf vs TRL",
         "",
-        "Generated by `python scripts/bench_step.py` (do not edit by hand); the script's "
+        f"Generated by `{command}` (do not edit by hand); the script's "
         "docstring says exactly what both frameworks run.",
         "",
-        f"Machine: {machine}; {args.threads} threads per framework; {args.rounds} alternating "
+        f"Machine: {machine}; {args.rounds} alternating "
         f"rounds x {args.steps} measured steps after a warm-up step; medians.",
         "",
         *lines,
@@ -357,6 +439,22 @@ def write_docs(path: Path, lines: list[str], args) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(text))
     print(f"wrote {path}")
+
+
+def check_args(args) -> None:
+    """Stop early, with the fix, on values the report could not run with."""
+    for key in ("rounds", "steps", "threads", "samples", "prompts", "max_new"):
+        if getattr(args, key) < 1:
+            raise SystemExit(f"bench_step: --{key.replace('_', '-')}={getattr(args, key)} must be >= 1")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit("bench_step: --device cuda needs a CUDA GPU, and torch sees none here "
+                             "(torch.cuda.is_available() is False); run without --device for the "
+                             "CPU report")
+    if args.docs is None:
+        args.docs = str(ROOT / "docs" / ("performance-gpu.md" if args.device == "cuda" else "performance.md"))
 
 
 def main() -> None:
@@ -370,7 +468,9 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--max-new", type=int, default=64)
     p.add_argument("--workdir", default=str(ROOT / "outputs" / "bench_step"))
-    p.add_argument("--docs", default=str(ROOT / "docs" / "performance.md"))
+    p.add_argument("--docs", help="report file (default docs/performance.md, with --device cuda "
+                   "docs/performance-gpu.md; '' writes none)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--worker", choices=("minihf", "trl"))
     p.add_argument("--model")
     p.add_argument("--data")
@@ -379,6 +479,7 @@ def main() -> None:
     p.add_argument("--forced", action="store_true")
     p.add_argument("--set", action="append", default=[], help="extra minihf override (worker)")
     args = p.parse_args()
+    check_args(args)
     if args.worker is None:
         report(args)
         return

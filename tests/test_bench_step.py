@@ -1,0 +1,104 @@
+"""scripts/bench_step.py's own arithmetic and set-up, without running a benchmark: the MFU
+formula against hand-computed values, the device settings each framework gets, and the
+argument checks."""
+
+import argparse
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import bench_step  # noqa: E402
+
+
+def args(**kw):
+    base = dict(rounds=2, steps=3, threads=2, samples=8, prompts=16, max_new=64, device="cpu",
+                docs=None)
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_phase_mfu_by_hand():
+    # 2 prompts x 4 samples: 40 prompt tokens over the 8 rows, so 10 distinct prompt tokens
+    # (one per prompt group) + 90 response tokens = 100 tokens of model work
+    m = {"prompt_tokens": 40, "tokens": 90, "step_s": 4.0,
+         "phases": {"gen": 1.0, "ref": 0.5, "update_actor": 2.0, "old_log_prob": 0.0}}
+    out = bench_step.phase_mfu(m, params=1000, peak_gflops=1e-3, samples=4)
+    assert out["gen"] == pytest.approx((1.0, 2e-4, 0.2))            # 2 * 1000 * 100 FLOPs in 1 s
+    assert out["ref"] == pytest.approx((0.5, 4e-4, 0.4))
+    assert out["update_actor"] == pytest.approx((2.0, 3e-4, 0.3))   # 6 * 1000 * 100 in 2 s
+    assert "old_log_prob" not in out                                # a phase that did not run
+    # the step: (2 + 2 + 6) * 1000 * 100 FLOPs in 4 s
+    assert out["step"] == pytest.approx((4.0, 2.5e-4, 0.25))
+
+
+def test_device_settings_of_each_framework():
+    assert bench_step.trl_device_kwargs("cpu") == {"use_cpu": True, "bf16": False, "fp16": False}
+    cuda = bench_step.trl_device_kwargs("cuda")
+    assert cuda["use_cpu"] is False and cuda["bf16"] is True and cuda["fp16"] is False
+    flash = importlib.util.find_spec("flash_attn") is not None
+    assert cuda["model_init_kwargs"] == {
+        "attn_implementation": "flash_attention_2" if flash else "sdpa"}
+    assert bench_step.process_counts("cpu") == (1, 2, 4)
+    cmd = bench_step.worker_cmd("trl", "m", "d", "/t", args(device="cuda"), forced=False)
+    assert cmd[cmd.index("--device") + 1] == "cuda"
+
+
+def test_cpu_workers_do_not_see_cuda(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    code = ("import json, os, sys; open(sys.argv[-1] + '/minihf.json', 'w').write(json.dumps("
+            "{'cuda': os.environ.get('CUDA_VISIBLE_DEVICES'), 'omp': os.environ['OMP_NUM_THREADS']}))")
+    for device, seen in (("cpu", ""), ("cuda", "0")):
+        cmd = [sys.executable, "-c", code, "--threads", "3", "--device", device, str(tmp_path)]
+        assert bench_step.run_worker(cmd, str(tmp_path), "minihf") == {"cuda": seen, "omp": "3"}
+    bad = [sys.executable, "-c", "raise SystemExit(3)", "--threads", "1", "--device", "cpu"]
+    with pytest.raises(SystemExit, match="minihf worker failed"):
+        bench_step.run_worker(bad, str(tmp_path), "minihf")
+
+
+def test_argument_checks():
+    a = args()
+    bench_step.check_args(a)
+    assert a.docs == str(ROOT / "docs" / "performance.md")
+    a = args(docs="")
+    bench_step.check_args(a)
+    assert a.docs == ""  # '' keeps meaning: write no report
+    with pytest.raises(SystemExit, match="--max-new=0 must be >= 1"):
+        bench_step.check_args(args(max_new=0))
+    if torch.cuda.is_available():
+        a = args(device="cuda")
+        bench_step.check_args(a)
+        assert a.docs.endswith("performance-gpu.md")
+    else:
+        with pytest.raises(SystemExit, match="--device cuda needs a CUDA GPU"):
+            bench_step.check_args(args(device="cuda"))
+
+
+def test_cache_keeps_devices_apart(tmp_path):
+    calls = []
+
+    def measure():
+        calls.append(1)
+        return {"n": len(calls)}
+
+    for device in ("cpu", "cuda", "cpu"):
+        a = args(device=device, workdir=str(tmp_path), fresh=False)
+        bench_step.cached(a, ["compare", "m", False], measure)
+    assert len(calls) == 2  # the second cpu call reads the first one's result
+    assert len(json.loads((tmp_path / "results.json").read_text())) == 2
+
+
+def test_trl_accepts_the_device_settings(tmp_path):
+    trl = pytest.importorskip("trl", reason="the bench extra: pip install -e '.[bench]'")
+    common = dict(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=8,
+                  report_to="none")
+    assert trl.GRPOConfig(**bench_step.trl_device_kwargs("cpu"), **common).use_cpu
+    if torch.cuda.is_available():
+        assert trl.GRPOConfig(**bench_step.trl_device_kwargs("cuda"), **common).bf16
+    else:  # every keyword is known; only the missing GPU is refused
+        with pytest.raises(ValueError, match="bf16/gpu"):
+            trl.GRPOConfig(**bench_step.trl_device_kwargs("cuda"), **common)

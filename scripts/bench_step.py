@@ -24,7 +24,10 @@ Where the time goes: minihf's per-phase seconds (``timing_s/*``), and per phase 
 achieved model FLOP/s (2 x matmul parameters x tokens for a forward, 6 x for forward and
 backward; attention ignored, it is small at these lengths; a prompt's tokens counted once
 for its 8 responses, as minihf runs them: TRL runs them 8 times) next to the fp32 ``torch.mm``
-peak measured in the same run at the same thread count: a model-FLOPs utilisation (MFU).
+peak at the same thread count: a model-FLOPs utilisation (MFU). The peak is the best of
+probes taken in the same report, one before each framework's run: on a shared machine a
+neighbour's burst during one probe only lowers that probe (one probe alone once read 62
+GFLOP/s against 148 at a quiet moment, and gave MFUs above 100%).
 ``ceiling`` = TRL's step time / (minihf's model FLOPs of the step at that peak): the
 speed-up minihf would reach if every phase ran at the matmul peak; a target above it is
 out of reach in fp32 on the machine, whatever the framework does.
@@ -261,20 +264,22 @@ def cached(args, key: list, measure):
     return cache[k]
 
 
-def compare(label: str, model: str, data: str, args, forced: bool, params: int, peak: float,
-            lines: list[str]) -> dict:
-    """Both frameworks alternately, ``args.rounds`` rounds; one table row + phases."""
+def compare(model: str, data: str, args, forced: bool) -> dict:
+    """Both frameworks alternately, ``args.rounds`` rounds: their medians, and the mm peak
+    probed before each run (``peaks``; a busy moment of a shared machine can only lower it)."""
     def measure():
-        runs = {"minihf": [], "trl": []}
+        runs = {"minihf": [], "trl": [], "peaks": []}
         for _ in range(args.rounds):
             for fw in ("minihf", "trl"):
+                runs["peaks"].append(mm_peak_gflops(args.threads, args.device))
                 with tempfile.TemporaryDirectory() as tmp:
                     runs[fw].append(run_worker(worker_cmd(fw, model, data, tmp, args,
                                                           forced=forced, steps=args.steps), tmp, fw))
         return runs
     runs = cached(args, ["compare", model, forced], measure)
-    out = {}
-    for fw, rs in runs.items():
+    out = {"peaks": runs.get("peaks", [])}
+    for fw in ("minihf", "trl"):
+        rs = runs[fw]
         step_s = [s for r in rs for s in r["step_s"]]
         tokens = [t for r in rs for t in r["response_tokens"]]
         per_tok = [s / t for r in rs for s, t in zip(r["step_s"], r["response_tokens"])]
@@ -286,16 +291,20 @@ def compare(label: str, model: str, data: str, args, forced: bool, params: int, 
                                  for p in rs[0]["phases"]}
             out[fw]["prompt_tokens"] = median([t for r in rs for t in r["prompt_tokens"]])
     m, t = out["minihf"], out["trl"]
-    ratio, tok_ratio = t["step_s"] / m["step_s"], t["s_per_token"] / m["s_per_token"]
-    out["mfu"] = phase_mfu(m, params, peak, args.samples)
-    # the best speed-up possible in fp32 here: TRL's step vs minihf's model FLOPs at the peak
-    ceiling = t["step_s"] / (out["mfu"]["step"][1] * m["step_s"] / peak)
-    lines.append(f"| {label} | {'forced 64' if forced else 'eos'} | {m['step_s']:.2f} | "
-                 f"{t['step_s']:.2f} | **{ratio:.2f}x** | {ceiling:.1f}x | "
-                 f"{m['tokens']:.0f} / {t['tokens']:.0f} | {1e3 * m['s_per_token']:.2f} | "
-                 f"{1e3 * t['s_per_token']:.2f} | {tok_ratio:.2f}x |")
-    out["ratio"], out["token_ratio"], out["ceiling"] = ratio, tok_ratio, ceiling
+    out["ratio"], out["token_ratio"] = t["step_s"] / m["step_s"], t["s_per_token"] / m["s_per_token"]
     return out
+
+
+def compare_row(label: str, forced: bool, out: dict, params: int, peak: float, samples: int) -> str:
+    """The table row of one comparison; adds its per-phase MFU and ``ceiling`` to ``out``."""
+    m, t = out["minihf"], out["trl"]
+    out["mfu"] = phase_mfu(m, params, peak, samples)
+    # the best speed-up possible here: TRL's step vs minihf's model FLOPs at the peak
+    out["ceiling"] = ceiling = t["step_s"] / (out["mfu"]["step"][1] * m["step_s"] / peak)
+    return (f"| {label} | {'forced 64' if forced else 'eos'} | {m['step_s']:.2f} | "
+            f"{t['step_s']:.2f} | **{out['ratio']:.2f}x** | {ceiling:.1f}x | "
+            f"{m['tokens']:.0f} / {t['tokens']:.0f} | {1e3 * m['s_per_token']:.2f} | "
+            f"{1e3 * t['s_per_token']:.2f} | {out['token_ratio']:.2f}x |")
 
 
 def phase_mfu(m: dict, params: int, peak_gflops: float, samples: int) -> dict:
@@ -344,25 +353,31 @@ def report(args) -> None:
     if not (data / "train.parquet").exists():
         make_task_data(TASK, data, 512, 16, seed=0)
     sizes = ["5M"] if args.quick else list(SIZES)
-    peak = mm_peak_gflops(args.threads, args.device)
-    where = "bf16 `torch.mm` peak (CUDA)" if args.device == "cuda" else \
-        f"fp32 `torch.mm` peak ({args.threads} threads)"
-    lines = [f"{where}: **{peak:.1f} GFLOP/s**", "",
-             "| model | lengths | minihf s/step | TRL s/step | minihf speed-up | ceiling | response "
-             "tokens per step (minihf / TRL) | minihf ms/token | TRL ms/token | per token |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    results = {}
+    peaks = [mm_peak_gflops(args.threads, args.device)]
+    results, params = {}, {}
     for size in sizes:
         model = work / f"model-{size}"
         if not (model / "config.json").exists():
             init_model(model, size=SIZES[size], task=TASK, max_position_embeddings=512)
-        params = matmul_params(str(model))
+        params[size] = matmul_params(str(model))
         for forced in (False, True):
             print(f"[bench_step] {size} {'forced' if forced else 'eos'} ...", flush=True)
-            results[(size, forced)] = compare(f"{size} ({params / 1e6:.1f}M matmul params)",
-                                              str(model), str(data), args, forced, params,
-                                              peak, lines)
-            print(lines[-1], flush=True)
+            r = results[(size, forced)] = compare(str(model), str(data), args, forced)
+            peaks += r["peaks"]
+            print(f"[bench_step] minihf {r['minihf']['step_s']:.2f} s, TRL {r['trl']['step_s']:.2f} s "
+                  f"a step: {r['ratio']:.2f}x", flush=True)
+    # the best of every probe: on a shared machine a busy moment only lowers a probe
+    peak = max(peaks)
+    where = "bf16 `torch.mm` peak (CUDA)" if args.device == "cuda" else \
+        f"fp32 `torch.mm` peak ({args.threads} threads)"
+    lines = [f"{where}: **{peak:.1f} GFLOP/s** (the best of {len(peaks)} probes, one before "
+             "each framework's run)", "",
+             "| model | lengths | minihf s/step | TRL s/step | minihf speed-up | ceiling | response "
+             "tokens per step (minihf / TRL) | minihf ms/token | TRL ms/token | per token |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for (size, forced), r in results.items():
+        lines.append(compare_row(f"{size} ({params[size] / 1e6:.1f}M matmul params)", forced, r,
+                                 params[size], peak, args.samples))
     if args.device == "cuda":
         lines += ["", "Throughput and memory (response tokens per second of the median step; peak "
                   "CUDA memory of each framework's process):", "",

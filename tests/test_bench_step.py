@@ -25,7 +25,7 @@ def args(**kw):
 def test_phase_mfu_by_hand():
     # 2 prompts x 4 samples: 40 prompt tokens over the 8 rows, so 10 distinct prompt tokens
     # (one per prompt group) + 90 response tokens = 100 tokens of model work
-    m = {"prompt_tokens": 40, "tokens": 90, "step_s": 4.0,
+    m = {"prompt_tokens": 40, "tokens": 90, "step_s": 4.0, "s_per_token": 4.0 / 90,
          "phases": {"gen": 1.0, "ref": 0.5, "update_actor": 2.0, "old_log_prob": 0.0}}
     out = bench_step.phase_mfu(m, params=1000, peak_gflops=1e-3, samples=4)
     assert out["gen"] == pytest.approx((1.0, 2e-4, 0.2))            # 2 * 1000 * 100 FLOPs in 1 s
@@ -34,6 +34,12 @@ def test_phase_mfu_by_hand():
     assert "old_log_prob" not in out                                # a phase that did not run
     # the step: (2 + 2 + 6) * 1000 * 100 FLOPs in 4 s
     assert out["step"] == pytest.approx((4.0, 2.5e-4, 0.25))
+    # TRL took 10 s, minihf 4 s; minihf's 1 MFLOP would take 1 s at the peak: a 10x ceiling
+    r = {"minihf": m, "trl": {"step_s": 10.0, "tokens": 80, "s_per_token": 0.125},
+         "ratio": 2.5, "token_ratio": 0.125 / (4.0 / 90)}
+    row = bench_step.compare_row("tiny", False, r, params=1000, peak=1e-3, samples=4)
+    assert r["ceiling"] == pytest.approx(10.0) and r["mfu"] == out
+    assert row == "| tiny | eos | 4.00 | 10.00 | **2.50x** | 10.0x | 90 / 80 | 44.44 | 125.00 | 2.81x |"
 
 
 def test_device_settings_of_each_framework():

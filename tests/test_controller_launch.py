@@ -235,6 +235,37 @@ def _alive(pid: int) -> bool:
         return False
 
 
+START_ERROR = """
+import os, sys, time
+from minihf.controller.launch import run_script
+
+def main(argv):
+    rank = int(os.environ["RANK"])
+    if rank == 0 and argv[0] == "slow":      # rank 0 reaches the shared error last
+        time.sleep(2)
+    if rank == 0 and argv[0] == "alone":     # only rank 1 fails; rank 0 would wait for it
+        time.sleep(120)
+    raise ValueError(f"bad value on rank {rank}; use another")
+
+run_script(main, sys.argv[1:])
+"""
+
+
+@pytest.mark.parametrize("case", ["slow", "alone"])
+def test_start_up_errors_of_scripts_are_reported_once(case, tmp_path):
+    """An error every rank hits is reported once, by rank 0, even when rank 1 gets there
+    first (it waits for rank 0); an error of one rank only is reported by that rank."""
+    script = tmp_path / "start.py"
+    script.write_text(START_ERROR)
+    job = _run(TORCHRUN + [str(script), case], timeout=60)
+    assert job.returncode not in (0, None), job.log
+    reports = [line for line in job.stderr.splitlines() if line.startswith("[minihf]")]
+    want = ("[minihf] job failed: ValueError: bad value on rank 0; use another" if case == "slow"
+            else "[minihf] rank 1: job failed: ValueError: bad value on rank 1; use another")
+    assert reports == [want], job.log
+    assert job.elapsed < 30, job.log  # "alone": ended by rank 1's exit, not rank 0's sleep
+
+
 def test_script_config_error_is_one_line_from_rank_zero():
     job = _run(TORCHRUN + ["scripts/train_ppo.py", "algorithm.adv_estimatr=gae"])
     assert job.returncode not in (0, None), job.log

@@ -30,6 +30,7 @@ import os
 import signal
 import socket
 import sys
+import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -273,15 +274,27 @@ def join_launcher_group(timeout_s: float = 1800.0) -> bool:
     return True
 
 
+PEER_REPORT_WAIT_S = 3.0  # how long a rank != 0 leaves rank 0 to report a shared start-up error
+
+
 def run_script(main: Callable[[list[str]], Any], argv: list[str]) -> None:
     """Entry of ``scripts/*.py``: ``main(argv)``; an error raised before the job starts (a
     bad config key, a missing file) is reported like a job failure (``failure_report``: one
-    line for user errors), by rank 0 only under torchrun, and the process exits 1."""
+    line for user errors) and the process exits 1.
+
+    Under torchrun every rank usually hits the same error, and rank 0 reports it. The other
+    ranks wait ``PEER_REPORT_WAIT_S`` before exiting: a rank that exited first would have
+    torchrun SIGTERM rank 0 before it printed (seen as a flaky one-line-error test). When
+    rank 0 exits, torchrun ends the waiting ranks. A rank still alive after the wait hit an
+    error of its own (a file missing on its node only), and reports it, naming itself."""
     try:
         main(argv)
     except Exception as e:  # noqa: BLE001 - the job itself exits through launch_job
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"[minihf] {failure_report(e)}", file=sys.stderr)
+        rank = int(os.environ.get("RANK", "0"))
+        if rank != 0:
+            time.sleep(PEER_REPORT_WAIT_S)
+        who = "" if rank == 0 else f"rank {rank}: "
+        print(f"[minihf] {who}{failure_report(e)}", file=sys.stderr)
         sys.exit(1)
 
 

@@ -14,6 +14,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import bench_step  # noqa: E402
+import bench_step_workers  # noqa: E402
 
 
 def args(**kw):
@@ -43,8 +44,8 @@ def test_phase_mfu_by_hand():
 
 
 def test_device_settings_of_each_framework():
-    assert bench_step.trl_device_kwargs("cpu") == {"use_cpu": True, "bf16": False, "fp16": False}
-    cuda = bench_step.trl_device_kwargs("cuda")
+    assert bench_step_workers.trl_device_kwargs("cpu") == {"use_cpu": True, "bf16": False, "fp16": False}
+    cuda = bench_step_workers.trl_device_kwargs("cuda")
     assert cuda["use_cpu"] is False and cuda["bf16"] is True and cuda["fp16"] is False
     flash = importlib.util.find_spec("flash_attn") is not None
     assert cuda["model_init_kwargs"] == {
@@ -102,9 +103,9 @@ def test_trl_accepts_the_device_settings(tmp_path):
     trl = pytest.importorskip("trl", reason="the bench extra: pip install -e '.[bench]'")
     common = dict(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=8,
                   report_to="none")
-    assert trl.GRPOConfig(**bench_step.trl_device_kwargs("cpu"), **common).use_cpu
+    assert trl.GRPOConfig(**bench_step_workers.trl_device_kwargs("cpu"), **common).use_cpu
     if torch.cuda.is_available():
-        assert trl.GRPOConfig(**bench_step.trl_device_kwargs("cuda"), **common).bf16
+        assert trl.GRPOConfig(**bench_step_workers.trl_device_kwargs("cuda"), **common).bf16
     else:  # every keyword is known; only the missing GPU is refused
         with pytest.raises(ValueError, match="bf16/gpu"):
-            trl.GRPOConfig(**bench_step.trl_device_kwargs("cuda"), **common)
+            trl.GRPOConfig(**bench_step_workers.trl_device_kwargs("cuda"), **common)

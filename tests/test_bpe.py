@@ -178,6 +178,43 @@ def test_convert_gguf_errors(converted, tmp_path):
     assert res.exit_code == 2 and "not one minihf runs" in res.output
 
 
+def gguf_header(kvs, order="<") -> bytes:
+    """A GGUF v3 header (no tensors) with ``kvs``: (key, type id, payload bytes) each."""
+    import struct
+
+    out = b"GGUF" + struct.pack(order + "IQQ", 3, 0, len(kvs))
+    for key, kind, payload in kvs:
+        out += struct.pack(order + "Q", len(key)) + key + struct.pack(order + "I", kind) + payload
+    return out
+
+
+@pytest.mark.parametrize("order", ["<", ">"])
+def test_gguf_architecture_reads_the_header_up_to_its_key(tmp_path, order):
+    import struct
+
+    from minihf.models.gguf import gguf_architecture
+
+    def s(b):
+        return struct.pack(order + "Q", len(b)) + b
+    strings = struct.pack(order + "IQ", 8, 3) + s(b"a") + s(b"bc") + s(b"")      # array of 3 strings
+    ints = struct.pack(order + "IQ", 4, 2) + struct.pack(order + "II", 7, 8)  # array of 2 uint32
+    before = [(b"tokenizer.ggml.tokens", 9, strings), (b"x.ints", 9, ints),
+              (b"x.f64", 12, struct.pack(order + "d", 1.5)), (b"x.bool", 7, b"\x01"),
+              (b"x.name", 8, s(b"not this"))]
+    path = tmp_path / "h.gguf"
+    path.write_bytes(gguf_header(before + [(b"general.architecture", 8, s(b"qwen2"))], order))
+    assert gguf_architecture(path) == "qwen2"
+    path.write_bytes(gguf_header(before, order))
+    with pytest.raises(ValueError, match="has no general.architecture"):
+        gguf_architecture(path)
+    path.write_bytes(gguf_header(before, order)[:40])
+    with pytest.raises(ValueError, match="not a readable GGUF file .the header ends early"):
+        gguf_architecture(path)
+    path.write_bytes(gguf_header([(b"x", 42, b"")], order))
+    with pytest.raises(ValueError, match="unknown value type 42"):
+        gguf_architecture(path)
+
+
 @pytest.fixture(scope="module")
 def bpe_job(tmp_path_factory, smollm2_tokenizer_dir):
     from minihf.data import init_model, make_task_data

@@ -243,6 +243,38 @@ def test_on_policy_step_skips_the_old_log_prob_pass(tiny_job, tmp_path):
     assert all(h["actor/ppo_kl"] == 0.0 for h in res["auto"] if h["step"] > 0)
 
 
+def _fp32_then_cuda_precision(rank, world, model, data, tmp, steps):
+    """A run in fp32, then one with FSDP's CUDA default (bf16 parameters, fp32 reduction)
+    and a bf16 engine, on CPU."""
+    import minihf.parallel.fsdp as fsdp
+
+    fp32 = _runs(rank, world, model, data, tmp, [("fp32", "grpo", None, "fp32", steps)])
+    fsdp.default_mixed_precision = lambda device_type: (torch.bfloat16, torch.float32)
+    bf16 = {**steps, "actor_rollout_ref.rollout.dtype": "bfloat16"}
+    return fp32 | _runs(rank, world, model, data, tmp, [("bf16", "grpo", None, "bf16", bf16)])
+
+
+def test_rollout_probs_diff_fp32_and_the_cuda_precision_path(tiny_job, tmp_path):
+    """fp32: the engine's token probabilities equal the trainer's (~1e-8); the GPU precision
+    settings (bf16 FSDP compute with fp32 reduction, a bf16 engine fed by the resharder), run
+    here on CPU: a step that trains, probabilities within bf16 rounding of each other."""
+    model, data = tiny_job
+    steps = {"trainer.total_training_steps": 2, "trainer.test_freq": -1}  # 2 epochs: recomputed
+    res = spawn_ranks(_fp32_then_cuda_precision, 2, model, data, str(tmp_path), steps, timeout_s=300)[0]
+    fp32, bf16 = res["fp32"], res["bf16"]
+    for name, hist, lo, hi in (("fp32", fp32, 0.0, 1e-6), ("bf16", bf16, 1e-6, 0.05)):
+        steps_ = [h for h in hist if h["step"] > 0]
+        assert len(steps_) == 2, name
+        for h in steps_:
+            assert lo < h["training/rollout_probs_diff_max"] < hi, (name, h)
+            assert h["training/rollout_probs_diff_mean"] <= h["training/rollout_probs_diff_max"]
+            assert all(math.isfinite(v) for v in h.values() if isinstance(v, float)), (name, h)
+            assert h["actor/grad_norm"] > 0, (name, h)
+    # the same data and weights: bf16 compute moves the gradient (measured 5e-4), not its size
+    g32, g16 = fp32[1]["actor/grad_norm"], bf16[1]["actor/grad_norm"]
+    assert g16 != g32 and g16 == pytest.approx(g32, rel=0.1)
+
+
 def test_run_dir_defaults_to_project_and_experiment():
     from minihf.trainer.ppo_config import PPOConfig
     from minihf.trainer.sft import SFTConfig

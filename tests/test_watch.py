@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from minihf.trainer.metrics import group_metrics
+from minihf.trainer.metrics import group_metrics, rollout_probs_diff
 from minihf.trainer.common import MetricsLog
 from minihf.trainer.watch import RunWatch
 
@@ -33,6 +33,19 @@ def test_group_metrics_by_hand():
     uids = ["a", "a", "b", "b", "c", "c", "d"]  # a, c equal; b differs; d alone (not counted)
     assert group_metrics(scores, uids) == {"critic/score/frac_equal_groups": 2 / 3}
     assert group_metrics(torch.tensor([1.0, 2.0]), ["a", "b"]) == {}
+
+
+def test_rollout_probs_diff_by_hand():
+    p_rollout = torch.tensor([[0.5, 0.25, 0.9], [0.1, 1.0, 1.0]])
+    p_trainer = torch.tensor([[0.4, 0.25, 0.3], [0.4, 1.0, 1.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])  # the 0.6 gap at [0, 2] is padding
+    got = rollout_probs_diff(p_rollout.log(), p_trainer.log(), mask)   # diffs 0.1, 0, 0.3
+    want = {"max": 0.3, "mean": 0.4 / 3, "std": (((0.1 - 0.4 / 3) ** 2 + (0.4 / 3) ** 2
+                                               + (0.3 - 0.4 / 3) ** 2) / 3) ** 0.5}
+    assert got.keys() == {f"training/rollout_probs_diff_{k}" for k in want}
+    for k, v in want.items():
+        assert math.isclose(got[f"training/rollout_probs_diff_{k}"], v, rel_tol=1e-6), k
+    assert rollout_probs_diff(p_rollout.log(), p_trainer.log(), torch.zeros(2, 3)) == {}
 
 
 def test_sample_log_resume(tmp_path):

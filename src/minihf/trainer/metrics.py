@@ -5,8 +5,10 @@
 ``critic/score/frac_equal_groups`` (prompts whose samples all scored the same),
 ``critic/advantages/*`` and ``critic/returns/*`` (over response tokens), ``critic/values/*``
 (with a critic), ``response_length/*`` (incl. ``clip_ratio``: responses that hit the
-length limit), ``prompt_length/*``, and ``perf/*`` from token counts and the step time;
-``sample_rows``: the rows of samples.jsonl.
+length limit), ``prompt_length/*``, ``perf/*`` from token counts and the step time, and
+``training/rollout_probs_diff_*`` (how far the rollout engine's token probabilities are from
+the trainer's, when the old log-probs are recomputed); ``sample_rows``: the rows of
+samples.jsonl.
 """
 
 from __future__ import annotations
@@ -48,6 +50,22 @@ def throughput(batch: Batch, step_s: float, world_size: int) -> dict[str, float]
     tokens = int(batch["attention_mask"].sum())
     return {"perf/total_num_tokens": tokens,
             "perf/throughput": tokens / max(step_s, 1e-9) / world_size}
+
+
+def rollout_probs_diff(rollout_log_probs: torch.Tensor, log_probs: torch.Tensor,
+                       response_mask: torch.Tensor) -> dict[str, float]:
+    """``training/rollout_probs_diff_{max,mean,std}``: |p_rollout - p_trainer| over response
+    tokens, the probabilities of the sampled tokens from the engine's log-probs and from the
+    trainer's recomputed old log-probs (verl's names). ~1e-7 in fp32 on CPU, where the engine
+    matches the trainer; bf16 and different kernels on GPU make it larger, and a large value
+    means the rollout is off-policy for the update."""
+    mask = response_mask.bool()
+    if not mask.any():
+        return {}
+    diff = (rollout_log_probs.double().exp() - log_probs.double().exp()).abs()[mask]
+    return {"training/rollout_probs_diff_max": diff.max().item(),
+            "training/rollout_probs_diff_mean": diff.mean().item(),
+            "training/rollout_probs_diff_std": diff.std(unbiased=False).item()}
 
 
 def group_metrics(scores: torch.Tensor, uids) -> dict[str, float]:

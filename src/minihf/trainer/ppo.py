@@ -39,7 +39,8 @@ from minihf.trainer.common import (RESUME_FIX, Log, MetricsLog, config_json, eve
                                    find_resume_path, format_line, mark_latest,
                                    resume_config_changes, run_dir, save_config, write_atomic)
 from minihf.trainer.loggers import Console, Trackers
-from minihf.trainer.metrics import data_metrics, group_metrics, sample_rows, throughput
+from minihf.trainer.metrics import (data_metrics, group_metrics, rollout_probs_diff, sample_rows,
+                                    throughput)
 from minihf.trainer.ppo_config import PPOConfig
 from minihf.trainer.reward import RuleReward, at_last_token, load_reward, overlong_penalty
 from minihf.trainer.advantage import estimate_advantages
@@ -216,6 +217,9 @@ class PPOTrainer:
                     old = self.actor.compute_log_prob(batch, calc_entropy=True)
                 m["actor/entropy"] = masked_mean(old["entropys"], batch["response_mask"]).item()
                 batch.tensors["old_log_probs"] = old["old_log_probs"]
+                if "rollout_log_probs" in batch.tensors:
+                    m.update(rollout_probs_diff(batch["rollout_log_probs"], old["old_log_probs"],
+                                                batch["response_mask"]))
             elif source == "rollout":
                 batch.tensors["old_log_probs"] = batch["rollout_log_probs"]
             batch.meta["old_log_probs"] = source  # "update": the actor's own, detached

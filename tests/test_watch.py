@@ -28,6 +28,15 @@ def test_each_warning_once():
                     "actor/pg_loss": math.inf, "actor/kl_loss": 9.0}) == []  # said already
 
 
+def test_rollout_trainer_mismatch_is_said_once():
+    w = RunWatch(max_response_length=20)
+    assert w.check({"step": 1, "training/rollout_probs_diff_mean": 7e-5}) == []  # bf16 rounding
+    out = w.check({"step": 2, "training/rollout_probs_diff_mean": 0.04})
+    assert len(out) == 1 and "step 2: the rollout engine's token probabilities differ" in out[0]
+    assert "0.04 on average" in out[0] and "rollout.dtype" in out[0]
+    assert w.check({"step": 3, "training/rollout_probs_diff_mean": 0.5}) == []       # said already
+
+
 def test_group_metrics_by_hand():
     scores = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, 0.5, 2.0])
     uids = ["a", "a", "b", "b", "c", "c", "d"]  # a, c equal; b differs; d alone (not counted)

@@ -12,7 +12,10 @@ the first time one of these shows up:
 * no group signal (``critic/score/frac_equal_groups`` > 0.8): most prompts' samples all
   scored the same, so group estimators (GRPO, RLOO) see zero advantages;
 * KL exploding (``actor/kl_loss``, ``actor/ppo_kl`` or the in-reward KL above 1.0): the
-  policy runs away from the reference or from its own rollout.
+  policy runs away from the reference or from its own rollout;
+* rollout and trainer disagree (``training/rollout_probs_diff_mean`` above 0.01; bf16 on both
+  sides gives ~1e-4 at most): the samples are off-policy for the update, from a precision
+  mismatch or an engine that did not get the step's weights.
 
 :class:`SkipCounter` counts the steps whose update skipped an optimizer step for a
 NaN/Inf gradient (``training/skipped_steps``) and stops the run after
@@ -32,6 +35,7 @@ ENTROPY_FRACTION = 0.1
 EQUAL_GROUPS = 0.8
 KL_LIMIT = 1.0
 KL_KEYS = ("actor/kl_loss", "actor/ppo_kl", "actor/reward_kl_penalty")
+ROLLOUT_DIFF = 0.01
 
 
 class SkipCounter:
@@ -106,4 +110,10 @@ class RunWatch:
             if v is not None and math.isfinite(v) and abs(v) > KL_LIMIT:
                 self._once("kl", f"step {step}: {key}={v:.3g} > {KL_LIMIT}; the KL is "
                            "exploding (lower the lr, raise the KL coefficient)", out)
+        diff = m.get("training/rollout_probs_diff_mean")
+        if diff is not None and diff > ROLLOUT_DIFF:
+            self._once("rollout", f"step {step}: the rollout engine's token probabilities differ "
+                       f"from the trainer's by {diff:.3g} on average (training/rollout_probs_diff_"
+                       f"mean > {ROLLOUT_DIFF}); the samples are off-policy for the update: check "
+                       "actor_rollout_ref.rollout.dtype against the trainer's precision", out)
         return out

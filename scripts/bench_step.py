@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import json
 import os
 import statistics
@@ -63,7 +62,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_step_workers import PHASES, run_minihf, run_trl
+from bench_step_workers import PHASES, has_flash_attn, run_minihf, run_trl
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = {"5M": "small", "30M": "medium"}  # report name -> minihf factory size
@@ -315,7 +314,7 @@ def write_docs(path: Path, lines: list[str], args) -> None:
     versions = f"torch {torch.__version__}, trl {trl.__version__}, Python {platform.python_version()}"
     if args.device == "cuda":
         flash = (f"flash-attn {getattr(importlib.import_module('flash_attn'), '__version__', '?')}"
-                 if importlib.util.find_spec("flash_attn") else "no flash-attn")
+                 if has_flash_attn() else "no flash-attn")
         machine = f"{torch.cuda.get_device_name()}, bf16, {flash}, {versions}"
         command, title = "python scripts/bench_step.py --device cuda", " on a GPU"
     else:

@@ -66,11 +66,16 @@ def peak_memory() -> dict:
     return {"peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30}
 
 
+def has_flash_attn() -> bool:
+    """flash-attn installed: both frameworks use it on CUDA (minihf finds it by itself)."""
+    return importlib.util.find_spec("flash_attn") is not None
+
+
 def trl_device_kwargs(device: str) -> dict:
     """The ``GRPOConfig`` keywords that choose TRL's device, precision and attention."""
     if device == "cpu":
         return {"use_cpu": True, "bf16": False, "fp16": False}
-    attn = "flash_attention_2" if importlib.util.find_spec("flash_attn") else "sdpa"
+    attn = "flash_attention_2" if has_flash_attn() else "sdpa"
     return {"use_cpu": False, "bf16": True, "fp16": False,
             "model_init_kwargs": {"attn_implementation": attn}}
 

@@ -63,9 +63,8 @@ def rollout_probs_diff(rollout_log_probs: torch.Tensor, log_probs: torch.Tensor,
     if not mask.any():
         return {}
     diff = (rollout_log_probs.double().exp() - log_probs.double().exp()).abs()[mask]
-    return {"training/rollout_probs_diff_max": diff.max().item(),
-            "training/rollout_probs_diff_mean": diff.mean().item(),
-            "training/rollout_probs_diff_std": diff.std(unbiased=False).item()}
+    stats = torch.stack([diff.max(), diff.mean(), diff.std(unbiased=False)]).tolist()  # one sync
+    return {f"training/rollout_probs_diff_{k}": v for k, v in zip(("max", "mean", "std"), stats)}
 
 
 def group_metrics(scores: torch.Tensor, uids) -> dict[str, float]:

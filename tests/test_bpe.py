@@ -366,3 +366,23 @@ def test_eval_scores_sampled_and_greedy_answers(bpe_job, tmp_path):
                               "--json", str(tmp_path / "m.json")])
     assert res.exit_code == 0, res.output
     assert json.loads((tmp_path / "m.json").read_text())["prompts"] == 4
+
+
+def test_gguf_special_tokens_follow_the_header(smollm2_tokenizer_dir):
+    # transformers 5.17 built SmolLM2's tokenizer from a GGUF file with <|im_start|> as EOS
+    # while the header's eos id is <|im_end|>'s; the converter trusts the header's ids
+    from transformers import AutoTokenizer
+
+    from minihf.models.gguf import align_special_tokens
+
+    tok = AutoTokenizer.from_pretrained(str(smollm2_tokenizer_dir))
+    im_start, im_end = tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    pad = tok.pad_token
+    tok.eos_token = "<|im_start|>"
+    align_special_tokens(tok, None, [im_end], None)  # a list of eos ids: its first
+    assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == im_end
+    assert tok.pad_token == pad  # ids the header does not give stay as they were
+    align_special_tokens(tok, im_start, im_end, im_start)
+    assert tok.bos_token == tok.pad_token == "<|im_start|>"
+    with pytest.raises(ValueError, match="eos_token id 1000000 is outside its vocabulary"):
+        align_special_tokens(tok, None, 1_000_000, None)

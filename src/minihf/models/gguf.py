@@ -106,6 +106,25 @@ def gguf_architecture(path: str | Path) -> str:
     raise ValueError(f"{path}: the GGUF header has no general.architecture")
 
 
+def align_special_tokens(tokenizer, bos_id, eos_id, pad_id) -> None:
+    """Make the tokenizer's BOS/EOS/PAD the header's ``tokenizer.ggml.*_token_id`` tokens
+    (transformers reads those ids into the generation config). Some transformers releases
+    build the tokenizer from a GGUF file with another EOS: 5.17 gave SmolLM2's
+    ``<|im_start|>`` where the header says ``<|im_end|>``, so a run would have stopped on
+    the wrong token."""
+    for name, tid in (("bos_token", bos_id), ("eos_token", eos_id), ("pad_token", pad_id)):
+        if isinstance(tid, (list, tuple)):
+            tid = tid[0] if tid else None
+        if tid is None:
+            continue
+        if not 0 <= tid < len(tokenizer):
+            raise ValueError(f"the GGUF header's {name} id {tid} is outside its vocabulary of "
+                             f"{len(tokenizer)} tokens; the file is inconsistent")
+        token = tokenizer.convert_ids_to_tokens(tid)
+        if getattr(tokenizer, name) != token:
+            setattr(tokenizer, name, token)
+
+
 def convert_gguf(gguf_file: str | Path, out_dir: str | Path, dtype: str = "float32",
                  overwrite: bool = False) -> Path:
     """Write the model in ``gguf_file`` (see :func:`resolve_gguf`) as an HF model dir at
@@ -140,6 +159,8 @@ def convert_gguf(gguf_file: str | Path, out_dir: str | Path, dtype: str = "float
                          f"which minihf does not implement; supported: {sorted(ARCH_PREFIX)}")
     hf_model = AutoModelForCausalLM.from_pretrained(**where, config=config, dtype=DTYPES[dtype])
     tokenizer = AutoTokenizer.from_pretrained(**where)
+    gen = hf_model.generation_config
+    align_special_tokens(tokenizer, gen.bos_token_id, gen.eos_token_id, gen.pad_token_id)
 
     out.mkdir(parents=True, exist_ok=True)
     hf = config.to_dict()
@@ -151,7 +172,6 @@ def convert_gguf(gguf_file: str | Path, out_dir: str | Path, dtype: str = "float
     model.load_state_dict(hf_model.state_dict(), strict=True)  # names mirror HF's; a mismatch is an error
     save_hf(model, out)
     save_tokenizer(tokenizer, out)
-    gen = hf_model.generation_config
     GenerationConfig(bos_token_id=gen.bos_token_id, eos_token_id=gen.eos_token_id,
                      pad_token_id=gen.pad_token_id).save_pretrained(str(out))
     return out

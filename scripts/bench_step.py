@@ -174,6 +174,9 @@ def compare(model: str, data: str, args, forced: bool) -> dict:
             out[fw]["prompt_tokens"] = median([t for r in rs for t in r["prompt_tokens"]])
     m, t = out["minihf"], out["trl"]
     out["ratio"], out["token_ratio"] = t["step_s"] / m["step_s"], t["s_per_token"] / m["s_per_token"]
+    # each round's pair ran back to back: their ratios show how much the machine's noise moves it
+    out["round_ratios"] = [median(tr["step_s"]) / median(mr["step_s"])
+                           for mr, tr in zip(runs["minihf"], runs["trl"])]
     return out
 
 
@@ -186,7 +189,15 @@ def compare_row(label: str, forced: bool, out: dict, params: int, peak: float, s
     return (f"| {label} | {'forced 64' if forced else 'eos'} | {m['step_s']:.2f} | "
             f"{t['step_s']:.2f} | **{out['ratio']:.2f}x** | {ceiling:.1f}x | "
             f"{m['tokens']:.0f} / {t['tokens']:.0f} | {1e3 * m['s_per_token']:.2f} | "
-            f"{1e3 * t['s_per_token']:.2f} | {out['token_ratio']:.2f}x |")
+            f"{1e3 * t['s_per_token']:.2f} | {out['token_ratio']:.2f}x | "
+            f"{', '.join(f'{x:.2f}x' for x in out.get('round_ratios', []))} | {probes(out)} |")
+
+
+def probes(out: dict) -> str:
+    """The mm-peak probes taken during one comparison, lowest-highest: a low one says a
+    neighbour was busy during that row."""
+    ps = out.get("peaks", [])
+    return f"{min(ps):.0f}-{max(ps):.0f}" if ps else ""
 
 
 def phase_mfu(m: dict, params: int, peak_gflops: float, samples: int) -> dict:
@@ -247,7 +258,8 @@ def report(args) -> None:
             r = results[(size, forced)] = compare(str(model), str(data), args, forced)
             peaks += r["peaks"]
             print(f"[bench_step] minihf {r['minihf']['step_s']:.2f} s, TRL {r['trl']['step_s']:.2f} s "
-                  f"a step: {r['ratio']:.2f}x", flush=True)
+                  f"a step: {r['ratio']:.2f}x (rounds: "
+                  f"{', '.join(f'{x:.2f}x' for x in r['round_ratios'])}; mm probes {probes(r)})", flush=True)
     # the best of every probe: on a shared machine a busy moment only lowers a probe
     peak = max(peaks)
     where = "bf16 `torch.mm` peak (CUDA)" if args.device == "cuda" else \
@@ -255,11 +267,15 @@ def report(args) -> None:
     lines = [f"{where}: **{peak:.1f} GFLOP/s** (the best of {len(peaks)} probes, one before "
              "each framework's run)", "",
              "| model | lengths | minihf s/step | TRL s/step | minihf speed-up | ceiling | response "
-             "tokens per step (minihf / TRL) | minihf ms/token | TRL ms/token | per token |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "tokens per step (minihf / TRL) | minihf ms/token | TRL ms/token | per token | "
+             "speed-up per round | mm probes GFLOP/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (size, forced), r in results.items():
         lines.append(compare_row(f"{size} ({params[size] / 1e6:.1f}M matmul params)", forced, r,
                                  params[size], peak, args.samples))
+    lines += ["", "`speed-up per round`: TRL's median step / minihf's within each round (the two "
+              "ran back to back); `mm probes`: the lowest and highest matmul peak probed before "
+              "the row's runs. A spread in either is the machine's noise, not the frameworks'."]
     if args.device == "cuda":
         lines += ["", "Throughput and memory (response tokens per second of the median step; peak "
                   "CUDA memory of each framework's process):", "",

@@ -37,10 +37,33 @@ def test_phase_mfu_by_hand():
     assert out["step"] == pytest.approx((4.0, 2.5e-4, 0.25))
     # TRL took 10 s, minihf 4 s; minihf's 1 MFLOP would take 1 s at the peak: a 10x ceiling
     r = {"minihf": m, "trl": {"step_s": 10.0, "tokens": 80, "s_per_token": 0.125},
-         "ratio": 2.5, "token_ratio": 0.125 / (4.0 / 90)}
+         "ratio": 2.5, "token_ratio": 0.125 / (4.0 / 90), "round_ratios": [2.0, 3.125],
+         "peaks": [150.6, 120.4, 149.0]}
     row = bench_step.compare_row("tiny", False, r, params=1000, peak=1e-3, samples=4)
     assert r["ceiling"] == pytest.approx(10.0) and r["mfu"] == out
-    assert row == "| tiny | eos | 4.00 | 10.00 | **2.50x** | 10.0x | 90 / 80 | 44.44 | 125.00 | 2.81x |"
+    assert row == ("| tiny | eos | 4.00 | 10.00 | **2.50x** | 10.0x | 90 / 80 | 44.44 | 125.00 | "
+                   "2.81x | 2.00x, 3.12x | 120-151 |")
+
+
+def test_compare_pools_the_rounds_and_pairs_them(tmp_path):
+    # two rounds read back from the cache: the medians pool every step of both rounds, the
+    # per-round ratios pair each round's TRL run with the minihf run just before it
+    def run(steps, tokens):
+        return {"step_s": steps, "response_tokens": tokens, "prompt_tokens": [10] * len(steps),
+                "phases": {"gen": [s / 2 for s in steps]}}
+    runs = {"minihf": [run([2.0, 4.0, 3.0], [100] * 3), run([5.0, 6.0, 7.0], [100] * 3)],
+            "trl": [run([9.0, 8.0, 10.0], [50] * 3), run([12.0, 18.0, 15.0], [50] * 3)],
+            "peaks": [150.0, 140.0, 90.0, 145.0]}
+    a = args(workdir=str(tmp_path), fresh=False)
+    key = json.dumps(["compare", "m", False, a.rounds, a.steps, a.threads, a.samples, a.device])
+    (tmp_path / "results.json").write_text(json.dumps({key: runs}))
+    out = bench_step.compare("m", "d", a, forced=False)
+    assert out["minihf"]["step_s"] == 4.5 and out["trl"]["step_s"] == 11.0    # medians of 6 steps
+    assert out["ratio"] == pytest.approx(11.0 / 4.5)
+    assert out["round_ratios"] == pytest.approx([9.0 / 3.0, 15.0 / 6.0])
+    assert out["minihf"]["phases"]["gen"] == 2.25
+    assert out["token_ratio"] == pytest.approx((11.0 / 50) / (4.5 / 100))
+    assert bench_step.probes(out) == "90-150"
 
 
 def test_device_settings_of_each_framework():

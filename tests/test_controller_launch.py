@@ -156,6 +156,39 @@ def test_user_error_in_driver_prints_one_line_not_a_traceback(tmp_path):
     assert "Traceback" not in job.stderr, job.log
 
 
+GUARD_JOB = """
+import threading
+
+import torch
+
+from minihf.controller import Dispatch, Worker, launch, register
+
+calls = []
+torch._C._ensureCUDADeviceGuardSet = lambda: calls.append(threading.current_thread().name)
+
+class W(Worker):
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def hi(self):
+        return threading.current_thread().name
+
+for _ in range(2):  # two runs in one process, as SFT then RL
+    print("worker thread", launch(lambda groups: groups["w"].hi()[0], {"w": W}))
+print("guard set from", calls)
+"""
+
+
+def test_runs_set_the_cuda_guard_from_the_main_thread(tmp_path):
+    # torch 2.11's CUDA wheels without a GPU segfaulted in the second run's worker thread
+    # (FakeTensorMode, under FSDP) unless the no-op CUDA guard was set before on a live
+    # thread; reproduced and fixed on torch 2.11.0+cu130 here, this checks the call is made
+    script = tmp_path / "guard_job.py"
+    script.write_text(textwrap.dedent(GUARD_JOB))
+    job = _run([sys.executable, str(script)])
+    assert job.returncode == 0, job.log
+    assert job.stdout.count("worker thread minihf-worker") == 2, job.log
+    assert "guard set from ['MainThread', 'MainThread']" in job.stdout, job.log
+
+
 @pytest.mark.slow
 def test_main_job_learns(tmp_path):
     """The README's main job from scratch (in an empty dir, so everything under outputs/ is

@@ -22,6 +22,10 @@ entry was made, and meshes over the same ranks built on the same thread are equa
 when their process groups differ. A second ``run`` in the same processes would otherwise
 send FSDP's collectives over the previous run's destroyed groups (a hang, or "could not
 resolve the process group"). A fresh thread per run starts every rank with empty caches.
+On a machine without a GPU, torch 2.11's CUDA wheels (the PyPI default) segfault when a
+run's thread enters FakeTensorMode (DTensor's sharding propagation does, inside FSDP) after
+an earlier run's thread that did has exited; ``run`` first sets the no-op CUDA device guard
+that FakeTensorMode installs on first use from the calling thread (``_cuda_guard_off_gpu``).
 """
 
 from __future__ import annotations
@@ -182,6 +186,16 @@ def _build_workers(roles: dict[str, Role], contexts: dict[str, WorkerContext]
     return workers
 
 
+def _cuda_guard_off_gpu() -> None:
+    """On a CUDA build of torch without a usable GPU, install the no-op CUDA device guard from
+    this (long-lived) thread. FakeTensorMode does it on first use, from whichever thread;
+    torch 2.11 then segfaulted in the next thread that entered it once the first had ended
+    (the second run of an SFT-then-RL job); torch 2.13 does not. A no-op elsewhere."""
+    ensure = getattr(torch._C, "_ensureCUDADeviceGuardSet", None)
+    if ensure is not None and not torch.cuda.is_available():
+        ensure()
+
+
 def run(driver_fn: DriverFn, roles: Mapping[str, Role | type[Worker]],
         config: ControllerConfig | None = None, *, device: torch.device | None = None) -> Any:
     """Run a controller job on the initialised default group; the driver's result on rank 0.
@@ -203,6 +217,7 @@ def run(driver_fn: DriverFn, roles: Mapping[str, Role | type[Worker]],
 
     contexts, links, created = _make_groups(rank, world, layouts, cuda, device,
                                             config.timeout_s)
+    _cuda_guard_off_gpu()
     # this run's worker thread (see the module docstring); the current device is per thread
     pool = ThreadPoolExecutor(1, thread_name_prefix="minihf-worker", initializer=(
         (lambda: torch.cuda.set_device(cuda)) if cuda is not None else None))

@@ -192,7 +192,7 @@ def test_actor_critic_and_reward_model_workers_with_and_without_sharing(tmp_path
 
     path = str(save_hf(tiny("lm"), tmp_path / "model"))
     raw = grouped_batch([[5, 6, 7, 8, 9, 10], [11, 12, 13], [14, 15, 16, 17]], 4, 7, seed=3)
-    raw["returns"] = torch.randn(12, 7) * raw["response_mask"]
+    raw["returns"] = torch.randn(12, 7, generator=torch.Generator().manual_seed(3)) * raw["response_mask"]
     batch = Batch(raw, meta={"temperature": 0.8})
     out = {}
     for share in (True, False):

@@ -66,6 +66,11 @@ def test_compare_pools_the_rounds_and_pairs_them(tmp_path):
     assert bench_step.probes(out) == "90-150"
 
 
+def test_scaling_row_shows_its_probe():
+    r = {"step_s": 4.861, "phases": {"gen": 1.482, "update_actor": 2.544}, "peak": 178.6}
+    assert bench_step.scaling_row("2 processes", r) == "| 2 processes | 4.86 | 1.48 | 2.54 | 179 |"
+
+
 def test_device_settings_of_each_framework():
     assert bench_step_workers.trl_device_kwargs("cpu") == {"use_cpu": True, "bf16": False, "fp16": False}
     cuda = bench_step_workers.trl_device_kwargs("cuda")
@@ -119,6 +124,26 @@ def test_cache_keeps_devices_apart(tmp_path):
         a = args(device=device, workdir=str(tmp_path), fresh=False)
         bench_step.cached(a, ["compare", "m", False], measure)
     assert len(calls) == 2  # the second cpu call reads the first one's result
+    assert len(json.loads((tmp_path / "results.json").read_text())) == 2
+
+
+def test_fresh_report_measures_again_and_keeps_all_it_measured(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench_step, "_MEASURED", set())
+    calls = []
+
+    def measure():
+        calls.append(1)
+        return {"n": len(calls)}
+
+    old = args(workdir=str(tmp_path), fresh=False)
+    bench_step.cached(old, ["compare", "m", False], measure)  # an earlier report's result
+    monkeypatch.setattr(bench_step, "_MEASURED", set())       # ... in another process
+    new = args(workdir=str(tmp_path), fresh=True)
+    assert bench_step.cached(new, ["compare", "m", False], measure) == {"n": 2}  # measured again
+    bench_step.cached(new, ["compare", "m", True], measure)
+    assert bench_step.cached(new, ["compare", "m", False], measure) == {"n": 2}  # once a report
+    assert len(calls) == 3
+    # an interrupted fresh report leaves every result it measured, not only its last one
     assert len(json.loads((tmp_path / "results.json").read_text())) == 2
 
 

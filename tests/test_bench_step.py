@@ -14,6 +14,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import bench_step  # noqa: E402
+import bench_step_tables  # noqa: E402
 import bench_step_workers  # noqa: E402
 
 
@@ -28,7 +29,7 @@ def test_phase_mfu_by_hand():
     # (one per prompt group) + 90 response tokens = 100 tokens of model work
     m = {"prompt_tokens": 40, "tokens": 90, "step_s": 4.0, "s_per_token": 4.0 / 90,
          "phases": {"gen": 1.0, "ref": 0.5, "update_actor": 2.0, "old_log_prob": 0.0}}
-    out = bench_step.phase_mfu(m, params=1000, peak_gflops=1e-3, samples=4)
+    out = bench_step_tables.phase_mfu(m, params=1000, peak_gflops=1e-3, samples=4)
     assert out["gen"] == pytest.approx((1.0, 2e-4, 0.2))            # 2 * 1000 * 100 FLOPs in 1 s
     assert out["ref"] == pytest.approx((0.5, 4e-4, 0.4))
     assert out["update_actor"] == pytest.approx((2.0, 3e-4, 0.3))   # 6 * 1000 * 100 in 2 s
@@ -39,7 +40,7 @@ def test_phase_mfu_by_hand():
     r = {"minihf": m, "trl": {"step_s": 10.0, "tokens": 80, "s_per_token": 0.125},
          "ratio": 2.5, "token_ratio": 0.125 / (4.0 / 90), "round_ratios": [2.0, 3.125],
          "peaks": [150.6, 120.4, 149.0]}
-    row = bench_step.compare_row("tiny", False, r, params=1000, peak=1e-3, samples=4)
+    row = bench_step_tables.compare_row("tiny", False, r, params=1000, peak=1e-3, samples=4)
     assert r["ceiling"] == pytest.approx(10.0) and r["mfu"] == out
     assert row == ("| tiny | eos | 4.00 | 10.00 | **2.50x** | 10.0x | 90 / 80 | 44.44 | 125.00 | "
                    "2.81x | 2.00x, 3.12x | 120-151 |")
@@ -63,12 +64,12 @@ def test_compare_pools_the_rounds_and_pairs_them(tmp_path):
     assert out["round_ratios"] == pytest.approx([9.0 / 3.0, 15.0 / 6.0])
     assert out["minihf"]["phases"]["gen"] == 2.25
     assert out["token_ratio"] == pytest.approx((11.0 / 50) / (4.5 / 100))
-    assert bench_step.probes(out) == "90-150"
+    assert bench_step_tables.probes(out) == "90-150"
 
 
 def test_scaling_row_shows_its_probe():
     r = {"step_s": 4.861, "phases": {"gen": 1.482, "update_actor": 2.544}, "peak": 178.6}
-    assert bench_step.scaling_row("2 processes", r) == "| 2 processes | 4.86 | 1.48 | 2.54 | 179 |"
+    assert bench_step_tables.scaling_row("2 processes", r) == "| 2 processes | 4.86 | 1.48 | 2.54 | 179 |"
 
 
 def test_device_settings_of_each_framework():

@@ -1,7 +1,8 @@
 """The RL driver end to end on a tiny model (CPU, gloo): 3-step ``grpo`` and ``ppo`` runs on
 1 and 2 processes with verl's metric names; a run stopped after step 2 of 4 and resumed
 equals the uninterrupted run (parameters bitwise, metrics exactly, metrics.jsonl cut back
-to the resumed step); batch sizes that do not fit the ranks fail at start-up."""
+to the resumed step, each checkpoint written after its step's row); batch sizes that do
+not fit the ranks fail at start-up."""
 
 import json
 import math
@@ -42,9 +43,18 @@ def final_params(out, step):
 
 
 def _runs(rank, world, model, data, tmp, cases):
+    import minihf.trainer.ppo as ppo
     from minihf.controller import run
     from minihf.trainer.ppo_job import ppo_driver, ppo_roles
 
+    mark_latest = ppo.mark_latest
+
+    def mark_after_the_row(out_dir, step):  # a job killed once the pointer moves keeps the row
+        rows = (Path(out_dir) / "metrics.jsonl").read_text().splitlines()
+        assert json.loads(rows[-1])["step"] == step, f"checkpoint {step} before its metrics row"
+        mark_latest(out_dir, step)
+
+    ppo.mark_latest = mark_after_the_row
     out = {}
     for name, recipe, stop, subdir, extra in cases:
         cfg = job_config(model, data, f"{tmp}/{subdir}", recipe, **extra)

@@ -373,9 +373,9 @@ class PPOTrainer:
             self.skips.check(metrics)  # training/skipped_steps; too many in a row: stop
             if every(self.cfg.trainer.test_freq, step, self.total_steps):
                 metrics.update(self.validate(step))
+            self.record(metrics)  # before the checkpoint: a kill after it must not lose the row
             if every(self.cfg.trainer.save_freq, step, self.total_steps) or step == self.total_steps:
                 self.save(step)
-            self.record(metrics)
         self.console.close()
         self.summary(time.perf_counter() - t0)
         self.trackers.close()

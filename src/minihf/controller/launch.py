@@ -52,6 +52,7 @@ from minihf.controller.group import WorkerGroup
 from minihf.controller.serve import serve
 from minihf.controller.transport import Channel
 from minihf.controller.worker import ParallelInfo, Worker, WorkerContext, create_worker
+from minihf.utils.process_exit import skip_final_gc
 
 
 @dataclass(frozen=True)
@@ -372,6 +373,7 @@ def launch_job(job: Callable[[torch.device], Any], config: ControllerConfig | No
     lost rank still running on its host, see ``_kill_lost_rank``)."""
     config = config or ControllerConfig()
     _die_with_launcher()
+    skip_final_gc()  # a torchrun job ends when its slowest rank has exited
     rank, device = _init_from_env(config)
     processes = _rank_processes()
     try:

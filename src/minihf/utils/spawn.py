@@ -32,6 +32,9 @@ def _child(fn, rank, world_size, port, backend, threads, pg_timeout_s, args, res
     import torch
     import torch.distributed as dist
 
+    from minihf.utils.process_exit import skip_final_gc
+
+    skip_final_gc()  # the parent joins each child: its exit is part of every call
     torch.set_num_threads(threads)
     try:
         dist.init_process_group(

@@ -1,3 +1,2 @@
 """Small shared utilities: local process spawning (tests, benchmarks), sharded checkpoints,
-ending a job process without the final GC pass,
-the ``minihf doctor`` report."""
+a quick process exit (no final GC pass), the ``minihf doctor`` report."""

@@ -5,7 +5,8 @@ they were local objects; every other rank serves commands until STOP. See ``laun
 groups, threads), ``worker`` (``Worker``, ``@register``), ``dispatch`` (the dispatch/collect
 table), ``layout`` (DP x TP arrangements of a role's ranks), ``group`` (``WorkerGroup``),
 ``driver`` (futures, ordering, heartbeat), ``peer`` (rank 0's link to one worker rank),
-``transport`` (wire format), ``serve`` (the worker-side loop) and ``config``
+``transport`` (wire format), ``serve`` (the worker-side loop), ``ranks`` (ending an
+orphaned or frozen rank's process) and ``config``
 (``ControllerConfig``, role placement).
 """
 

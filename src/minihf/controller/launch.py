@@ -31,8 +31,6 @@ that FakeTensorMode installs on first use from the calling thread (``_cuda_guard
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import sys
 import time
 import traceback
@@ -46,8 +44,9 @@ import torch.distributed as dist
 
 from minihf.controller.config import ControllerConfig, resolve_placement
 from minihf.controller.layout import DEFAULT_LAYOUT, RoleLayout
+from minihf.controller.ranks import die_with_launcher, kill_lost_rank, rank_processes
 from minihf.controller.driver import Driver, run_driver
-from minihf.controller.errors import ControllerAborted, ControllerError, RankLostError
+from minihf.controller.errors import ControllerAborted, ControllerError
 from minihf.controller.group import WorkerGroup
 from minihf.controller.serve import serve
 from minihf.controller.transport import Channel
@@ -314,68 +313,17 @@ def run_script(main: Callable[[list[str]], Any], argv: list[str]) -> None:
         sys.exit(1)
 
 
-def _die_with_launcher() -> None:
-    """Under torchrun, have Linux SIGKILL this worker when its launcher dies (a SIGKILLed
-    torchrun cannot stop its workers, which would otherwise train on as orphans)."""
-    if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in os.environ:
-        return
-    import ctypes
-    import signal
-
-    parent = os.getppid()
-    pr_set_pdeathsig = 1
-    if ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL) != 0:
-        return  # best effort: the controller's timeouts still end the job
-    if os.getppid() != parent:  # the launcher died before the request was in place
-        os._exit(1)
-
-
-def _start_time(pid: int) -> str | None:
-    """The start time of process ``pid`` (Linux ``/proc``; ``None`` if it is gone or unknown):
-    with the pid, it names one process even after the pid is reused."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]  # field 22, after "pid (comm)"
-    except (OSError, IndexError):
-        return None
-
-
-def _rank_processes() -> list[tuple[str, int, str | None]]:
-    """``(host, pid, start time)`` of every rank (a collective: every rank calls it)."""
-    me = (socket.gethostname(), os.getpid(), _start_time(os.getpid()))
-    if dist.get_world_size() == 1:
-        return [me]
-    out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, me)
-    return out
-
-
-def _kill_lost_rank(error: BaseException, processes: list) -> None:
-    """After rank ``r`` stopped answering (``RankLostError``): if it still runs on this host
-    (frozen, e.g. SIGSTOPped or stuck in the kernel), SIGKILL it. A frozen rank cannot act on
-    torchrun's SIGTERM, and torchrun would otherwise wait ~30 s more before the job ends."""
-    if not isinstance(error, RankLostError) or not 0 <= error.rank < len(processes):
-        return
-    host, pid, start = processes[error.rank]
-    if host != socket.gethostname() or start is None or _start_time(pid) != start:
-        return  # on another host, or already gone (its pid may belong to someone else now)
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except OSError:
-        pass
-
-
 def launch_job(job: Callable[[torch.device], Any], config: ControllerConfig | None = None) -> Any:
     """Like ``launch``, for a job of several controller runs: ``job(device)`` runs on every
     rank inside the initialised default group and calls ``run`` as often as it needs (e.g.
     an SFT warm start, then RL). Returns its result on rank 0, ``None`` elsewhere; any error
     on any rank prints the error and exits the process with status 1 (rank 0 first stops a
-    lost rank still running on its host, see ``_kill_lost_rank``)."""
+    lost rank still running on its host, see ``kill_lost_rank``)."""
     config = config or ControllerConfig()
-    _die_with_launcher()
+    die_with_launcher()
     skip_final_gc()  # a torchrun job ends when its slowest rank has exited
     rank, device = _init_from_env(config)
-    processes = _rank_processes()
+    processes = rank_processes()
     try:
         result = job(device)
     except BaseException as e:  # noqa: BLE001 - every failure ends this rank non-zero
@@ -383,7 +331,7 @@ def launch_job(job: Callable[[torch.device], Any], config: ControllerConfig | No
         sys.stdout.flush()
         sys.stderr.flush()
         if rank == 0:
-            _kill_lost_rank(e, processes)
+            kill_lost_rank(e, processes)
         os._exit(1)  # not sys.exit: threads blocked in a receive must not delay the exit
     dist.destroy_process_group()
     return result if rank == 0 else None

@@ -3,8 +3,12 @@
 * ``make-data --pairs``: the reference answer against a corruption or another prompt's
   answer that the task scores lower;
 * Bradley-Terry training learns to rank the pairs (validation accuracy < 0.65 after one
-  step, >= 0.7 after 128; measured 0.47 -> 0.73; 0.48 -> 0.79 when every rejected answer
-  was a corrupted copy, which a tiny model separates more easily);
+  step, >= 0.66 and loss < 0.65 after 128; 0.79 when every rejected answer was a
+  corrupted copy, which a tiny model separates more easily). Accuracy on 128 pairs moves
+  in steps of 1/128 and with float rounding: the same run with micro-batches of 16, 8 and
+  4 pairs (equal updates up to rounding) ended at 0.695, 0.719 and 0.711 (0.73 when first
+  measured, on an earlier machine), so the bound sits below that spread; the loss
+  (0.606-0.610) barely moves;
 * 2 ranks equal 1 rank on the same batches (sharded vs unsharded, 8 pairs per step); a run
   stopped after 2 of 4 steps and resumed equals the uninterrupted one;
 * the exported dir loads in transformers as ``AutoModelForSequenceClassification`` with
@@ -111,7 +115,7 @@ def test_rm_learns_shards_exactly_resumes_and_exports(pairs, tmp_path):
     assert [s for s, _ in val] == list(range(16, 129, 16))
     # half the rejected answers are another prompt's answer of the same length (well-formed: the
     # model must read the prompt), harder for this tiny model than a corrupted copy
-    assert start["val/accuracy"] < 0.65 and hist[-1]["val/accuracy"] >= 0.7, hist[-1]
+    assert start["val/accuracy"] < 0.65 and hist[-1]["val/accuracy"] >= 0.66, hist[-1]
     assert hist[-1]["val/loss"] < 0.65 and hist[-1]["val/margin"] > 0
     # 2 ranks vs 1 rank: the same losses and gradient norms step by step
     for a, b in zip(one["full"], two["full"]):

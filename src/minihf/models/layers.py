@@ -23,7 +23,10 @@ class RMSNorm(nn.Module):
     """y = w * x / sqrt(mean(x^2) + eps), normalised in fp32 then cast back (as HF does).
 
     fp32 input skips the (no-op) casts. ``F.rms_norm`` was tried: on CPU it is a composite of
-    the same ops and measured no faster (5M decode step, A/B within noise)."""
+    the same ops and measured no faster (5M decode step, A/B within noise). So was
+    ``torch.compile`` (dynamic shapes) of this norm, SwiGLU's gate and RoPE: training
+    forward+backward 1.05-1.10x on CPU (5M model, a packed GRPO micro-batch), a forward
+    alone within noise, for ~25 s of compiling in every process: not adopted."""
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -69,8 +72,9 @@ class Attention(nn.Module):
         gqa = self.num_heads != self.num_kv_heads
         if kv_cache is not None:
             k, v, mask = kv_cache.update(self.layer_idx, k, v, positions)
-            # (two batched matmuls instead were 4-6% faster per step at batch 64 on CPU, but
-            # their rounding flipped a greedy near-tie vs transformers: 1/64 rows, 30M bench)
+            # (two batched matmuls instead: 2x faster attention at batch 128 on CPU, 1.05-1.07x
+            # a whole RL generation, but their rounding flipped a greedy near-tie vs
+            # transformers: 1/64 rows in bench_generate's 30M row, measured twice)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         elif meta.cu_seqlens is not None:
             q, k, v = (t[0].transpose(0, 1) for t in (q, k, v))                  # [T, h, hd]

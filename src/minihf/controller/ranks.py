@@ -25,7 +25,6 @@ def die_with_launcher() -> None:
     if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in os.environ:
         return
     import ctypes
-    import signal
 
     parent = os.getppid()
     pr_set_pdeathsig = 1

@@ -10,7 +10,8 @@ The same work in both frameworks: one local model directory (random-init Qwen2-s
 prompts x 8 samples per step, up to 64 new tokens, temperature 1 (no top-k/top-p), a k3 KL
 loss against the reference with beta 0.04 (minihf ``use_kl_loss`` + ``low_var_kl``; TRL
 ``beta``), one optimizer step per batch, fp32, the same thread count. TRL runs with
-``use_cpu=True``, ``bf16=False``, ``gradient_checkpointing=False``, ``loss_type="grpo"``,
+``use_cpu=True``, ``bf16=False``, ``gradient_checkpointing=False`` (``activation_checkpointing``
+in transformers versions that renamed it), ``loss_type="grpo"``,
 ``top_k=0``, ``top_p=1``, the model as a saved directory and ``HF_HUB_OFFLINE=1``; minihf
 with its ``grpo`` recipe's settings except those above.
 

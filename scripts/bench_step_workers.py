@@ -8,6 +8,7 @@ memory on a GPU) for the report. What both frameworks run, and why, is said in
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import time
@@ -71,6 +72,16 @@ def has_flash_attn() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
 
+def trl_no_checkpointing(config_cls) -> dict:
+    """Activation checkpointing off (TRL's ``GRPOConfig`` turns it on by default), by the
+    name the installed transformers reads: ``activation_checkpointing`` where it exists
+    (``gradient_checkpointing`` is deprecated there, for removal in v6), else
+    ``gradient_checkpointing``."""
+    names = {f.name for f in dataclasses.fields(config_cls)}
+    return {"activation_checkpointing" if "activation_checkpointing" in names
+            else "gradient_checkpointing": False}
+
+
 def trl_device_kwargs(device: str) -> dict:
     """The ``GRPOConfig`` keywords that choose TRL's device, precision and attention."""
     if device == "cpu":
@@ -121,7 +132,7 @@ def run_trl(a) -> dict:
     rows = a.prompts * a.samples
     config = GRPOConfig(
         output_dir=f"{a.tmp}/trl", **trl_device_kwargs(a.device),
-        gradient_checkpointing=False, loss_type="grpo", top_k=0, top_p=1.0, temperature=1.0,
+        **trl_no_checkpointing(GRPOConfig), loss_type="grpo", top_k=0, top_p=1.0, temperature=1.0,
         per_device_train_batch_size=rows, num_generations=a.samples, gradient_accumulation_steps=1,
         steps_per_generation=1, num_iterations=1, max_completion_length=a.max_new, beta=0.04,
         epsilon=0.2, learning_rate=1e-6, weight_decay=0.0, max_steps=a.steps + 1,

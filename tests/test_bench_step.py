@@ -6,6 +6,7 @@ import argparse
 import importlib.util
 import json
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -152,6 +153,19 @@ def test_trl_accepts_the_device_settings(tmp_path):
     trl = pytest.importorskip("trl", reason="the bench extra: pip install -e '.[bench]'")
     common = dict(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=8,
                   report_to="none")
+    with warnings.catch_warnings():  # transformers' deprecation of TRL's default, not ours
+        warnings.simplefilter("ignore", FutureWarning)
+        cpu = bench_step_workers.trl_device_kwargs("cpu")
+        assert trl.GRPOConfig(**cpu, **common).gradient_checkpointing  # else the next check checks nothing
+    # the bench turns TRL's activation checkpointing off, by the name this transformers
+    # reads, with no deprecation warning
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        off = trl.GRPOConfig(**cpu, **bench_step_workers.trl_no_checkpointing(trl.GRPOConfig), **common)
+    assert off.gradient_checkpointing is False
+    assert getattr(off, "activation_checkpointing", False) is False
+    assert not [w for w in caught if "checkpointing" in str(w.message)]
+    common.update(bench_step_workers.trl_no_checkpointing(trl.GRPOConfig))
     assert trl.GRPOConfig(**bench_step_workers.trl_device_kwargs("cpu"), **common).use_cpu
     if torch.cuda.is_available():
         assert trl.GRPOConfig(**bench_step_workers.trl_device_kwargs("cuda"), **common).bf16

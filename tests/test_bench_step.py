@@ -156,16 +156,17 @@ def test_trl_accepts_the_device_settings(tmp_path):
     with warnings.catch_warnings():  # transformers' deprecation of TRL's default, not ours
         warnings.simplefilter("ignore", FutureWarning)
         cpu = bench_step_workers.trl_device_kwargs("cpu")
-        assert trl.GRPOConfig(**cpu, **common).gradient_checkpointing  # else the next check checks nothing
+        assert trl.GRPOConfig(**cpu, **common).gradient_checkpointing  # else nothing is checked
     # the bench turns TRL's activation checkpointing off, by the name this transformers
     # reads, with no deprecation warning
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        off = trl.GRPOConfig(**cpu, **bench_step_workers.trl_no_checkpointing(trl.GRPOConfig), **common)
+        no_ckpt = bench_step_workers.trl_no_checkpointing(trl.GRPOConfig)
+        off = trl.GRPOConfig(**cpu, **no_ckpt, **common)
     assert off.gradient_checkpointing is False
     assert getattr(off, "activation_checkpointing", False) is False
     assert not [w for w in caught if "checkpointing" in str(w.message)]
-    common.update(bench_step_workers.trl_no_checkpointing(trl.GRPOConfig))
+    common.update(no_ckpt)
     assert trl.GRPOConfig(**bench_step_workers.trl_device_kwargs("cpu"), **common).use_cpu
     if torch.cuda.is_available():
         assert trl.GRPOConfig(**bench_step_workers.trl_device_kwargs("cuda"), **common).bf16

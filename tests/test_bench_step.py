@@ -167,7 +167,7 @@ def test_trl_accepts_the_device_settings(tmp_path):
     assert getattr(off, "activation_checkpointing", False) is False
     assert not [w for w in caught if "checkpointing" in str(w.message)]
     common.update(no_ckpt)
-    assert trl.GRPOConfig(**bench_step_workers.trl_device_kwargs("cpu"), **common).use_cpu
+    assert trl.GRPOConfig(**cpu, **common).use_cpu
     if torch.cuda.is_available():
         assert trl.GRPOConfig(**bench_step_workers.trl_device_kwargs("cuda"), **common).bf16
     else:  # every keyword is known; only the missing GPU is refused

@@ -24,8 +24,10 @@ warm-up step then ``--steps`` measured steps; the median step is reported.
 Where the time goes: minihf's per-phase seconds (``timing_s/*``), and per phase the
 achieved model FLOP/s (2 x matmul parameters x tokens for a forward, 6 x for forward and
 backward; attention ignored, it is small at these lengths; a prompt's tokens counted once
-for its 8 responses, as minihf runs them: TRL runs them 8 times) next to the fp32 ``torch.mm``
-peak at the same thread count: a model-FLOPs utilisation (MFU). The peak is the best of
+for its 8 responses, as minihf runs them: TRL runs them 8 times) next to the fp32 matmul
+peak at the same thread count (the faster of ``torch.mm``, i.e. MKL, and oneDNN, which
+minihf's linears use on CPUs where it is faster: ``minihf.models.linear``): a model-FLOPs
+utilisation (MFU). The peak is the best of
 probes taken in the same report, one before each framework's run: on a shared machine a
 neighbour's burst during one probe only lowers that probe (one probe alone once read 62
 GFLOP/s against 148 at a quiet moment, and gave MFUs above 100%).
@@ -97,8 +99,8 @@ def run_worker(cmd: list[str], tmp: str, framework: str) -> dict:
 
 
 def mm_peak_gflops(threads: int, device: str = "cpu") -> float:
-    """The matmul peak the MFU figures divide by: fp32 ``torch.mm`` at ``threads`` threads on
-    CPU (``bench_generate``'s measurement), bf16 ``torch.mm`` of 8192 x 8192 on CUDA."""
+    """The matmul peak the MFU figures divide by: fp32 at ``threads`` threads on CPU
+    (``bench_generate``'s measurement: the faster of MKL and oneDNN), bf16 ``torch.mm`` of 8192 x 8192 on CUDA."""
     import torch
 
     if device == "cuda":
@@ -235,7 +237,7 @@ def report(args) -> None:
     # the best of every probe: on a shared machine a busy moment only lowers a probe
     peak = max(peaks)
     where = "bf16 `torch.mm` peak (CUDA)" if args.device == "cuda" else \
-        f"fp32 `torch.mm` peak ({args.threads} threads)"
+        f"fp32 matmul peak ({args.threads} threads; the faster of `torch.mm` and oneDNN)"
     lines = [f"{where}: **{peak:.1f} GFLOP/s** (the best of {len(peaks)} probes, one before "
              "each framework's run)", "",
              "| model | lengths | minihf s/step | TRL s/step | minihf speed-up | ceiling | response "

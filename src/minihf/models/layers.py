@@ -15,6 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .args import ModelArgs
+from .linear import Linear
 from .masks import AttnMeta, flash_attn_varlen_func
 from .rope import apply_rope
 
@@ -50,10 +51,10 @@ class Attention(nn.Module):
         self.num_kv_heads = args.num_key_value_heads
         self.head_dim = hd = args.head_dim
         H = args.hidden_size
-        self.q_proj = nn.Linear(H, self.num_heads * hd, bias=args.attention_bias)
-        self.k_proj = nn.Linear(H, self.num_kv_heads * hd, bias=args.attention_bias)
-        self.v_proj = nn.Linear(H, self.num_kv_heads * hd, bias=args.attention_bias)
-        self.o_proj = nn.Linear(self.num_heads * hd, H, bias=args.o_proj_bias)
+        self.q_proj = Linear(H, self.num_heads * hd, bias=args.attention_bias)
+        self.k_proj = Linear(H, self.num_kv_heads * hd, bias=args.attention_bias)
+        self.v_proj = Linear(H, self.num_kv_heads * hd, bias=args.attention_bias)
+        self.o_proj = Linear(self.num_heads * hd, H, bias=args.o_proj_bias)
         if args.qk_norm:
             self.q_norm = RMSNorm(hd, args.rms_norm_eps)
             self.k_norm = RMSNorm(hd, args.rms_norm_eps)
@@ -109,9 +110,9 @@ class MLP(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         H, I = args.hidden_size, args.intermediate_size
-        self.gate_proj = nn.Linear(H, I, bias=args.mlp_bias)
-        self.up_proj = nn.Linear(H, I, bias=args.mlp_bias)
-        self.down_proj = nn.Linear(I, H, bias=args.mlp_bias)
+        self.gate_proj = Linear(H, I, bias=args.mlp_bias)
+        self.up_proj = Linear(H, I, bias=args.mlp_bias)
+        self.down_proj = Linear(I, H, bias=args.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

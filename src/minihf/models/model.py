@@ -17,6 +17,7 @@ import torch.nn as nn
 
 from .args import ModelArgs
 from .layers import Block, RMSNorm
+from .linear import Linear
 from .masks import build_attn_meta
 from .rope import RopeTable
 
@@ -75,7 +76,7 @@ class CausalLM(_Base):
 
     def __init__(self, args: ModelArgs):
         super().__init__(args)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -101,7 +102,7 @@ class ValueModel(_Base):
 
     def __init__(self, args: ModelArgs):
         super().__init__(args)
-        self.value_head = nn.Linear(args.hidden_size, 1)
+        self.value_head = Linear(args.hidden_size, 1)
 
     def forward(self, tokens, positions=None, kv_cache=None, cu_seqlens=None,
                 attention_mask=None, shared_prefix=None) -> torch.Tensor:
@@ -120,7 +121,7 @@ class ScoreModel(_Base):
 
     def __init__(self, args: ModelArgs):
         super().__init__(args)
-        self.score = nn.Linear(args.hidden_size, 1, bias=False)
+        self.score = Linear(args.hidden_size, 1, bias=False)
 
     def forward(self, tokens, positions=None, kv_cache=None, cu_seqlens=None,
                 attention_mask=None, shared_prefix=None) -> torch.Tensor:

@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
+from minihf.models.linear import linear
 from minihf.parallel.placement import COLUMN_PARALLEL, ROW_PARALLEL, tp_dim
 
 
@@ -52,7 +52,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -65,7 +65,7 @@ class RowParallelLinear(nn.Module):
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight)
         dist.all_reduce(y, group=self.group)
         return y + self.bias if self.bias is not None else y
 
@@ -80,7 +80,7 @@ class VocabParallelLMHead(nn.Module):
         self.world_size = world_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        local = F.linear(x, self.weight).contiguous()
+        local = linear(x, self.weight).contiguous()
         parts = [torch.empty_like(local) for _ in range(self.world_size)]
         dist.all_gather(parts, local, group=self.group)
         return torch.cat(parts, dim=-1)

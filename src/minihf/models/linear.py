@@ -5,14 +5,15 @@ even where the CPU has AVX-512 (the profile shows ``mkl_blas_def_sgemm_kernel_0_
 oneDNN, also inside torch, JIT-compiles AVX-512 kernels there. Measured on a 2-core AMD
 EPYC (Zen 4) at 2 threads, the same moment, fp32:
 
-* 1024-4096 rows through the 5M benchmark model's shapes (256x832, 832x256, 256x256):
-  forward 1.1-1.4x faster, the input gradient 1.2-1.7x; a square 2048 matmul 139 -> 207
-  GFLOP/s;
+* 4092-4096 rows (a packed training micro-batch) through the 5M benchmark model's shapes
+  (256x832, 832x256, 256x256): forward 1.1-1.65x faster, the input gradient 1.15-1.8x; a
+  square 2048 matmul 139 -> 207 GFLOP/s;
 * a decode step's linears (16-128 rows, 6 layers, column-major weights): 1.2-1.4x;
 * the weight gradient ``grad_out.T @ x``: 0.7x (both operands transposed views, which
   oneDNN copies first), so it stays on MKL;
-* one GRPO step (5M model, 16x8 forced 64 tokens, oneDNN and MKL on alternating steps in
-  one process): 1.07x overall; ref 1.17x, gen 1.08x, update_actor 1.07x.
+* one GRPO step (5M model, 16 prompts x 8, oneDNN and MKL on alternating steps of one
+  run, medians of 4-5 pairs): 1.07x and 1.16x with 64 forced tokens (ref 1.17-1.24x, gen
+  1.08-1.18x, update_actor 1.07-1.15x), 1.04x with EOS (lengths differ between steps).
 
 So :func:`linear` sends fp32 CPU matmuls to oneDNN (``torch.ops.mkldnn._linear_pointwise``,
 the op inductor's CPU backend uses) when :func:`onednn_preferred` says so: an x86 AMD CPU

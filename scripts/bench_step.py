@@ -100,7 +100,8 @@ def run_worker(cmd: list[str], tmp: str, framework: str) -> dict:
 
 def mm_peak_gflops(threads: int, device: str = "cpu") -> float:
     """The matmul peak the MFU figures divide by: fp32 at ``threads`` threads on CPU
-    (``bench_generate``'s measurement: the faster of MKL and oneDNN), bf16 ``torch.mm`` of 8192 x 8192 on CUDA."""
+    (``bench_generate``'s measurement: the faster of MKL and oneDNN), bf16 ``torch.mm`` of
+    8192 x 8192 on CUDA."""
     import torch
 
     if device == "cuda":

@@ -25,6 +25,7 @@ def _grads(fn, x, w, b, g):
 @pytest.mark.parametrize("column_major", [False, True])
 def test_onednn_linear_matches_f_linear(monkeypatch, shape, bias, column_major):
     monkeypatch.setattr(lin, "use_onednn", lambda: True)
+    monkeypatch.setattr(lin, "MIN_MACS_PER_THREAD", 0)  # small shapes, the oneDNN path
     torch.manual_seed(0)
     x = torch.randn(*shape, requires_grad=True)
     w = torch.randn(8, 16)
@@ -51,6 +52,7 @@ def test_onednn_linear_matches_f_linear(monkeypatch, shape, bias, column_major):
 def test_onednn_linear_frozen_input_and_weight(monkeypatch):
     """Only the gradients asked for are computed (a frozen weight, an input without grad)."""
     monkeypatch.setattr(lin, "use_onednn", lambda: True)
+    monkeypatch.setattr(lin, "MIN_MACS_PER_THREAD", 0)
     x, w = torch.randn(4, 6), torch.randn(3, 6, requires_grad=True)
     lin.linear(x, w).sum().backward()
     torch.testing.assert_close(w.grad, torch.ones(4, 3).t() @ x)
@@ -58,6 +60,25 @@ def test_onednn_linear_frozen_input_and_weight(monkeypatch):
     w2 = torch.randn(3, 6)
     lin.linear(x, w2).sum().backward()
     torch.testing.assert_close(x.grad, torch.ones(4, 3) @ w2)
+
+
+@needs_onednn
+@pytest.mark.parametrize("threads", [1, 2])
+def test_small_matmuls_stay_on_mkl(monkeypatch, threads):
+    """oneDNN only from MIN_MACS_PER_THREAD multiply-adds per thread: below, its per-call
+    cost outweighs its kernel (a decode step of a small model)."""
+    monkeypatch.setattr(lin, "use_onednn", lambda: True)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    calls = []
+    real = lin._onednn_mm_t
+    monkeypatch.setattr(lin, "_onednn_mm_t", lambda *a: calls.append(a[0].shape) or real(*a))
+    w = torch.randn(128, 128)
+    rows = lin.MIN_MACS_PER_THREAD * threads // (128 * 128)  # exactly at the threshold
+    for n, want in [(rows - 1, 0), (rows, 1)]:
+        for x in (torch.randn(n, 128), torch.randn(1, n, 128)):  # leading dims count as rows
+            calls.clear()
+            torch.testing.assert_close(lin.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+            assert len(calls) == want, (x.shape, threads)
 
 
 def test_other_dtypes_and_tensor_types_fall_back(monkeypatch):

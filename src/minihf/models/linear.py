@@ -13,11 +13,15 @@ EPYC (Zen 4) at 2 threads, the same moment, fp32:
   oneDNN copies first), so it stays on MKL;
 * one GRPO step (5M model, 16 prompts x 8, oneDNN and MKL on alternating steps of one
   run, medians of 4-5 pairs): 1.07x and 1.16x with 64 forced tokens (ref 1.17-1.24x, gen
-  1.08-1.18x, update_actor 1.07-1.15x), 1.04x with EOS (lengths differ between steps).
+  1.08-1.18x, update_actor 1.07-1.15x), 1.04x with EOS (lengths differ between steps);
+* the main job (0.9M model, 2 ranks x 1 thread, 16 RL steps, 3 alternating rounds, median
+  seconds in steps): 26.3 with MKL, 30.3 with every linear on oneDNN (0.87x: gen 1.5x
+  slower, its decode matmuls being small), 26.4 with the size threshold below (1.0x).
 
-So :func:`linear` sends fp32 CPU matmuls to oneDNN (``torch.ops.mkldnn._linear_pointwise``,
-the op inductor's CPU backend uses) when :func:`onednn_preferred` says so: an x86 AMD CPU
-with AVX-512 and a torch built with oneDNN. Intel CPUs keep MKL (its own AVX-512 path;
+So :func:`linear` sends fp32 CPU matmuls of at least :data:`MIN_MACS_PER_THREAD`
+multiply-adds per thread to oneDNN (``torch.ops.mkldnn._linear_pointwise``, the op
+inductor's CPU backend uses) when :func:`onednn_preferred` says so: an x86 AMD CPU with
+AVX-512 and a torch built with oneDNN. Intel CPUs keep MKL (its own AVX-512 path;
 not measured here), as do other dtypes, devices and DTensor weights. Results are fp32
 throughout (no reduced-precision mode); they differ from MKL's in summation order only.
 """
@@ -31,6 +35,13 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+
+# Below about 2M multiply-adds per thread oneDNN's per-call cost outweighs its faster
+# kernel: measured at 1 and 2 threads over the mini/5M/30M models' shapes (8-512 rows),
+# oneDNN's speed-up over MKL is 0.2-0.9x below it and 0.94-1.4x from 2M to 4M per thread,
+# with or without the backward. So MKL takes the small calls (e.g. the mini model's decode).
+MIN_MACS_PER_THREAD = 1 << 21
 
 
 def onednn_preferred(vendor: str, flags: set[str], machine: str, has_onednn: bool) -> bool:
@@ -83,17 +94,20 @@ class _OneDNNLinear(torch.autograd.Function):
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, by oneDNN for fp32 on CPUs where it is faster."""
+    """``F.linear(x, weight, bias)``, by oneDNN for fp32 on CPUs where it is faster and
+    the matmul is large enough to repay oneDNN's per-call cost (:data:`MIN_MACS_PER_THREAD`)."""
     if not (x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu"
-            and type(weight) in (torch.Tensor, nn.Parameter) and use_onednn()):
+            and type(weight) in (torch.Tensor, nn.Parameter) and use_onednn()
+            and x.numel() * weight.shape[0] >= MIN_MACS_PER_THREAD * torch.get_num_threads()):
         return F.linear(x, weight, bias)
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])  # [N, in]
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # [N, in]
     grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                         or (bias is not None and bias.requires_grad))
     y = _OneDNNLinear.apply(x2, weight, bias) if grad else _onednn_mm_t(x2, weight, bias)
+    if x.dim() == 2:
+        return y
     # not .view: a view output would make FSDP2 warn (and an in-place op on it skip its hook)
-    return torch.ops.aten._unsafe_view(y, (*lead, weight.shape[0]))
+    return torch.ops.aten._unsafe_view(y, (*x.shape[:-1], weight.shape[0]))
 
 
 class Linear(nn.Linear):

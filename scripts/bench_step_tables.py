@@ -53,6 +53,31 @@ def scaling_row(label: str, r: dict) -> str:
             f"{r['phases']['update_actor']:.2f} | {r['peak']:.0f} |")
 
 
+def cpu_name(cpuinfo: str | None = None) -> str:
+    """The CPU as ``/proc/cpuinfo`` names it, with its x86 family and model (a cloud "AMD
+    EPYC" may be Zen 4, family 25, with half-width AVX-512 units, or Zen 5, family 26, with
+    full-width ones: twice the fp32 peak); ``platform``'s name where that file is missing."""
+    import platform
+
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key, sep, value = line.partition(":")
+        if not sep:
+            if fields:
+                break  # the first processor's block is enough
+            continue
+        fields.setdefault(key.strip(), value.strip())
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    if "cpu family" in fields and "model" in fields:
+        name += f" (family {fields['cpu family']}, model {fields['model']})"
+    return name
+
+
 def write_docs(path: Path, lines: list[str], args) -> None:
     import platform
 
@@ -66,7 +91,7 @@ def write_docs(path: Path, lines: list[str], args) -> None:
         machine = f"{torch.cuda.get_device_name()}, bf16, {flash}, {versions}"
         command, title = "python scripts/bench_step.py --device cuda", " on a GPU"
     else:
-        machine = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {versions}; "
+        machine = (f"{cpu_name()}, {os.cpu_count()} cores, {versions}; "
                    f"{args.threads} threads per framework")
         command, title = "python scripts/bench_step.py", ""
     text = [

@@ -173,3 +173,12 @@ def test_trl_accepts_the_device_settings(tmp_path):
     else:  # every keyword is known; only the missing GPU is refused
         with pytest.raises(ValueError, match="bf16/gpu"):
             trl.GRPOConfig(**bench_step_workers.trl_device_kwargs("cuda"), **common)
+
+
+def test_cpu_name_reads_the_first_processor(monkeypatch):
+    info = ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\n"
+            "model name\t: AMD EPYC\n\nprocessor\t: 1\ncpu family\t: 25\nmodel\t\t: 17\n")
+    assert bench_step_tables.cpu_name(info) == "AMD EPYC (family 26, model 2)"
+    monkeypatch.setattr("platform.processor", lambda: "")
+    monkeypatch.setattr("platform.machine", lambda: "aarch64")
+    assert bench_step_tables.cpu_name("") == "aarch64"  # no /proc/cpuinfo fields

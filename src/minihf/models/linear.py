@@ -10,13 +10,19 @@ EPYC (Zen 4) at 2 threads, the same moment, fp32:
   square 2048 matmul 139 -> 207 GFLOP/s;
 * a decode step's linears (16-128 rows, 6 layers, column-major weights): 1.2-1.4x;
 * the weight gradient ``grad_out.T @ x``: 0.7x (both operands transposed views, which
-  oneDNN copies first), so it stays on MKL;
+  oneDNN copies first), so it stays on MKL. On a Zen 5 EPYC (full-width AVX-512: a
+  square 2048 matmul 187 -> 393 GFLOP/s) the same matmul alone is 1.1-2.2x faster by
+  oneDNN, but a GRPO step's update_actor was slower with it (5M model, 64 forced tokens,
+  3 alternating rounds: 1.75-2.04 s with MKL, 2.10-2.22 s with oneDNN);
 * one GRPO step (5M model, 16 prompts x 8, oneDNN and MKL on alternating steps of one
   run, medians of 4-5 pairs): 1.07x and 1.16x with 64 forced tokens (ref 1.17-1.24x, gen
   1.08-1.18x, update_actor 1.07-1.15x), 1.04x with EOS (lengths differ between steps);
-* the main job (0.9M model, 2 ranks x 1 thread, 16 RL steps, 3 alternating rounds, median
-  seconds in steps): 26.3 with MKL, 30.3 with every linear on oneDNN (0.87x: gen 1.5x
-  slower, its decode matmuls being small), 26.4 with the size threshold below (1.0x).
+  on the Zen 5 EPYC (separate runs, 3 alternating rounds): 1.15x, 1.26x, 1.19x with 64
+  forced tokens (ref 1.4-1.5x, update_actor 1.2-1.3x);
+* the main job (0.9M model, 2 ranks x 1 thread, on the Zen 5 EPYC, 16 RL steps, 3
+  alternating rounds, median seconds in steps): 26.3 with MKL, 30.3 with every linear on
+  oneDNN (0.87x: gen 1.5x slower, its decode matmuls being small), 26.4 with the size
+  threshold below (1.0x).
 
 So :func:`linear` sends fp32 CPU matmuls of at least :data:`MIN_MACS_PER_THREAD`
 multiply-adds per thread to oneDNN (``torch.ops.mkldnn._linear_pointwise``, the op
@@ -38,9 +44,10 @@ import torch.nn.functional as F
 
 
 # Below about 2M multiply-adds per thread oneDNN's per-call cost outweighs its faster
-# kernel: measured at 1 and 2 threads over the mini/5M/30M models' shapes (8-512 rows),
-# oneDNN's speed-up over MKL is 0.2-0.9x below it and 0.94-1.4x from 2M to 4M per thread,
-# with or without the backward. So MKL takes the small calls (e.g. the mini model's decode).
+# kernel: measured on the Zen 5 EPYC at 1 and 2 threads over the mini/5M/30M models'
+# shapes (8-512 rows), oneDNN's speed-up over MKL is 0.2-0.9x below it and 0.94-1.4x from
+# 2M to 4M per thread, with or without the backward. So MKL takes the small calls (e.g.
+# the mini model's decode).
 MIN_MACS_PER_THREAD = 1 << 21
 
 

@@ -59,19 +59,9 @@ def cpu_name(cpuinfo: str | None = None) -> str:
     full-width ones: twice the fp32 peak); ``platform``'s name where that file is missing."""
     import platform
 
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            cpuinfo = ""
-    fields: dict[str, str] = {}
-    for line in cpuinfo.splitlines():
-        key, sep, value = line.partition(":")
-        if not sep:
-            if fields:
-                break  # the first processor's block is enough
-            continue
-        fields.setdefault(key.strip(), value.strip())
+    from minihf.models.linear import cpu_fields
+
+    fields = cpu_fields(cpuinfo)
     name = fields.get("model name") or platform.processor() or platform.machine()
     if "cpu family" in fields and "model" in fields:
         name += f" (family {fields['cpu family']}, model {fields['model']})"

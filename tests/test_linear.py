@@ -106,3 +106,12 @@ def test_linear_module_is_nn_linear():
 ])
 def test_onednn_preferred(vendor, flags, machine, onednn, want):
     assert lin.onednn_preferred(vendor, flags, machine, onednn) is want
+
+
+def test_cpu_fields_reads_the_first_processor():
+    info = ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\n"
+            "flags\t\t: fpu avx2 avx512f\n\nprocessor\t: 1\nvendor_id\t: Other\n")
+    cpu = lin.cpu_fields(info)
+    assert cpu["vendor_id"] == "AuthenticAMD" and cpu["cpu family"] == "26"
+    assert set(cpu["flags"].split()) == {"fpu", "avx2", "avx512f"}
+    assert lin.cpu_fields("") == {}

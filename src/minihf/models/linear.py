@@ -58,22 +58,32 @@ def onednn_preferred(vendor: str, flags: set[str], machine: str, has_onednn: boo
             and "avx512f" in flags)
 
 
+def cpu_fields(cpuinfo: str | None = None) -> dict[str, str]:
+    """The first processor's ``key: value`` fields of ``/proc/cpuinfo`` (or of the text
+    ``cpuinfo``); empty where that file does not exist."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return {}
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key, sep, value = line.partition(":")
+        if not sep:
+            if fields:
+                break  # a blank line ends the first processor's block
+            continue
+        fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
 @functools.cache
 def use_onednn() -> bool:
     """:func:`onednn_preferred` for this machine (the CPU as ``/proc/cpuinfo`` names it;
     False where that file does not exist)."""
-    vendor, flags = "", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "vendor_id":
-                vendor = value.strip()
-            elif key.strip() == "flags":
-                flags = set(value.split())
-                break
-    except OSError:
-        return False
-    return onednn_preferred(vendor, flags, platform.machine(), torch.backends.mkldnn.is_available())
+    cpu = cpu_fields()
+    return onednn_preferred(cpu.get("vendor_id", ""), set(cpu.get("flags", "").split()),
+                            platform.machine(), torch.backends.mkldnn.is_available())
 
 
 def _onednn_mm_t(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -8,7 +8,7 @@ import torch
 
 from minihf.trainer.metrics import group_metrics, rollout_probs_diff
 from minihf.trainer.common import MetricsLog
-from minihf.trainer.watch import RunWatch
+from minihf.trainer.watch import STALL_WINDOW, RunWatch
 
 
 def test_each_warning_once():
@@ -26,6 +26,32 @@ def test_each_warning_once():
         assert text in joined, text
     assert w.check({"step": 3, "actor/entropy": 0.01, "response_length/clip_ratio": 1.0,
                     "actor/pg_loss": math.inf, "actor/kl_loss": 9.0}) == []  # said already
+
+
+def test_entropy_collapse_needs_a_stalled_score():
+    """Low entropy with a rising score is a policy learning the task: no warning. With a
+    flat score it fires once two STALL_WINDOWs of scores are seen (equal window means)."""
+    W = STALL_WINDOW
+
+    def run(scores):
+        w = RunWatch(max_response_length=20)
+        return [w.check({"step": step, "actor/entropy": 1.0 if step == 1 else 0.05,
+                         "critic/score/mean": sc})
+                for step, sc in enumerate(scores, start=1)]
+
+    assert not any(run([0.01 * step for step in range(1, 4 * W + 1)]))  # rising throughout
+    outs = run([0.5] * (3 * W))                                            # flat from the start
+    assert [i + 1 for i, o in enumerate(outs) if o] == [2 * W]             # said once, at step 2W
+    msg = outs[2 * W - 1][0]
+    assert msg.startswith(f"step {2 * W}: entropy fell from 1 to 0.05 and the score stopped "
+                          f"rising (mean 0.5 over the last {W} steps, 0.5 over the {W} before)"), msg
+    assert "entropy_coeff" in msg
+    # rising for 2W steps, then flat at the last value: the last window's mean climbs above
+    # the one before until the flat part fills more than half of it
+    rise = [0.01 * step for step in range(1, 2 * W + 1)]
+    outs = run(rise + [rise[-1]] * (2 * W))
+    fired = [i + 1 for i, o in enumerate(outs) if o]
+    assert len(fired) == 1 and 2 * W < fired[0] <= 4 * W, fired
 
 
 def test_rollout_trainer_mismatch_is_said_once():

@@ -6,9 +6,13 @@ the first time one of these shows up:
 * non-finite metrics (NaN/Inf in a loss, a gradient norm, a score);
 * most responses hit the length limit (``response_length/clip_ratio`` > 0.5): the answer
   is being cut; raise ``data.max_response_length`` or shape the reward;
-* entropy collapse (``actor/entropy`` below a tenth of its first value): the policy stops
-  exploring (fine once it has solved the task; a collapse if the score stalls); raise
-  ``entropy_coeff`` or lower the learning rate;
+* entropy collapse: ``actor/entropy`` below a tenth of its first value *and* the score
+  stalled (``critic/score/mean`` over the last ``STALL_WINDOW`` steps no higher than over
+  the ``STALL_WINDOW`` before). Low entropy alone is a policy that has learnt the task (the
+  main job reaches it while its score still climbs); with a stalled score it stops
+  exploring at that score: if the task allows more, raise ``entropy_coeff`` or lower the
+  learning rate. A run that
+  logs no score is warned on the entropy alone;
 * no group signal (``critic/score/frac_equal_groups`` > 0.8): most prompts' samples all
   scored the same, so group estimators (GRPO, RLOO) see zero advantages;
 * KL exploding (``actor/kl_loss``, ``actor/ppo_kl`` or the in-reward KL above 1.0): the
@@ -36,6 +40,7 @@ EQUAL_GROUPS = 0.8
 KL_LIMIT = 1.0
 KL_KEYS = ("actor/kl_loss", "actor/ppo_kl", "actor/reward_kl_penalty")
 ROLLOUT_DIFF = 0.01
+STALL_WINDOW = 10  # steps per score window of the entropy-collapse check
 
 
 class SkipCounter:
@@ -72,6 +77,16 @@ class RunWatch:
         self.max_response_length = max_response_length
         self.said: set[str] = set()
         self.first_entropy: float | None = None
+        self.scores: list[float] = []  # the last 2 x STALL_WINDOW steps' critic/score/mean
+
+    def _stall(self) -> tuple[float, float] | None:
+        """(mean score of the window before, of the last window) when the score has not
+        risen between the two; None while it rises or before two windows are seen."""
+        if len(self.scores) < 2 * STALL_WINDOW:
+            return None
+        before = sum(self.scores[:STALL_WINDOW]) / STALL_WINDOW
+        last = sum(self.scores[STALL_WINDOW:]) / STALL_WINDOW
+        return (before, last) if last <= before else None
 
     def _once(self, key: str, message: str, out: list[str]) -> None:
         if key not in self.said:
@@ -91,15 +106,26 @@ class RunWatch:
             self._once("clip", f"step {step}: {clip:.0%} of responses hit data.max_response_"
                        f"length={self.max_response_length}; answers are cut off (raise it or "
                        "penalise length)", out)
+        score = m.get("critic/score/mean")
+        if score is not None and math.isfinite(score):
+            self.scores = (self.scores + [score])[-2 * STALL_WINDOW:]
         ent = m.get("actor/entropy")
         if ent is not None and math.isfinite(ent):
             if self.first_entropy is None:
                 self.first_entropy = ent
             elif self.first_entropy > 0 and ent < ENTROPY_FRACTION * self.first_entropy:
-                self._once("entropy", f"step {step}: entropy fell from {self.first_entropy:.3g} "
-                           f"to {ent:.3g}; the policy is nearly deterministic: if the score has "
-                           "stopped rising it has collapsed (raise "
-                           "actor_rollout_ref.actor.entropy_coeff or lower the lr)", out)
+                fell = f"step {step}: entropy fell from {self.first_entropy:.3g} to {ent:.3g}"
+                fix = "(raise actor_rollout_ref.actor.entropy_coeff or lower the lr)"
+                stall = self._stall()
+                if stall is not None:
+                    self._once("entropy", f"{fell} and the score stopped rising (mean "
+                               f"{stall[1]:.3g} over the last {STALL_WINDOW} steps, "
+                               f"{stall[0]:.3g} over the {STALL_WINDOW} before): the policy "
+                               f"stopped exploring at this score; if the task allows more "
+                               f"{fix}", out)
+                elif score is None and not self.scores:
+                    self._once("entropy", f"{fell}; the policy is nearly deterministic: if "
+                               f"the score has stopped rising it has collapsed {fix}", out)
         equal = m.get("critic/score/frac_equal_groups")
         if equal is not None and equal > EQUAL_GROUPS:
             self._once("groups", f"step {step}: in {equal:.0%} of the prompts every sample "

@@ -1,6 +1,10 @@
 """The ``minihf`` CLI skeleton: --help, --version, doctor (incl. a module that fails to import)."""
 
+import re
+
+import click
 import torch
+import typer
 from typer.testing import CliRunner
 
 from minihf import __version__
@@ -15,6 +19,31 @@ def test_version_and_help():
     assert res.exit_code == 0
     for command in ("doctor", "init-model", "make-data", "generate", "train", "sft", "export"):
         assert command in res.output, command
+
+
+def _commands(group, path=()):
+    for name, cmd in group.commands.items():
+        yield (*path, name), cmd
+        if isinstance(cmd, click.Group):
+            yield from _commands(cmd, (*path, name))
+
+
+def test_bracketed_words_survive_help_markup():
+    """Help is rich markup, where ``[word]`` is a style tag that vanishes unless escaped
+    (``\\[word]``): every bracketed word of a command's or option's help is shown."""
+    checked = 0
+    for path, cmd in _commands(typer.main.get_command(app)):
+        texts = [cmd.help or ""] + [getattr(p, "help", None) or "" for p in cmd.params]
+        words = {w for t in texts for w in re.findall(r"\[([^\[\]]+)\]", t)}
+        if not words:
+            continue
+        res = CliRunner().invoke(app, [*path, "--help"])
+        assert res.exit_code == 0, res.output
+        shown = " ".join(res.output.split())  # rich wraps lines
+        for w in words:
+            assert f"[{w}]" in shown, (path, w, res.output)
+            checked += 1
+    assert checked >= 3  # generate's [length] and [max_model_len], convert-gguf's [gguf]
 
 
 def test_doctor_reports_this_machine():

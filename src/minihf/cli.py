@@ -117,7 +117,8 @@ def generate(
     allow_unk: bool = typer.Option(False, help="Generate even when a prompt has characters outside the vocabulary."),
 ) -> None:
     """Generate completions with minihf's rollout engine. A completion that did not end at
-    EOS says why: [length] (--max-tokens reached) or [max_model_len] (the context is full)."""
+    EOS says why: \\[length] (--max-tokens reached) or \\[max_model_len] (the context is full)."""
+    # "\\[": help text is rich markup, where a bare [word] is a style tag and vanishes
     from minihf.rollout import SamplingParams
     from minihf.rollout.text import generate_text
 
@@ -287,7 +288,7 @@ def convert_gguf(
     overwrite: bool = typer.Option(False, help="Write into OUT even if it is not empty."),
 ) -> None:
     """Convert a GGUF model (llama.cpp's format, quantized or not) to an HF model dir that
-    minihf and transformers load. Needs `pip install 'minihf[gguf]'`."""
+    minihf and transformers load. Needs `pip install 'minihf\\[gguf]'`."""
     from minihf.models.gguf import convert_gguf as convert
 
     try:

@@ -46,6 +46,14 @@ def test_bracketed_words_survive_help_markup():
     assert checked >= 3  # generate's [length] and [max_model_len], convert-gguf's [gguf]
 
 
+def test_command_summaries_are_one_line():
+    """``minihf --help`` lists each command by its help's first paragraph, keeping its line
+    breaks: a summary that runs over lines comes out broken mid-sentence."""
+    for path, cmd in _commands(typer.main.get_command(app)):
+        summary = (cmd.help or "").split("\n\n")[0]
+        assert summary and "\n" not in summary, (path, summary)
+
+
 def test_doctor_reports_this_machine():
     res = CliRunner().invoke(app, ["doctor"])
     assert res.exit_code == 0, res.output

@@ -116,8 +116,10 @@ def generate(
     max_model_len: int = typer.Option(None, help="Context length (prompt + completion); default: the model's."),
     allow_unk: bool = typer.Option(False, help="Generate even when a prompt has characters outside the vocabulary."),
 ) -> None:
-    """Generate completions with minihf's rollout engine. A completion that did not end at
-    EOS says why: \\[length] (--max-tokens reached) or \\[max_model_len] (the context is full)."""
+    """Generate completions with minihf's rollout engine.
+
+    A completion that did not end at EOS says why: \\[length] (--max-tokens reached) or
+    \\[max_model_len] (the context is full)."""
     # "\\[": help text is rich markup, where a bare [word] is a style tag and vanishes
     from minihf.rollout import SamplingParams
     from minihf.rollout.text import generate_text
@@ -183,8 +185,9 @@ def sft(ctx: typer.Context) -> None:
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def rm(ctx: typer.Context) -> None:
-    """Reward-model training on preference pairs (Bradley-Terry); arguments are config
-    overrides (recipe=NAME key=value ...), e.g. `minihf rm model.path=M
+    """Reward-model training on preference pairs (Bradley-Terry).
+
+    Arguments are config overrides (recipe=NAME key=value ...), e.g. `minihf rm model.path=M
     data.train_files=D/train.parquet data.val_files=D/test.parquet`. Pairs from a synthetic
     task: `minihf make-data sort D --pairs`. Use torchrun with scripts/train_rm.py for
     several ranks."""
@@ -242,10 +245,11 @@ def eval_(
     seed: int = typer.Option(0, help="Sampling seed."),
     json_out: str = typer.Option(None, "--json", help="Also write the metrics to this JSON file."),
 ) -> None:
-    """Score a model on prompt files the way training validates: per data source, mean@n
-    and pass@k of sampled answers and the greedy answer's score. Under torchrun
-    (`torchrun --nproc_per_node=N -m minihf.cli eval ...`) the prompts are split over the
-    ranks; the metrics do not depend on N."""
+    """Score a model on prompt files the way training validates.
+
+    Per data source: mean@n and pass@k of sampled answers and the greedy answer's score.
+    Under torchrun (`torchrun --nproc_per_node=N -m minihf.cli eval ...`) the prompts are
+    split over the ranks; the metrics do not depend on N."""
     import json
 
     import torch.distributed as dist
@@ -287,8 +291,9 @@ def convert_gguf(
     dtype: str = typer.Option("float32", help="float32 | bfloat16 (the weights are dequantized to this)."),
     overwrite: bool = typer.Option(False, help="Write into OUT even if it is not empty."),
 ) -> None:
-    """Convert a GGUF model (llama.cpp's format, quantized or not) to an HF model dir that
-    minihf and transformers load. Needs `pip install 'minihf\\[gguf]'`."""
+    """Convert a GGUF model (llama.cpp's format, quantized or not) to an HF model dir.
+
+    minihf and transformers both load the result. Needs `pip install 'minihf\\[gguf]'`."""
     from minihf.models.gguf import convert_gguf as convert
 
     try:
@@ -303,8 +308,9 @@ def plot(
     run_dirs: list[str] = typer.Argument(..., help="Run dirs holding metrics.jsonl (trainer.default_local_dir)."),
     out: str = typer.Option("plots", help="Directory for overview.png and timing.png."),
 ) -> None:
-    """PNG figures of one or more runs, overlaid: score, validation, KL, entropy, lengths,
-    clip fractions, and a per-phase timing bar."""
+    """PNG figures of one or more runs, overlaid.
+
+    Score, validation, KL, entropy, lengths, clip fractions, and a per-phase timing bar."""
     from minihf.utils.plot import plot_runs
 
     try:
@@ -321,8 +327,9 @@ app.add_typer(config_app, name="config")
 
 @config_app.command("show", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def config_show(ctx: typer.Context) -> None:
-    """Print a recipe's resolved config (RL, or SFT for an SFT recipe) as YAML, each value
-    with its default and help: `minihf config show grpo actor_rollout_ref.rollout.n=4`."""
+    """Print a recipe's resolved config as YAML, each value with its default and help.
+
+    RL, or SFT for an SFT recipe: `minihf config show grpo actor_rollout_ref.rollout.n=4`."""
     from minihf.config import ConfigError, load_config
     from minihf.config_help import show
     from minihf.trainer.ppo_job import PPOJobConfig

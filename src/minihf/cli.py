@@ -326,26 +326,41 @@ app.add_typer(config_app, name="config")
 
 
 @config_app.command("show", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def config_show(ctx: typer.Context) -> None:
+def config_show(
+    ctx: typer.Context,
+    kind: str = typer.Option("auto", help="rl | sft | rm: whose config (defaults differ: an RM "
+                                          "recipe loads as SFT too); auto: RL, else SFT."),
+) -> None:
     """Print a recipe's resolved config as YAML, each value with its default and help.
 
-    RL, or SFT for an SFT recipe: `minihf config show grpo actor_rollout_ref.rollout.n=4`."""
+    `minihf config show grpo actor_rollout_ref.rollout.n=4`; `--kind rm` for a reward-model
+    recipe (`minihf config show rm_sort --kind rm`)."""
     from minihf.config import ConfigError, load_config
     from minihf.config_help import show
     from minihf.trainer.ppo_job import PPOJobConfig
+    from minihf.trainer.rm import RMConfig
     from minihf.trainer.sft import SFTConfig
 
+    kinds = {"rl": (PPOJobConfig, "minihf train"), "sft": (SFTConfig, "minihf sft"),
+             "rm": (RMConfig, "minihf rm")}
+    if kind != "auto" and kind not in kinds:
+        raise typer.BadParameter(f"--kind {kind!r}: use auto, rl, sft or rm")
+    order = ["rl", "sft"] if kind == "auto" else [kind]
     try:
         recipe, overrides = _recipe_and_overrides(ctx.args)
-        try:
-            cfg = load_config(PPOJobConfig, recipe, overrides)
-        except ConfigError as rl_error:
+        errors = []
+        for k in order:
             try:
-                cfg = load_config(SFTConfig, recipe, overrides)
-            except ConfigError:
-                raise rl_error from None
+                cfg = load_config(kinds[k][0], recipe, overrides)
+                break
+            except ConfigError as exc:
+                errors.append(exc)
+        else:
+            raise errors[0]
     except ConfigError as exc:
         raise typer.BadParameter(str(exc)) from exc
+    others = ", ".join(f"--kind {o}" for o in kinds if o != k)
+    typer.echo(f"# the {k.upper()} config of `{kinds[k][1]}` ({others} for another trainer's)")
     typer.echo(show(cfg), nl=False)
 
 

@@ -301,7 +301,17 @@ def run_script(main: Callable[[list[str]], Any], argv: list[str]) -> None:
     ranks wait ``PEER_REPORT_WAIT_S`` before exiting: a rank that exited first would have
     torchrun SIGTERM rank 0 before it printed (seen as a flaky one-line-error test). When
     rank 0 exits, torchrun ends the waiting ranks. A rank still alive after the wait hit an
-    error of its own (a file missing on its node only), and reports it, naming itself."""
+    error of its own (a file missing on its node only), and reports it, naming itself.
+
+    ``-h``/``--help`` prints the script's docstring and where every key is explained, and
+    exits 0 (rank 0 prints under torchrun); it starts nothing."""
+    if any(a in ("-h", "--help") for a in argv):
+        if int(os.environ.get("RANK", "0")) == 0:
+            doc = (sys.modules[main.__module__].__doc__ or "").strip()
+            print(f"{doc}\n\nEvery key with its default and help: docs/config.md. A recipe's "
+                  "resolved values: `minihf config show RECIPE [overrides]` (add `--kind sft` "
+                  "or `--kind rm` for those trainers' recipes).")
+        return
     try:
         main(argv)
     except Exception as e:  # noqa: BLE001 - the job itself exits through launch_job

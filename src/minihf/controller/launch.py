@@ -289,7 +289,10 @@ def join_launcher_group(timeout_s: float = 1800.0) -> bool:
     return True
 
 
-PEER_REPORT_WAIT_S = 3.0  # how long a rank != 0 leaves rank 0 to report a shared start-up error
+# how long a rank != 0 leaves rank 0 to report a shared start-up error: 3 s was too short
+# on a loaded 2-core machine, where the ranks' imports finished seconds apart (CI saw
+# both ranks report); only an error of one rank alone waits this long to be reported
+PEER_REPORT_WAIT_S = 10.0
 
 
 def run_script(main: Callable[[list[str]], Any], argv: list[str]) -> None:

@@ -309,16 +309,19 @@ def test_script_config_error_is_one_line_from_rank_zero():
 
 
 @pytest.mark.parametrize("script", ["train_ppo.py", "train_sft.py", "train_rm.py"])
-def test_scripts_print_help_and_start_nothing(script, tmp_path):
-    """``--help`` prints the script's docstring and where the keys are explained, exit 0,
-    and starts no job (the run dir is not created); under torchrun rank 0 prints it once."""
+def test_scripts_print_help_and_start_nothing(script, tmp_path, monkeypatch, capsys):
+    """``--help`` prints the script's docstring and where the keys are explained and starts
+    no job (the run dir is not created); under torchrun rank 0 alone prints it, exit 0."""
+    import runpy
+
     run_dir = tmp_path / "run"
-    cmd = [str(ROOT / "scripts" / script), "--help", f"trainer.default_local_dir={run_dir}"]
-    job = _run([sys.executable, *cmd], timeout=120)
-    assert job.returncode == 0, job.log
-    first = (ROOT / "scripts" / script).read_text().split('"""')[1].strip().splitlines()[0]
-    assert job.stdout.startswith(first) and "docs/config.md" in job.stdout, job.log
+    path = ROOT / "scripts" / script
+    first = path.read_text().split('"""')[1].strip().splitlines()[0]
+    monkeypatch.setattr(sys, "argv", [str(path), "--help", f"trainer.default_local_dir={run_dir}"])
+    runpy.run_path(str(path), run_name="__main__")
+    out = capsys.readouterr().out
+    assert out.startswith(first) and "docs/config.md" in out, out
     assert not run_dir.exists()
     if script == "train_ppo.py":
-        job = _run(TORCHRUN + [cmd[0], "-h"], timeout=120)
+        job = _run(TORCHRUN + [str(path), "-h"], timeout=120)
         assert job.returncode == 0 and job.stdout.count(first) == 1, job.log

@@ -11,8 +11,7 @@ the first time one of these shows up:
   the ``STALL_WINDOW`` before). Low entropy alone is a policy that has learnt the task (the
   main job reaches it while its score still climbs); with a stalled score it stops
   exploring at that score: if the task allows more, raise ``entropy_coeff`` or lower the
-  learning rate. A run that
-  logs no score is warned on the entropy alone;
+  learning rate. A run that logs no score is warned on the entropy alone;
 * no group signal (``critic/score/frac_equal_groups`` > 0.8): most prompts' samples all
   scored the same, so group estimators (GRPO, RLOO) see zero advantages;
 * KL exploding (``actor/kl_loss``, ``actor/ppo_kl`` or the in-reward KL above 1.0): the

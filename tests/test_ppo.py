@@ -94,8 +94,10 @@ def test_grpo_and_ppo_one_process(tiny_job, tmp_path):
     model, data = tiny_job
     cosine = {"actor_rollout_ref.actor.optim.lr_scheduler": "cosine",
               "actor_rollout_ref.actor.optim.min_lr_ratio": 0.1}
-    cases = [("grpo", "grpo", None, "grpo", cosine), ("ppo", "ppo", None, "ppo", {})]
+    cases = [("grpo", "grpo", None, "grpo", cosine), ("ppo", "ppo", None, "ppo", {}),
+             ("again", "grpo", None, "grpo", cosine)]  # the finished grpo run, rerun
     res = spawn_ranks(_runs, 1, model, data, str(tmp_path), cases, timeout_s=300)[0]
+    assert res["again"] == []  # nothing left to train: no step, no validation
     check_metrics(res["grpo"], with_critic=False)
     # cosine over the run's 3 steps x 2 mini-batches x 2 epochs = 12 optimizer steps:
     # actor/lr is the mean over a step's 4 optimizer steps, decreasing
@@ -104,6 +106,8 @@ def test_grpo_and_ppo_one_process(tiny_job, tmp_path):
     check_metrics(res["ppo"], with_critic=True)
     assert "actor/kl_loss" in res["grpo"][-1] and "actor/reward_kl_penalty" in res["ppo"][-1]
     # samples.jsonl: validations (steps 0, 2, 3) and the last step (log_samples_freq=10)
+    logged = [json.loads(x) for x in (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged] == [h["step"] for h in res["grpo"]]  # the rerun added none
     rows = [json.loads(x) for x in (tmp_path / "grpo" / "samples.jsonl").read_text().splitlines()]
     assert sorted({(r["step"], r["kind"]) for r in rows}) == [(0, "val"), (2, "val"), (3, "train"),
                                                              (3, "val")]

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from minihf.config import ConfigError
-from minihf.trainer.common import MetricsLog, check_resume_config, every
+from minihf.trainer.common import MetricsLog, check_resume_config, every, nothing_to_train
 
 
 def test_metrics_log_cut_back_to_the_resumed_step(tmp_path):
@@ -72,3 +72,12 @@ def _save(rank, world, model_dir, out):
     model = apply_fsdp(load_hf(model_dir), fsdp_mesh(dist.group.WORLD, "cpu"))
     opt = build_optimizer(model.parameters(), OptimConfig())
     save_checkpoint(out, model, opt, None, group=dist.group.WORLD, hf_source=model_dir)
+
+
+def test_a_finished_run_says_there_is_nothing_to_train(tmp_path):
+    assert nothing_to_train(tmp_path, 149, 150) is None
+    for step, total in ((150, 150), (150, 100)):  # done, or a config that now trains fewer
+        msg = nothing_to_train(tmp_path, step, total)
+        assert msg.startswith(f"the run in {tmp_path} has done {step} steps and this config "
+                              f"trains {total}: nothing to train"), msg
+        assert "trainer.total_training_steps" in msg and "trainer.default_local_dir" in msg

@@ -50,6 +50,16 @@ def check_run_dir(path: Path, key: str) -> None:
             return
 
 
+def nothing_to_train(out: Path, step: int, total_steps: int) -> Optional[str]:
+    """The message for a resumed run that has no step left (``step >= total_steps``), else
+    None: rerunning a finished run's command trains nothing, and should say so."""
+    if step < total_steps:
+        return None
+    return (f"the run in {out} has done {step} steps and this config trains {total_steps}: "
+            "nothing to train. To train on, raise trainer.total_training_steps (or "
+            "trainer.total_epochs); for a new run, pass another trainer.default_local_dir")
+
+
 def find_resume_path(default_local_dir: str, resume_mode: str,
                      resume_from_path: Optional[str]) -> Optional[Path]:
     """The checkpoint to resume from, per ``resume_mode`` (None: start fresh)."""

@@ -36,7 +36,7 @@ from minihf.algorithms import AdaptiveKLController, FixedKLController, apply_kl_
 from minihf.config import dump_yaml
 from minihf.protocol import Batch
 from minihf.trainer.common import (RESUME_FIX, Log, MetricsLog, config_json, every,
-                                   find_resume_path, format_line, mark_latest,
+                                   find_resume_path, format_line, mark_latest, nothing_to_train,
                                    resume_config_changes, run_dir, save_config, write_atomic)
 from minihf.trainer.loggers import Console, Trackers
 from minihf.trainer.metrics import (data_metrics, group_metrics, rollout_probs_diff, sample_rows,
@@ -361,6 +361,9 @@ class PPOTrainer:
         if self.safe is not None:
             self.safe.init_model(self.optimizer_steps(self.cfg.cost_critic))
         step = self.resume()
+        done = nothing_to_train(self.out, step, self.total_steps)
+        if done:
+            self.log(done)
         dump_yaml(self.cfg, self.out / "config.yaml")  # the resolved config of this start
         t = self.cfg.trainer
         self.trackers = Trackers(t.logger, self.out, t.project_name, t.experiment_name, config_json(self.cfg))
@@ -387,4 +390,4 @@ class PPOTrainer:
             self.log(f"validation score: {vals[0]:.4f} (first) -> {vals[-1]:.4f} (last)")
         phases = ", ".join(f"{k} {v:.1f}s" for k, v in sorted(self.phase_totals.items(),
                                                                key=lambda kv: -kv[1]))
-        self.log(f"wall time {wall_s:.1f}s; by phase: {phases}")
+        self.log(f"wall time {wall_s:.1f}s" + (f"; by phase: {phases}" if phases else ""))

@@ -18,7 +18,7 @@ from typing import Literal, Optional, Union
 from minihf.config import dump_yaml
 from minihf.controller.config import ControllerConfig
 from minihf.trainer.common import (MetricsLog, check_run_dir, find_resume_path, mark_latest,
-                                   resume_config_changes, run_dir, save_config)
+                                   nothing_to_train, resume_config_changes, run_dir, save_config)
 from minihf.workers.optim import OptimConfig
 from minihf.workers.config import FSDPConfig, ModelConfig
 
@@ -149,6 +149,9 @@ class SFTDriver:
             self.metrics_log.resume_at(step)
             self.log(f"resumed from {resume} at step {step}"
                      + (f" (changed: {', '.join(changed)})" if changed else ""))
+            done = nothing_to_train(self.out, step, self.total_steps)
+            if done:
+                self.log(done)
         dump_yaml(self.cfg, self.out / "config.yaml")  # the resolved config of this start
         last = None
         end = self.total_steps if stop_after is None else min(self.total_steps, step + stop_after)

@@ -6,7 +6,8 @@
   again: it resumes from the last complete checkpoint and ends with the parameters and
   metrics of an uninterrupted run, bitwise;
 * rank 1 killed (SIGKILL) or frozen (SIGSTOP) mid-training: the job ends non-zero within
-  about ``controller.timeout_s``, naming rank 1, and leaves no process behind.
+  about ``controller.timeout_s``, naming rank 1, and leaves no process behind;
+* Ctrl-C (SIGINT to the whole job): one line per rank on how to resume, a prompt exit.
 """
 
 import json
@@ -162,3 +163,37 @@ def test_lost_rank_ends_the_rl_job_naming_it(job, tmp_path, sig):
     # on its host, else torchrun would wait ~30 s more for it to act on SIGTERM
     assert elapsed < LOST_TIMEOUT_S + 25, (elapsed, err)
     assert not alive, (alive, err)                            # no process left behind
+
+
+def test_ctrl_c_ends_the_rl_job_with_one_line_per_rank(job, tmp_path):
+    """SIGINT to the whole job (Ctrl-C in its terminal) mid-training: it ends within
+    seconds, each rank says in one line that it was interrupted and how to resume (no
+    traceback of ours), and no process is left behind."""
+    root, args = job
+    run_dir = tmp_path / "run"
+    cmd = TORCHRUN + args + ["trainer.total_training_steps=200", f"trainer.default_local_dir={run_dir}"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    pids: dict[int, int] = {}
+    try:
+        pids = _rank_pids(proc.pid)
+        metrics = run_dir / "metrics.jsonl"
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+            time.sleep(0.1)                                   # in training (step 1 logged)
+        os.killpg(proc.pid, signal.SIGINT)                    # what the terminal sends every process
+        t0 = time.monotonic()
+        out, err = proc.communicate(timeout=60)
+        elapsed = time.monotonic() - t0
+        time.sleep(1)
+        alive = [p for p in pids.values() if _alive(p)]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0, err
+    for rank in (0, 1):
+        assert f"[minihf rank {rank}] interrupted (SIGINT); rerun the same command to resume" in err, err
+    assert "KeyboardInterrupt" not in err and "job failed" not in err, err
+    assert elapsed < 20, (elapsed, err)
+    assert not alive, (alive, err)

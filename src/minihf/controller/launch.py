@@ -246,10 +246,14 @@ def failure_report(e: BaseException) -> str:
 
     A user error (``USER_ERRORS``) gets ``Type: message`` and where it was raised: its
     message names the bad value and the fix, a stack would bury that. Anything else (a bug,
-    a ``RemoteError`` carrying the worker's traceback) gets the full traceback.
+    a ``RemoteError`` carrying the worker's traceback) gets the full traceback; Ctrl-C
+    (``KeyboardInterrupt``) one line on how to resume.
     """
     if isinstance(e, ControllerAborted):
         return str(e)
+    if isinstance(e, KeyboardInterrupt):  # Ctrl-C reaches every rank: no traceback to read
+        return ("interrupted (SIGINT); rerun the same command to resume from the run's latest "
+                "checkpoint (trainer.save_freq)")
     if isinstance(e, USER_ERRORS) and e.__traceback__ is not None:
         frame = traceback.extract_tb(e.__traceback__)[-1]
         return (f"job failed: {type(e).__name__}: {e}\n  raised at {frame.filename}:"
@@ -345,7 +349,8 @@ def launch_job(job: Callable[[torch.device], Any], config: ControllerConfig | No
         sys.stderr.flush()
         if rank == 0:
             kill_lost_rank(e, processes)
-        os._exit(1)  # not sys.exit: threads blocked in a receive must not delay the exit
+        # not sys.exit: threads blocked in a receive must not delay the exit; 130 = SIGINT's
+        os._exit(130 if isinstance(e, KeyboardInterrupt) else 1)
     dist.destroy_process_group()
     return result if rank == 0 else None
 

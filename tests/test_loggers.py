@@ -131,3 +131,19 @@ def test_console_draws_a_progress_bar_on_a_terminal_and_lines_elsewhere():
     plain = []
     Console(total=10, log=plain.append, labels={}, stream=None).step({"step": 1}, "step=1 score=0.25")
     assert plain == ["step=1 score=0.25"]                  # pytest's stdout is not a terminal
+
+
+def test_wandb_that_cannot_start_is_one_clear_error(tmp_path, monkeypatch):
+    """wandb.init raising (no API key on a machine that never logged in) becomes an error
+    naming trainer.logger and the ways out, not a traceback from inside wandb."""
+    wandb = pytest.importorskip("wandb")
+    from minihf.trainer.loggers import Trackers
+
+    def no_key(**kwargs):
+        raise wandb.errors.UsageError("No API key configured. Use `wandb login` to log in.")
+    monkeypatch.setattr(wandb, "init", no_key)
+    with pytest.raises(ValueError) as err:
+        Trackers(["console", "wandb"], tmp_path, "p", "e", {})
+    msg = str(err.value)
+    assert msg.startswith("trainer.logger includes 'wandb' but wandb.init failed: No API key"), msg
+    assert "WANDB_MODE=offline" in msg and "WANDB_API_KEY" in msg

@@ -38,7 +38,13 @@ class Trackers:
         if "wandb" in names:
             import wandb
 
-            self.wandb = wandb.init(project=project, name=experiment, dir=str(out_dir), config=config)
+            try:
+                self.wandb = wandb.init(project=project, name=experiment, dir=str(out_dir), config=config)
+            except wandb.errors.Error as e:  # no API key, no network, a bad entity: say what to do
+                raise ValueError(
+                    f"trainer.logger includes 'wandb' but wandb.init failed: {e} Log in (`wandb "
+                    "login`, or set WANDB_API_KEY), log offline with WANDB_MODE=offline (`wandb "
+                    "sync` uploads it later), or drop wandb from trainer.logger") from e
         if "tensorboard" in names:
             from torch.utils.tensorboard import SummaryWriter
 

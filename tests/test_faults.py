@@ -123,14 +123,10 @@ def _rank_pids(agent_pid: int, timeout: float = 120) -> dict[int, int]:
 LOST_TIMEOUT_S = 12  # a frozen rank is reported after this; the tiny job's calls take milliseconds
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["SIGKILL", "SIGSTOP"])
-def test_lost_rank_ends_the_rl_job_naming_it(job, tmp_path, sig):
-    """Rank 1 killed, or frozen, during training: the job ends non-zero within about
-    controller.timeout_s, rank 0 names rank 1, and no process is left behind."""
-    root, args = job
-    run_dir = tmp_path / "run"
-    cmd = TORCHRUN + args + ["trainer.total_training_steps=200", f"controller.timeout_s={LOST_TIMEOUT_S}",
-                             f"trainer.default_local_dir={run_dir}"]
+def _interrupt_in_training(cmd, run_dir, hit, timeout=150):
+    """Start ``cmd`` (a 2-rank job writing to ``run_dir``), wait until step 1 is logged, call
+    ``hit(proc, pids)``; return (stderr, seconds from the hit to the exit, ranks still alive,
+    return code). Every process it started is gone afterwards, whatever happened."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
@@ -141,9 +137,9 @@ def test_lost_rank_ends_the_rl_job_naming_it(job, tmp_path, sig):
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
             time.sleep(0.1)                                   # in training (step 1 logged)
-        os.kill(pids[1], sig)
+        hit(proc, pids)
         t0 = time.monotonic()
-        out, err = proc.communicate(timeout=150)
+        _, err = proc.communicate(timeout=timeout)
         elapsed = time.monotonic() - t0
         time.sleep(1)
         alive = [p for p in pids.values() if _alive(p)]
@@ -155,7 +151,20 @@ def test_lost_rank_ends_the_rl_job_naming_it(job, tmp_path, sig):
                 os.kill(pid, signal.SIGKILL)                  # never leave a stopped rank behind
             except ProcessLookupError:
                 pass
-    assert proc.returncode != 0, err
+    return err, elapsed, alive, proc.returncode
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["SIGKILL", "SIGSTOP"])
+def test_lost_rank_ends_the_rl_job_naming_it(job, tmp_path, sig):
+    """Rank 1 killed, or frozen, during training: the job ends non-zero within about
+    controller.timeout_s, rank 0 names rank 1, and no process is left behind."""
+    root, args = job
+    run_dir = tmp_path / "run"
+    cmd = TORCHRUN + args + ["trainer.total_training_steps=200", f"controller.timeout_s={LOST_TIMEOUT_S}",
+                             f"trainer.default_local_dir={run_dir}"]
+    err, elapsed, alive, code = _interrupt_in_training(
+        cmd, run_dir, lambda proc, pids: os.kill(pids[1], sig))
+    assert code != 0, err
     # rank 0 names it (RankLostError), or torchrun does first: on a SIGKILL its agent may stop
     # rank 0 before rank 0 prints, reporting "Root Cause ... rank : 1 ... SIGKILL" itself
     assert re.search(r"rank 1\b|Root Cause[\s\S]*rank\s*:\s*1 ", err), err
@@ -172,26 +181,9 @@ def test_ctrl_c_ends_the_rl_job_with_one_line_per_rank(job, tmp_path):
     root, args = job
     run_dir = tmp_path / "run"
     cmd = TORCHRUN + args + ["trainer.total_training_steps=200", f"trainer.default_local_dir={run_dir}"]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    pids: dict[int, int] = {}
-    try:
-        pids = _rank_pids(proc.pid)
-        metrics = run_dir / "metrics.jsonl"
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
-            time.sleep(0.1)                                   # in training (step 1 logged)
-        os.killpg(proc.pid, signal.SIGINT)                    # what the terminal sends every process
-        t0 = time.monotonic()
-        out, err = proc.communicate(timeout=60)
-        elapsed = time.monotonic() - t0
-        time.sleep(1)
-        alive = [p for p in pids.values() if _alive(p)]
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode != 0, err
+    err, elapsed, alive, code = _interrupt_in_training(   # SIGINT: what the terminal sends
+        cmd, run_dir, lambda proc, pids: os.killpg(proc.pid, signal.SIGINT), timeout=60)
+    assert code != 0, err
     for rank in (0, 1):
         assert f"[minihf rank {rank}] interrupted (SIGINT); rerun the same command to resume" in err, err
     assert "KeyboardInterrupt" not in err and "job failed" not in err, err

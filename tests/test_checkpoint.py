@@ -65,6 +65,13 @@ def test_save_load_round_trip_and_export_loads_in_transformers(tmp_path, tie):
     with torch.no_grad():
         diff = (model(ids) - theirs(ids).logits).abs().max().item()
     assert diff < 1e-5
+    # an RL run's global_step_N holds the policy in actor/: exporting the step dir exports it
+    (tmp_path / "global_step_2").mkdir()
+    (tmp_path / "ckpt").rename(tmp_path / "global_step_2" / "actor")
+    result = CliRunner().invoke(app, ["export", str(tmp_path / "global_step_2"), str(tmp_path / "hf2")])
+    assert result.exit_code == 0, result.output
+    weights = [(tmp_path / d / "model.safetensors").read_bytes() for d in ("hf", "hf2")]
+    assert weights[0] == weights[1]
 
 
 def test_errors_name_the_path(tmp_path):

@@ -171,6 +171,9 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer=None, lr
 def export_hf(ckpt: str | Path, out: str | Path, dtype: torch.dtype | None = None) -> Path:
     """Write the model of checkpoint ``ckpt`` as an HF dir at ``out`` (single process).
 
+    ``ckpt``: a role's checkpoint dir (``meta.json``), or an RL run's ``global_step_N``,
+    whose ``actor`` (the policy) is exported.
+
     ``dtype`` casts the weights (e.g. ``torch.bfloat16``); default keeps the stored fp32.
     The dir is written under a temporary name and renamed into place, so an interrupted
     export leaves no half-written model behind (a rerun exports again).
@@ -178,9 +181,12 @@ def export_hf(ckpt: str | Path, out: str | Path, dtype: torch.dtype | None = Non
     from minihf.models import build_model, load_args, save_hf
 
     ckpt, out = Path(ckpt), Path(out)
+    if not (ckpt / "meta.json").exists() and (ckpt / "actor" / "meta.json").exists():
+        ckpt = ckpt / "actor"  # an RL run's global_step_N: its policy
     if not (ckpt / "meta.json").exists():
-        raise FileNotFoundError(f"{ckpt} is not a minihf checkpoint (no meta.json); pass a dir "
-                                "written by save_checkpoint (e.g. .../global_step_N/actor)")
+        raise FileNotFoundError(f"{ckpt} is not a minihf checkpoint (no meta.json, nor actor/meta.json); "
+                                "pass a dir written by training (.../global_step_N, or a role's "
+                                ".../global_step_N/critic)")
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"export target {out} is a file; pass a directory path")
     head = read_json(ckpt / "meta.json", "the checkpoint was not written completely; export an earlier "

@@ -32,6 +32,17 @@ def test_generate_command(tmp_path):
     res = runner.invoke(app, ["generate", str(model), "--prompt", "1+1=", "--top-p", "0"])
     assert res.exit_code != 0 and "top_p" in res.output
 
+    # a training checkpoint (an RL run's global_step_N/actor) generates like its model dir
+    from minihf.models import load_hf
+    from minihf.utils.checkpoint import save_checkpoint
+
+    save_checkpoint(tmp_path / "run" / "global_step_1" / "actor", load_hf(model), hf_source=model)
+    argv = ["--prompt", "12+3=", "--prompt", "7+8=", "--max-tokens", "6"]
+    from_ckpt = runner.invoke(app, ["generate", str(tmp_path / "run" / "global_step_1"), *argv])
+    assert from_ckpt.exit_code == 0 and from_ckpt.output.strip().splitlines() == lines, from_ckpt.output
+    res = runner.invoke(app, ["generate", str(tmp_path / "nowhere"), *argv])
+    assert res.exit_code != 0 and "neither an HF model dir" in " ".join(res.output.replace("│", "").split())
+
 
 def test_generate_refuses_unknown_characters_and_says_why_it_stopped(tmp_path):
     runner = CliRunner()

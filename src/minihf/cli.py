@@ -104,7 +104,7 @@ def make_data(
 
 @app.command()
 def generate(
-    model_dir: str = typer.Argument(..., help="HF model dir (config.json, safetensors, tokenizer)."),
+    model_dir: str = typer.Argument(..., help="HF model dir (config.json, safetensors, tokenizer), or a training checkpoint (…/global_step_N)."),
     prompt: list[str] = typer.Option(..., "--prompt", "-p", help="Prompt text; repeat for a batch."),
     max_tokens: int = typer.Option(64, help="New tokens at most."),
     temperature: float = typer.Option(0.0, help="0 = greedy."),

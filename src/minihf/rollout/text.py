@@ -7,6 +7,7 @@ config's EOS ids and at the tokenizer's EOS token.
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 from .llm import LLM, eos_ids_from_dir
@@ -25,17 +26,28 @@ def unknown_chars(tok, text: str) -> list[str]:
 
 def generate_text(model_dir: str | Path, prompts: list[str], params: SamplingParams, chat: bool = False,
                   max_model_len: int | None = None, allow_unk: bool = False) -> list[list[tuple[str, str]]]:
-    """Completions (``params.n`` per prompt) as ``(text, finish)``, special tokens skipped;
-    ``finish`` is ``stop`` (an EOS), ``length`` (``max_tokens`` reached) or ``max_model_len``
-    (the context is full: prompt + completion reached ``max_model_len``).
+    """Completions (``params.n`` per prompt) as ``(text, finish)``, special tokens skipped.
+
+    ``model_dir``: an HF model dir, or a training checkpoint (an RL run's ``global_step_N``,
+    a role's or an SFT run's), exported to a scratch dir first. ``finish`` is ``stop`` (an
+    EOS), ``length`` (``max_tokens`` reached) or ``max_model_len`` (the context is full:
+    prompt + completion reached ``max_model_len``).
 
     ``chat=True`` renders each prompt as one user turn with the tokenizer's chat template. A
     prompt with characters outside the vocabulary (they would silently become the unknown
     token) is refused, listing them, unless ``allow_unk``.
     """
+    from minihf.utils.checkpoint import model_dir_of
+
+    with tempfile.TemporaryDirectory(prefix="minihf-generate-") as scratch:
+        return _generate_text(model_dir_of(model_dir, Path(scratch)), prompts, params, chat,
+                              max_model_len, allow_unk)
+
+
+def _generate_text(model_dir: Path, prompts: list[str], params: SamplingParams, chat: bool,
+                   max_model_len: int | None, allow_unk: bool) -> list[list[tuple[str, str]]]:
     from minihf.data.tokenizer import encode_chat, load_tokenizer
 
-    model_dir = Path(model_dir)
     tok = load_tokenizer(model_dir)
     if not allow_unk:
         for p in prompts:

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from minihf.protocol import Batch
+from minihf.utils.checkpoint import model_dir_of
 
 
 @dataclass
@@ -62,21 +63,6 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 def ks_for(n: int) -> list[int]:
     """1, 2, 4, ... up to n, and n."""
     return sorted({2 ** i for i in range(n.bit_length()) if 2 ** i <= n} | {n})
-
-
-def model_dir_of(path: str | Path, scratch: Path) -> Path:
-    """An HF model dir for ``path``: itself, or a training checkpoint (``global_step_N`` of
-    an RL run, its ``actor``, or an SFT ``global_step_N``) exported under ``scratch``."""
-    from minihf.utils.checkpoint import export_hf
-
-    path = Path(path)
-    for ckpt in (path, path / "actor"):  # a checkpoint's config.json is the run's config
-        if (ckpt / "meta.json").is_file():
-            return export_hf(ckpt, scratch / "hf")
-    if (path / "config.json").is_file():
-        return path
-    raise FileNotFoundError(f"{path} is neither an HF model dir (config.json) nor a training checkpoint "
-                            "(meta.json, or actor/meta.json); pass e.g. outputs/RUN/global_step_N")
 
 
 def _rank_world() -> tuple[int, int]:

@@ -209,3 +209,16 @@ def export_hf(ckpt: str | Path, out: str | Path, dtype: torch.dtype | None = Non
         shutil.rmtree(out)
     os.replace(tmp, out)
     return out
+
+
+def model_dir_of(path: str | Path, scratch: Path) -> Path:
+    """An HF model dir for ``path``: itself, or a training checkpoint (``global_step_N`` of
+    an RL run, its ``actor``, or an SFT ``global_step_N``) exported under ``scratch``."""
+    path = Path(path)
+    for ckpt in (path, path / "actor"):  # a checkpoint's config.json is the run's config
+        if (ckpt / "meta.json").is_file():
+            return export_hf(ckpt, scratch / "hf")
+    if (path / "config.json").is_file():
+        return path
+    raise FileNotFoundError(f"{path} is neither an HF model dir (config.json) nor a training checkpoint "
+                            "(meta.json, or actor/meta.json); pass e.g. outputs/RUN/global_step_N")

@@ -9,6 +9,8 @@ from pathlib import Path
 
 from bench_step_workers import has_flash_attn
 
+from minihf.utils.doctor import cpu_name
+
 
 def compare_row(label: str, forced: bool, out: dict, params: int, peak: float, samples: int) -> str:
     """The table row of one comparison; adds its per-phase MFU and ``ceiling`` to ``out``."""
@@ -51,21 +53,6 @@ def phase_mfu(m: dict, params: int, peak_gflops: float, samples: int) -> dict:
 def scaling_row(label: str, r: dict) -> str:
     return (f"| {label} | {r['step_s']:.2f} | {r['phases']['gen']:.2f} | "
             f"{r['phases']['update_actor']:.2f} | {r['peak']:.0f} |")
-
-
-def cpu_name(cpuinfo: str | None = None) -> str:
-    """The CPU as ``/proc/cpuinfo`` names it, with its x86 family and model (a cloud "AMD
-    EPYC" may be Zen 4, family 25, with half-width AVX-512 units, or Zen 5, family 26, with
-    full-width ones: twice the fp32 peak); ``platform``'s name where that file is missing."""
-    import platform
-
-    from minihf.models.linear import cpu_fields
-
-    fields = cpu_fields(cpuinfo)
-    name = fields.get("model name") or platform.processor() or platform.machine()
-    if "cpu family" in fields and "model" in fields:
-        name += f" (family {fields['cpu family']}, model {fields['model']})"
-    return name
 
 
 def write_docs(path: Path, lines: list[str], args) -> None:

@@ -176,9 +176,12 @@ def test_trl_accepts_the_device_settings(tmp_path):
 
 
 def test_cpu_name_reads_the_first_processor(monkeypatch):
+    from minihf.utils.doctor import cpu_name
+
+    assert bench_step_tables.cpu_name is cpu_name  # the report's Machine line names it so
     info = ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\n"
             "model name\t: AMD EPYC\n\nprocessor\t: 1\ncpu family\t: 25\nmodel\t\t: 17\n")
-    assert bench_step_tables.cpu_name(info) == "AMD EPYC (family 26, model 2)"
+    assert cpu_name(info) == "AMD EPYC (family 26, model 2)"
     monkeypatch.setattr("platform.processor", lambda: "")
     monkeypatch.setattr("platform.machine", lambda: "aarch64")
-    assert bench_step_tables.cpu_name("") == "aarch64"  # no /proc/cpuinfo fields
+    assert cpu_name("") == "aarch64"  # no /proc/cpuinfo fields

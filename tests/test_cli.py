@@ -54,6 +54,17 @@ def test_command_summaries_are_one_line():
         assert summary and "\n" not in summary, (path, summary)
 
 
+def test_doctor_names_the_library_of_the_cpu_linears(monkeypatch):
+    import minihf.models.linear as linear
+    from minihf.utils.doctor import cpu_linears
+
+    monkeypatch.setattr(linear, "use_onednn", lambda: False)
+    assert cpu_linears() == "MKL (torch.mm)"
+    monkeypatch.setattr(linear, "use_onednn", lambda: True)
+    monkeypatch.setattr(linear, "MIN_MACS_PER_THREAD", 1 << 21)
+    assert cpu_linears() == "oneDNN from 2M multiply-adds per thread, MKL below"
+
+
 def test_doctor_reports_this_machine():
     res = CliRunner().invoke(app, ["doctor"])
     assert res.exit_code == 0, res.output
@@ -61,7 +72,8 @@ def test_doctor_reports_this_machine():
     assert lines["torch"] == torch.__version__
     assert lines["gloo"] == "True"  # every torch build this project supports has gloo
     assert lines["torch threads"] == str(torch.get_num_threads())
-    for key in ("cuda available", "nccl", "flash-attn", "transformers", "cpu cores"):
+    for key in ("cuda available", "nccl", "flash-attn", "transformers", "cpu", "cpu fp32 linears",
+                "cpu cores"):
         assert key in lines, key
     assert set(report()) == set(lines)
 

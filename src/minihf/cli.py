@@ -33,7 +33,7 @@ def main(
 
 @app.command()
 def doctor() -> None:
-    """Print what this machine offers minihf: torch, CUDA/NCCL/gloo, flash-attn, threads, versions."""
+    """Print what this machine offers minihf: torch, CUDA/NCCL/gloo, flash-attn, the CPU and its linears, threads."""
     from minihf.utils.doctor import report
 
     for key, value in report().items():

@@ -17,6 +17,28 @@ def _version_of(module: str) -> str:
     return getattr(mod, "__version__", "installed")
 
 
+def cpu_name(cpuinfo: str | None = None) -> str:
+    """The CPU as ``/proc/cpuinfo`` names it, with its x86 family and model (a cloud "AMD
+    EPYC" may be Zen 4, family 25, with half-width AVX-512 units, or Zen 5, family 26, with
+    full-width ones: twice the fp32 peak); ``platform``'s name where that file is missing."""
+    from minihf.models.linear import cpu_fields
+
+    fields = cpu_fields(cpuinfo)
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    if "cpu family" in fields and "model" in fields:
+        name += f" (family {fields['cpu family']}, model {fields['model']})"
+    return name
+
+
+def cpu_linears() -> str:
+    """Which library runs minihf's fp32 linears on this CPU (``minihf.models.linear``)."""
+    from minihf.models.linear import MIN_MACS_PER_THREAD, use_onednn
+
+    if not use_onednn():
+        return "MKL (torch.mm)"
+    return f"oneDNN from {MIN_MACS_PER_THREAD / 2**20:g}M multiply-adds per thread, MKL below"
+
+
 def report() -> dict[str, str]:
     """Key/value pairs describing torch, accelerators, distributed backends and threads."""
     import torch
@@ -41,6 +63,8 @@ def report() -> dict[str, str]:
         "safetensors": _version_of("safetensors"),
         "tokenizers": _version_of("tokenizers"),
         "wandb": _version_of("wandb"),
+        "cpu": cpu_name(),
+        "cpu fp32 linears": cpu_linears(),
         "cpu cores": str(os.cpu_count()),
         "torch threads": str(torch.get_num_threads()),
         "torch interop threads": str(torch.get_num_interop_threads()),

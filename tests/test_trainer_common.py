@@ -6,7 +6,8 @@ import json
 import pytest
 
 from minihf.config import ConfigError
-from minihf.trainer.common import MetricsLog, check_resume_config, every, nothing_to_train
+from minihf.trainer.common import (MetricsLog, check_resume_config, check_run_length, every,
+                                   nothing_to_train)
 
 
 def test_metrics_log_cut_back_to_the_resumed_step(tmp_path):
@@ -81,3 +82,22 @@ def test_a_finished_run_says_there_is_nothing_to_train(tmp_path):
         assert msg.startswith(f"the run in {tmp_path} has done {step} steps and this config "
                               f"trains {total}: nothing to train"), msg
         assert "trainer.total_training_steps" in msg and "trainer.default_local_dir" in msg
+
+
+@pytest.mark.parametrize("kind", ["rl", "sft", "rm"])
+def test_run_length_is_checked_when_the_config_loads(kind):
+    """total_epochs / total_training_steps below 1 fail at load, naming the key (a zero step
+    count used to pass and fail later inside the actor's optimizer set-up)."""
+    from minihf.config import load_config
+    from minihf.trainer.ppo_job import PPOJobConfig
+    from minihf.trainer.rm import RMConfig
+    from minihf.trainer.sft import SFTConfig
+
+    cls = {"rl": PPOJobConfig, "sft": SFTConfig, "rm": RMConfig}[kind]
+    for override, text in (("trainer.total_training_steps=0", "trainer.total_training_steps=0 must"),
+                           ("trainer.total_epochs=0", "trainer.total_epochs=0 must"),
+                           ("trainer.total_training_steps=-3", "trainer.total_training_steps=-3 must")):
+        with pytest.raises(ConfigError, match=text):
+            load_config(cls, None, [override])
+    check_run_length(1, None)
+    check_run_length(2, 1)

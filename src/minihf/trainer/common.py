@@ -50,6 +50,16 @@ def check_run_dir(path: Path, key: str) -> None:
             return
 
 
+def check_run_length(total_epochs: int, total_training_steps: Optional[int]) -> None:
+    """A trainer section's length: at least one epoch, and at least one step when capped."""
+    if not isinstance(total_epochs, int) or total_epochs < 1:
+        raise ValueError(f"trainer.total_epochs={total_epochs!r} must be an int >= 1")
+    if total_training_steps is not None and (not isinstance(total_training_steps, int)
+                                             or total_training_steps < 1):
+        raise ValueError(f"trainer.total_training_steps={total_training_steps!r} must be an int >= 1 "
+                         "(null: train total_epochs passes)")
+
+
 def nothing_to_train(out: Path, step: int, total_steps: int) -> Optional[str]:
     """The message for a resumed run that has no step left (``step >= total_steps``), else
     None: rerunning a finished run's command trains nothing, and should say so."""

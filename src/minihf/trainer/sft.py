@@ -17,8 +17,9 @@ from typing import Literal, Optional, Union
 
 from minihf.config import dump_yaml
 from minihf.controller.config import ControllerConfig
-from minihf.trainer.common import (MetricsLog, check_run_dir, find_resume_path, mark_latest,
-                                   nothing_to_train, resume_config_changes, run_dir, save_config)
+from minihf.trainer.common import (MetricsLog, check_run_dir, check_run_length, find_resume_path,
+                                   mark_latest, nothing_to_train, resume_config_changes, run_dir,
+                                   save_config)
 from minihf.workers.optim import OptimConfig
 from minihf.workers.config import FSDPConfig, ModelConfig
 
@@ -58,6 +59,9 @@ class SFTTrainerConfig:
     resume_from_path: Optional[str] = None  # a global_step_N dir (resume_mode=resume_path)
     export_hf: bool = True               # write an HF model dir (hf/) at the end
     log_freq: int = 1                    # print a line every N steps
+
+    def __post_init__(self):
+        check_run_length(self.total_epochs, self.total_training_steps)
 
 
 @dataclass

@@ -26,6 +26,10 @@ def test_overrides_reach_nested_sections():
     ("actor.fsdp.mixed_precision=fp16", "mixed_precision"),
     ("actor.clip_ratio=0", "clip_ratio=0"),
     ("actor.clip_ratio_c=0.5", r"actor: clip_ratio_c=0.5 must be > 1"),
+    ("actor.clip_ratio_low=-0.2", r"clip_ratio_low=-0.2 must be in \[0, 1\)"),
+    ("actor.clip_ratio_low=1.0", r"clip_ratio_low=1.0 must be in \[0, 1\)"),
+    ("actor.clip_ratio_high=-0.1", r"clip_ratio_high=-0.1 must be >= 0"),
+    ("actor.kl_loss_coef=-1", r"kl_loss_coef=-1.0 must be >= 0"),
     ("actor.kl_loss_type=lowvar", "kl_loss_type='lowvar'.*low_var_kl"),
     ("actor.ppo_epochs=0", "ppo_epochs=0 must be >= 1"),
     ("rollout.n=0", r"rollout.n=0 must be an int >= 1"),
@@ -81,3 +85,9 @@ def test_rl_config_errors():
                                          "actor_rollout_ref.rollout.prompt_length=8"])
     with pytest.raises(ConfigError, match=r"trainer.logger: unknown \['wandb2'\]"):
         load_config(PPOJobConfig, None, ["trainer.logger=[console, wandb2]"])
+    for override, match in (("algorithm.gamma=2", r"algorithm.gamma=2.0 must be in \[0, 1\]"),
+                            ("algorithm.lam=-0.1", r"algorithm.lam=-0.1 must be in \[0, 1\]"),
+                            ("algorithm.kl_ctrl.kl_coef=-0.5", "kl_ctrl.kl_coef=-0.5 must be >= 0"),
+                            ("algorithm.kl_ctrl.horizon=0", "horizon=0 >= 1")):
+        with pytest.raises(ConfigError, match=match):
+            load_config(PPOJobConfig, None, [override])

@@ -55,6 +55,13 @@ class KLCtrlConfig:
     target_kl: float = 0.1               # adaptive only
     horizon: int = 10000                 # adaptive only
 
+    def __post_init__(self):
+        if not self.kl_coef >= 0:
+            raise ValueError(f"algorithm.kl_ctrl.kl_coef={self.kl_coef} must be >= 0")
+        if not self.target_kl > 0 or self.horizon < 1:
+            raise ValueError(f"algorithm.kl_ctrl: target_kl={self.target_kl} must be > 0 and "
+                             f"horizon={self.horizon} >= 1")
+
 
 @dataclass
 class FilterGroupsConfig:
@@ -106,6 +113,9 @@ class AlgorithmConfig:
         from minihf.algorithms import get_adv_estimator_fn
 
         get_adv_estimator_fn(self.adv_estimator)  # unknown names list the registered ones
+        for name in ("gamma", "lam"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"algorithm.{name}={getattr(self, name)} must be in [0, 1]")
         if self.kl_penalty not in KL_PENALTIES:
             raise ValueError(f"algorithm.kl_penalty={self.kl_penalty!r}; choose one of "
                              f"{list(KL_PENALTIES)}")

@@ -103,6 +103,15 @@ class ActorConfig:
         _check_ppo_update(self)
         if not self.clip_ratio > 0:
             raise ValueError(f"clip_ratio={self.clip_ratio} must be > 0")
+        if self.clip_ratio_low is not None and not 0 <= self.clip_ratio_low < 1:
+            raise ValueError(f"clip_ratio_low={self.clip_ratio_low} must be in [0, 1) (the ratio's "
+                             "floor is 1 - clip_ratio_low)")
+        if self.clip_ratio_high is not None and not self.clip_ratio_high >= 0:
+            raise ValueError(f"clip_ratio_high={self.clip_ratio_high} must be >= 0 (the ratio's "
+                             "ceiling is 1 + clip_ratio_high)")
+        if not self.kl_loss_coef >= 0:
+            raise ValueError(f"kl_loss_coef={self.kl_loss_coef} must be >= 0 (a negative weight "
+                             "rewards moving away from the reference)")
         if self.clip_ratio_c is not None and not self.clip_ratio_c > 1:
             raise ValueError(f"clip_ratio_c={self.clip_ratio_c} must be > 1 (e.g. 3.0), or "
                              "null to disable the dual clip")

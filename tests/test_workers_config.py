@@ -30,6 +30,8 @@ def test_overrides_reach_nested_sections():
     ("actor.clip_ratio_low=1.0", r"clip_ratio_low=1.0 must be in \[0, 1\)"),
     ("actor.clip_ratio_high=-0.1", r"clip_ratio_high=-0.1 must be >= 0"),
     ("actor.kl_loss_coef=-1", r"kl_loss_coef=-1.0 must be >= 0"),
+    ("actor.optim.weight_decay=-1", r"weight_decay=-1.0 >= 0"),
+    ("actor.optim.eps=0", r"eps=0.0 must be > 0"),
     ("actor.kl_loss_type=lowvar", "kl_loss_type='lowvar'.*low_var_kl"),
     ("actor.ppo_epochs=0", "ppo_epochs=0 must be >= 1"),
     ("rollout.n=0", r"rollout.n=0 must be an int >= 1"),
@@ -52,6 +54,8 @@ def test_bad_values_say_which_and_why(override, match):
 def test_critic_shares_the_update_checks():
     with pytest.raises(ConfigError, match="loss_agg_mode='mean'"):
         load_config(CriticConfig, None, ["loss_agg_mode=mean"])
+    with pytest.raises(ConfigError, match=r"cliprange_value=-1.0 must be > 0"):
+        load_config(CriticConfig, None, ["cliprange_value=-1"])
     with pytest.raises(ConfigError, match="ppo_mini_batch_size=0"):
         load_config(CriticConfig, None, ["ppo_mini_batch_size=0"])
 

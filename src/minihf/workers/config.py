@@ -229,6 +229,9 @@ class CriticConfig:
 
     def __post_init__(self):
         _check_ppo_update(self)
+        if not self.cliprange_value > 0:
+            raise ValueError(f"cliprange_value={self.cliprange_value} must be > 0 (the values "
+                             "move at most this far from the old ones per update)")
 
 
 @dataclass

@@ -43,6 +43,8 @@ class OptimConfig:
             raise ValueError(f"lr={self.lr} must be >= 0")
         if not all(0 <= b < 1 for b in self.betas):
             raise ValueError(f"betas={self.betas} must each be in [0, 1)")
+        if not self.eps > 0 or not self.weight_decay >= 0:
+            raise ValueError(f"eps={self.eps} must be > 0 and weight_decay={self.weight_decay} >= 0")
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps={self.warmup_steps} must be >= 0")
         if self.lr_scheduler not in ("constant", "cosine"):

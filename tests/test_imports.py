@@ -29,6 +29,16 @@ def test_code_refs(tmp_path):
         get_policy_loss_fn(f"{tmp_path}/missing.py:fn")
     with pytest.raises(ValueError, match=r"path/to/file.py:function"):
         get_policy_loss_fn("no_such_loss")
+    broken = tmp_path / "broken.py"
+    broken.write_text("def compute_score(*a):\n    return 1.0 +\n")
+    with pytest.raises(ValueError, match=r"broken.py, line 2: invalid syntax: return 1.0 \+; fix the file"):
+        import_file(broken)
+    broken.write_text("def compute_score(*a):\n    return 1.0\n")   # fixed: imports now
+    assert import_file(broken).compute_score() == 1.0
+    failing = tmp_path / "failing.py"
+    failing.write_text("raise RuntimeError('module-level code failed')\n")
+    with pytest.raises(RuntimeError, match="module-level code failed"):   # its own traceback
+        import_file(failing)
 
 
 def test_recipe_relative_paths(tmp_path, monkeypatch):

@@ -38,7 +38,8 @@ def split_ref(ref: str) -> tuple[str, str]:
 
 def import_file(path: str | Path) -> ModuleType:
     """Execute the Python file at ``path`` as a module, once per process (cached by its
-    resolved path); errors in the file propagate with its own traceback."""
+    resolved path); errors in the file propagate with its own traceback, except a syntax
+    error: a ``ValueError`` naming the file, the line and the text."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist (relative paths are from {Path.cwd()}, "
@@ -54,6 +55,10 @@ def import_file(path: str | Path) -> ModuleType:
     sys.modules[key] = module  # before exec: dataclasses and pickling look the module up
     try:
         spec.loader.exec_module(module)
+    except SyntaxError as e:  # the file cannot run at all: where and what, in one line
+        del sys.modules[key]
+        line = f": {e.text.strip()}" if e.text else ""
+        raise ValueError(f"{path}, line {e.lineno}: {e.msg}{line}; fix the file") from e
     except BaseException:
         del sys.modules[key]
         raise

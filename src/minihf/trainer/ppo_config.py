@@ -20,6 +20,7 @@ from typing import Literal, Optional, Union
 from minihf.algorithms.kl import KL_PENALTIES
 from minihf.config import ConfigError
 from minihf.controller.config import ControllerConfig
+from minihf.trainer.common import check_run_length
 from minihf.workers.config import ActorRolloutRefConfig, CriticConfig, RewardModelConfig
 
 
@@ -200,8 +201,6 @@ class PPOTrainerConfig:
     max_skipped_steps: int = 3           # steps in a row with a NaN/Inf gradient (update skipped) before the run stops; 0: never
 
     def __post_init__(self):
-        from minihf.trainer.common import check_run_length
-
         check_run_length(self.total_epochs, self.total_training_steps)
         if self.max_skipped_steps < 0:
             raise ValueError(f"max_skipped_steps={self.max_skipped_steps} must be >= 0 (0: never stop)")

@@ -32,6 +32,7 @@ cut back on resume like ``metrics.jsonl``): a few prompt / response / score rows
 from __future__ import annotations
 
 import math
+from collections import deque
 
 CLIP_RATIO = 0.5
 ENTROPY_FRACTION = 0.1
@@ -76,15 +77,16 @@ class RunWatch:
         self.max_response_length = max_response_length
         self.said: set[str] = set()
         self.first_entropy: float | None = None
-        self.scores: list[float] = []  # the last 2 x STALL_WINDOW steps' critic/score/mean
+        self.scores: deque[float] = deque(maxlen=2 * STALL_WINDOW)  # recent critic/score/mean
 
     def _stall(self) -> tuple[float, float] | None:
         """(mean score of the window before, of the last window) when the score has not
         risen between the two; None while it rises or before two windows are seen."""
         if len(self.scores) < 2 * STALL_WINDOW:
             return None
-        before = sum(self.scores[:STALL_WINDOW]) / STALL_WINDOW
-        last = sum(self.scores[STALL_WINDOW:]) / STALL_WINDOW
+        scores = list(self.scores)
+        before = sum(scores[:STALL_WINDOW]) / STALL_WINDOW
+        last = sum(scores[STALL_WINDOW:]) / STALL_WINDOW
         return (before, last) if last <= before else None
 
     def _once(self, key: str, message: str, out: list[str]) -> None:
@@ -107,7 +109,7 @@ class RunWatch:
                        "penalise length)", out)
         score = m.get("critic/score/mean")
         if score is not None and math.isfinite(score):
-            self.scores = (self.scores + [score])[-2 * STALL_WINDOW:]
+            self.scores.append(score)
         ent = m.get("actor/entropy")
         if ent is not None and math.isfinite(ent):
             if self.first_entropy is None:

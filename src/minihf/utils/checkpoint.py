@@ -168,6 +168,16 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer=None, lr
     return saved["extra"]
 
 
+def role_checkpoint(path: str | Path) -> Path | None:
+    """The role checkpoint (a dir with ``meta.json``) that ``path`` names: itself, or the
+    ``actor`` (the policy) of an RL run's ``global_step_N``; None if neither."""
+    path = Path(path)
+    for ckpt in (path, path / "actor"):  # a step dir's config.json is the run's config
+        if (ckpt / "meta.json").is_file():
+            return ckpt
+    return None
+
+
 def export_hf(ckpt: str | Path, out: str | Path, dtype: torch.dtype | None = None) -> Path:
     """Write the model of checkpoint ``ckpt`` as an HF dir at ``out`` (single process).
 
@@ -180,13 +190,12 @@ def export_hf(ckpt: str | Path, out: str | Path, dtype: torch.dtype | None = Non
     """
     from minihf.models import build_model, load_args, save_hf
 
-    ckpt, out = Path(ckpt), Path(out)
-    if not (ckpt / "meta.json").exists() and (ckpt / "actor" / "meta.json").exists():
-        ckpt = ckpt / "actor"  # an RL run's global_step_N: its policy
-    if not (ckpt / "meta.json").exists():
+    found, out = role_checkpoint(ckpt), Path(out)
+    if found is None:
         raise FileNotFoundError(f"{ckpt} is not a minihf checkpoint (no meta.json, nor actor/meta.json); "
                                 "pass a dir written by training (.../global_step_N, or a role's "
                                 ".../global_step_N/critic)")
+    ckpt = found
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"export target {out} is a file; pass a directory path")
     head = read_json(ckpt / "meta.json", "the checkpoint was not written completely; export an earlier "
@@ -215,9 +224,8 @@ def model_dir_of(path: str | Path, scratch: Path) -> Path:
     """An HF model dir for ``path``: itself, or a training checkpoint (``global_step_N`` of
     an RL run, its ``actor``, or an SFT ``global_step_N``) exported under ``scratch``."""
     path = Path(path)
-    for ckpt in (path, path / "actor"):  # a checkpoint's config.json is the run's config
-        if (ckpt / "meta.json").is_file():
-            return export_hf(ckpt, scratch / "hf")
+    if role_checkpoint(path) is not None:
+        return export_hf(path, scratch / "hf")
     if (path / "config.json").is_file():
         return path
     raise FileNotFoundError(f"{path} is neither an HF model dir (config.json) nor a training checkpoint "

@@ -73,3 +73,17 @@ def test_log_probs_entropy_kl_against_torch():
     assert kl_penalty(lp, ref, "low_var_kl")[0, 0].item() == pytest.approx(math.exp(-0.5) - 1 + 0.5)
     with pytest.raises(ValueError, match="kl_penalty='x'"):
         kl_penalty(lp, ref, "x")
+
+
+def test_logprob_rounding_bound_by_hand():
+    from minihf.algorithms import logit_abs_scale, logprob_rounding_bound
+
+    h = torch.tensor([[1.0, -2.0], [0.5, 0.0]])                  # [2, H=2]
+    w = torch.tensor([[3.0, 1.0], [-1.0, 4.0], [0.0, 0.0]])      # [V=3, H]
+    # row 0: |1|*3 + |-2|*1 = 5, |1|*1 + |-2|*4 = 9 -> 9; row 1: 1.5, 0.5 -> 1.5; T = 0.5
+    scale = logit_abs_scale(h, w, temperature=0.5)
+    assert scale.tolist() == [18.0, 3.0]
+    assert (scale >= (h @ w.T).abs().amax(-1) / 0.5).all()        # bounds |z/T| from above
+    bound = logprob_rounding_bound(scale)
+    assert torch.allclose(bound, torch.tensor([32 * 2.0**-24 * 18, 32 * 2.0**-24 * 3]))
+    assert logprob_rounding_bound(scale, torch.bfloat16)[1].item() == pytest.approx(32 * 2.0**-8 * 3)

@@ -2,7 +2,9 @@
 
 * update -> generate -> update -> generate: the engine always uses the newest weights
   (greedy tokens equal ``LLM`` on the full weights gathered at that step);
-* ``rollout_log_probs`` vs ``compute_log_prob`` on the same responses: <= 1e-5 (t = 1, 2);
+* ``rollout_log_probs`` and ``compute_log_prob`` on the same sampled responses each within
+  fp32 rounding of a float64 forward of the gathered weights, and so within twice that of
+  each other (t = 1, 2; see ``test_generate_update_generate``);
 * sampling streams depend on (seed, step, uid, sample index) only;
 * meta overrides and the output format;
 * with t = 2 on 4 ranks, training is not duplicated: the update equals a one-process
@@ -22,9 +24,8 @@ from minihf.workers.actor import ActorRolloutRefWorker
 from minihf.workers.config import (ActorConfig, ActorRolloutRefConfig, RLModelConfig,
                                    RolloutConfig)
 
+from logprob_reference import float64_log_probs, rounding_ratio
 from test_rollout_engine import build_tiny
-
-LOGP_TOL = 1e-5
 
 
 class Actor(ActorRolloutRefWorker):
@@ -90,6 +91,8 @@ def train_batch(gen, seed):
 
 
 def _driver(path, results):
+    from minihf.models import load_hf
+
     def drive(g):
         actor = g["actor"]
         actor.init_model()
@@ -106,7 +109,14 @@ def _driver(path, results):
         sampled = actor.generate_sequences(Batch(batch.tensors, batch.non_tensors, {"global_step": 5}))
         old = actor.compute_log_prob(sampled)
         m = sampled["response_mask"].bool()
-        results["logp_diff"] = (old["old_log_probs"] - sampled["rollout_log_probs"])[m].abs().max().item()
+        engine, trainer = sampled["rollout_log_probs"], old["old_log_probs"]
+        results["logp_diff"] = (trainer - engine)[m].abs().max().item()
+        model = load_hf(path)
+        model.load_state_dict(actor.full_state())
+        exact, scale = float64_log_probs(model, sampled.tensors, 0.7)
+        results["ratio"] = {"engine": rounding_ratio(engine, exact, scale, m),
+                            "trainer": rounding_ratio(trainer, exact, scale, m),
+                            "pair": rounding_ratio(engine, trainer, scale, m, pairwise=True)}
         results["meta"] = dict(sampled.meta)
         results["shapes"] = {k: tuple(v.shape) for k, v in sampled.tensors.items()}
         ids_ok = torch.equal(sampled["input_ids"], torch.cat([batch["input_ids"], sampled["responses"]], 1))
@@ -157,10 +167,26 @@ def llama_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_generate_update_generate(llama_dir, tp):
+    """Log-probs: the engine's and the trainer's are each checked against a float64 forward
+    of the same weights and tokens, within ``logprob_rounding_bound`` (32 fp32 unit
+    roundoffs u times ``logit_abs_scale`` at that token), not against each other with a
+    fixed absolute tolerance. The fixed 1e-5 failed on an Intel Xeon at t = 2 (1.0014e-5;
+    t = 1: 3.3e-6; AMD hosts: 3.1e-6). Where that gap comes from, measured on an AMD Zen 4
+    host: the logits are large here (init std 0.2, lr 5e-2, T = 0.7: ``|z/T|`` up to 15,
+    ``logit_abs_scale`` up to ~40), so 1e-5 is only ~4 u of scale. Each side sits within
+    0.32 of the bound of float64 (10 u), at t = 1 and t = 2 alike: the row-parallel partial
+    sums and the all-reduce add no systematic error. Changing only MKL's kernels
+    (``MKL_CBWR=COMPATIBLE``) moved the t = 2 gap from 3.3e-6 to 9.5e-6, engine 6.5e-6 and
+    trainer 4.1e-6 from float64 with opposite signs (0.20 and 0.12 of the bound). So the
+    Intel figure is two correct fp32 forwards rounding apart: the tolerance was wrong, not
+    the engine."""
     res = spawn_ranks(_actor_rank, 2, llama_dir, tp, timeout_s=300)[0]
-    print(f"t={tp}: rollout vs trainer log-prob max diff {res['logp_diff']:.2e}")
+    ratio = res["ratio"]
+    print(f"t={tp}: rollout vs trainer log-prob max diff {res['logp_diff']:.2e}; worst token in "
+          f"units of the rounding bound: engine {ratio['engine']:.2f}, trainer "
+          f"{ratio['trainer']:.2f}, pair {ratio['pair']:.2f}")
     assert res["greedy_ok_0"] and res["greedy_ok_1"]
-    assert res["logp_diff"] <= LOGP_TOL
+    assert max(ratio.values()) <= 1, ratio
     assert res["format_ok"], res["shapes"]
     assert res["shapes"]["responses"] == (6, 8) and res["shapes"]["input_ids"] == (6, 14)
     assert res["meta"]["temperature"] == 0.7 and res["meta"]["timing_s/gen"] > 0

@@ -71,6 +71,12 @@ def test_log_probs_entropy_kl_against_torch():
     assert kl_penalty(lp, ref, "kl").tolist() == [[0.5, 0.0]]
     assert kl_penalty(lp, ref, "mse").tolist() == [[0.125, 0.0]]
     assert kl_penalty(lp, ref, "low_var_kl")[0, 0].item() == pytest.approx(math.exp(-0.5) - 1 + 0.5)
+    assert kl_penalty(lp, ref, "abs").tolist() == [[0.5, 0.0]]
+    # Schulman's names are aliases: k1 = kl, k2 = mse, k3 = low_var_kl, on values by hand
+    assert kl_penalty(lp, ref, "k1").tolist() == [[0.5, 0.0]]
+    assert kl_penalty(lp, ref, "k2").tolist() == [[0.125, 0.0]]
+    assert kl_penalty(ref, lp, "k3")[0, 0].item() == pytest.approx(math.exp(0.5) - 1 - 0.5)
+    assert kl_penalty(lp, ref, "k3")[0, 0].item() == pytest.approx(math.exp(-0.5) - 1 + 0.5)
     with pytest.raises(ValueError, match="kl_penalty='x'"):
         kl_penalty(lp, ref, "x")
 

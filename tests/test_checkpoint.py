@@ -28,6 +28,19 @@ def test_rng_state_round_trip():
     assert draw() == first
 
 
+def test_load_checkpoint_restores_the_global_rng(tmp_path):
+    """The RNG states go through save/load, not just the helpers: draws after a load repeat
+    the draws made after the save."""
+    model, opt, sched, cfg = trained(False)
+    save_checkpoint(tmp_path / "ckpt", model, opt, sched)
+    first = draw()
+    draw()                                                  # the RNGs move on
+    load_checkpoint(tmp_path / "ckpt", model, opt, sched)
+    assert draw() == first
+    load_checkpoint(tmp_path / "ckpt", model, opt, sched, restore_rng=False)
+    assert draw() != first
+
+
 def trained(tie, seed=0):
     model = init_weights(build_model(ModelArgs(**ARGS, tie_word_embeddings=tie), "lm"), seed=seed)
     cfg = OptimConfig(lr=1e-2, warmup_steps=3)

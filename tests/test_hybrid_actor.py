@@ -5,7 +5,8 @@
 * ``rollout_log_probs`` and ``compute_log_prob`` on the same sampled responses each within
   fp32 rounding of a float64 forward of the gathered weights, and so within twice that of
   each other (t = 1, 2; see ``test_generate_update_generate``);
-* sampling streams depend on (seed, step, uid, sample index) only;
+* sampling streams depend on (seed, step, uid, sample index) only (another step draws
+  other samples, the same step the same ones);
 * meta overrides and the output format;
 * with t = 2 on 4 ranks, training is not duplicated: the update equals a one-process
   reference on the same global batch.
@@ -134,6 +135,11 @@ def _driver(path, results):
         b = responses_of(actor.generate_sequences(Batch(flipped.tensors, flipped.non_tensors,
                                                         {"global_step": 7})))
         results["uids_differ"] = len({tuple(r) for r in a}) == 4
+        # the step seeds the streams: step 8 draws other samples, step 7 again the same ones
+        again = [responses_of(actor.generate_sequences(Batch(same.tensors, same.non_tensors,
+                                                             {"global_step": s})))
+                 for s in (7, 8)]
+        results["step_seeds"] = again[0] == a and all(x != y for x, y in zip(again[1], a))
         results["rows_do_not_matter"] = a == b[::-1]
         c = actor.generate_sequences(Batch(same[np.array([0])].tensors, same[np.array([0])].non_tensors,
                                            {"global_step": 7, "n": 3, "response_length": 5}))
@@ -190,7 +196,7 @@ def test_generate_update_generate(llama_dir, tp):
     assert res["format_ok"], res["shapes"]
     assert res["shapes"]["responses"] == (6, 8) and res["shapes"]["input_ids"] == (6, 14)
     assert res["meta"]["temperature"] == 0.7 and res["meta"]["timing_s/gen"] > 0
-    assert res["uids_differ"] and res["rows_do_not_matter"]
+    assert res["uids_differ"] and res["rows_do_not_matter"] and res["step_seeds"]
     assert res["n_samples"], (res["rc"], res["a0"])
     assert res["validate_is_greedy"]
 

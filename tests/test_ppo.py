@@ -299,3 +299,61 @@ def test_run_dir_defaults_to_project_and_experiment():
     assert run_dir(cfg.trainer) == Path("outputs/p/e")
     assert run_dir(load_config(SFTConfig).trainer) == Path("outputs/minihf/sft")
     assert run_dir(load_config(PPOConfig, None, ["trainer.default_local_dir=x"]).trainer) == Path("x")
+
+
+class ScriptedActor:
+    """A stand-in actor group for the driver alone: fixed responses, old log-probs -1.0 and
+    reference log-probs -1.5 on every token; it keeps the batch the update receives."""
+    dp_size, ranks, R = 1, (0,), 4
+
+    def generate_sequences(self, batch):
+        from minihf.protocol import Batch
+
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        b = len(ids)
+        responses = torch.arange(3, 3 + self.R).repeat(b, 1)                 # [B, R]
+        full_mask = torch.cat([mask, torch.ones(b, self.R, dtype=mask.dtype)], 1)
+        return Batch({"prompts": ids, "responses": responses,
+                      "input_ids": torch.cat([ids, responses], 1), "attention_mask": full_mask,
+                      "position_ids": (full_mask.cumsum(-1) - 1).clamp(min=0),
+                      "response_mask": torch.ones(b, self.R, dtype=torch.long),
+                      "rollout_log_probs": torch.full((b, self.R), -1.0)},
+                     {"uid": batch.non_tensors["uid"]}, {"temperature": 1.0})
+
+    def compute_log_prob(self, batch, calc_entropy=False):
+        from minihf.protocol import Batch
+
+        shape = batch["responses"].shape
+        return Batch({"old_log_probs": torch.full(shape, -1.0), "entropys": torch.zeros(shape)})
+
+    def compute_ref_log_prob(self, batch):
+        from minihf.protocol import Batch
+
+        return Batch({"ref_log_prob": torch.full(batch["responses"].shape, -1.5)})
+
+    def update_actor(self, batch):
+        self.updated = batch
+        return {}
+
+
+@pytest.mark.parametrize("estimator", ["kl", "low_var_kl"])
+def test_in_reward_kl_by_hand(tiny_job, tmp_path, estimator):
+    """The driver's in-reward KL takes the policy's (old) log-probs first: with old = -1.0
+    and ref = -1.5 on every token, d = 0.5, so rewards = scores - beta * k(d) and
+    ``actor/reward_kl_penalty`` = k(d) (k1: 0.5, k3: e^-0.5 - 1 + 0.5); swapped, k1 gives
+    -0.5 and k3 e^0.5 - 1 - 0.5."""
+    from minihf.trainer.ppo import PPOTrainer
+
+    model, data = tiny_job
+    cfg = job_config(model, data, tmp_path / "run", "grpo", **{
+        "algorithm.use_kl_in_reward": "true", "algorithm.kl_penalty": estimator,
+        "algorithm.kl_ctrl.type": "fixed", "algorithm.kl_ctrl.kl_coef": "0.2",
+        "actor_rollout_ref.actor.use_kl_loss": "false"})
+    actor = ScriptedActor()
+    m = PPOTrainer(cfg, {"actor": actor}, log=lambda *a: None).train_step(1)
+    kl = 0.5 if estimator == "kl" else math.exp(-0.5) - 1 + 0.5
+    assert m["actor/reward_kl_penalty"] == pytest.approx(kl)
+    assert m["actor/reward_kl_penalty_coeff"] == 0.2
+    b = actor.updated
+    want = b["token_level_scores"] - 0.2 * kl * b["response_mask"]
+    assert torch.allclose(b["token_level_rewards"], want, atol=1e-7)  # fp32 of values ~1

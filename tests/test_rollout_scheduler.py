@@ -112,6 +112,11 @@ def test_batched_token_budget_and_fifo():
     assert [s.seq_id for s in step.prefill] == [0, 1]  # 8 tokens; the third would exceed 10
     step = sched.schedule()
     assert [s.seq_id for s in step.prefill] == [2, 3]
+    # the budget is inclusive: prompts filling it exactly are admitted together
+    exact = Scheduler(max_num_seqs=8, max_model_len=100, max_num_batched_tokens=10)
+    for i, n in enumerate((4, 6, 1)):
+        exact.add(seq(i, prompt_len=n))
+    assert [s.seq_id for s in exact.schedule().prefill] == [0, 1]
     big = Scheduler(max_num_seqs=2, max_model_len=100, max_num_batched_tokens=4)
     big.add(seq(0, prompt_len=50))
     assert len(big.schedule().prefill) == 1  # a long prompt is never starved

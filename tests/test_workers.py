@@ -1,6 +1,7 @@
 """Role workers through the controller on 2 gloo ranks vs the same worker code on one
 unsharded process; checkpoint save -> fresh worker load -> identical next step; export."""
 
+import pytest
 import torch
 
 from minihf.controller.config import ControllerConfig
@@ -189,3 +190,28 @@ def test_one_step_update_uses_its_own_log_probs(tmp_path):
     import pytest
     with pytest.raises(ValueError, match="takes 2 optimizer steps"):
         two.update_actor(own)
+
+
+@pytest.mark.parametrize("kl_type", ["low_var_kl", "kl"])
+def test_actor_kl_loss_by_hand(tmp_path, kl_type):
+    """``actor/kl_loss`` is the token mean of ``k(log_prob, ref_log_prob)`` with the policy's
+    log-prob first: the reference is moved away from the policy (by 0.2-0.5 per token), so
+    swapped arguments change the figure (k1 flips its sign, k3 is asymmetric)."""
+    model = init_weights(build_model(ModelArgs(**ARGS), "lm"), seed=5)
+    path = str(save_hf(model, tmp_path / "model"))
+    cfg = actor_cfg(path, 8)
+    cfg.actor.ppo_mini_batch_size, cfg.actor.ppo_epochs = 8, 1   # one step: log_prob == old
+    cfg.actor.kl_loss_type = kl_type
+    actor = local_worker(ActorRolloutRefWorker, cfg)
+    batch = Batch(make_batch(8, 6, 5, seed=4), meta={"temperature": 0.8})
+    batch |= actor.compute_log_prob(batch)
+    shift = 0.2 + 0.3 * torch.rand(8, 5, generator=torch.Generator().manual_seed(1))
+    ref = batch["old_log_probs"] - shift                                  # policy > reference
+    batch.tensors["ref_log_prob"] = ref
+    mask = batch["response_mask"].bool()
+    d = shift[mask].double()                                               # log_prob - ref
+    want = (d if kl_type == "kl" else torch.exp(-d) - 1 + d).mean().item()
+    got = actor.update_actor(batch)["actor/kl_loss"]
+    # the update's forward and compute_log_prob pack other micro-batches: their log-probs
+    # differ by fp32 rounding (~1e-7 at these logits); a swap moves the figure by >= 0.01
+    assert got == pytest.approx(want, abs=1e-5), (got, want)

@@ -28,6 +28,7 @@ def whiten_ref(xs):
     return [(x - mu) / math.sqrt(sd * sd + 1e-8) for x in xs]
 
 
+# values |x| <= 5 from a few fp32 ops (sums, whitening of <= 9 values): 1e-5 is >= 20 ulp
 def assert_close(actual, expected, tol=1e-5):
     torch.testing.assert_close(actual, torch.tensor(expected, dtype=actual.dtype), atol=tol, rtol=0)
 
@@ -35,6 +36,7 @@ def assert_close(actual, expected, tol=1e-5):
 # -- masked statistics --------------------------------------------------------------------
 def test_masked_var_and_whiten():
     v, m = T([[1.0, 2.0, 3.0, 100.0]]), T([[1, 1, 1, 0]])
+    # small integers: fp32 exact up to the last division and scaling (~1 ulp); rel=1e-6 is 8+ ulp
     assert masked_var(v, m).item() == pytest.approx(1.0)            # ((1+0+1)/3) * 3/2
     assert masked_var(v, m, unbiased=False).item() == pytest.approx(2 / 3)
     assert_close(masked_whiten(v, m)[:, :3], [[-1.0, 0.0, 1.0]])
@@ -68,6 +70,7 @@ def test_gae_discounted_by_hand_and_masked_step_is_skipped():
     assert_close(adv, [[-1 / math.sqrt(2), 1 / math.sqrt(2)]])
     # a masked step in the middle (reward 5, value 7) must change nothing around it
     adv, ret = compute_gae_advantage_return(T([[0, 5, 1]]), T([[0.5, 7, 0.25]]), T([[1, 0, 1]]), 0.5, 0.5)
+    # dyadic values and factors 0.5: exact in fp32; approx's default rel=1e-6 is slack
     assert ret[0, 0].item() == pytest.approx(0.3125)
     assert ret[0, 2].item() == pytest.approx(1.0)
     assert_close(adv, [[-1 / math.sqrt(2), 0.0, 1 / math.sqrt(2)]])
@@ -142,6 +145,7 @@ def test_kl_controllers_by_hand():
     fixed.update(5.0, 100)
     assert fixed.value == 0.1
     c = AdaptiveKLController(init_kl_coef=0.2, target_kl=0.1, horizon=100)
+    # beta is a Python float: float64 rounding (~1e-17) is far inside approx's default rel=1e-6
     c.update(current_kl=0.15, n_steps=10)   # error +0.5 clipped to +0.2: x (1 + 0.2*10/100)
     assert c.value == pytest.approx(0.204)
     c.update(0.09, 50)                      # error -0.1: x (1 - 0.1*50/100)
@@ -169,6 +173,7 @@ def test_apply_kl_penalty_by_hand():
     rewards, metrics = apply_kl_penalty(scores, old, ref, mask, FixedKLController(0.1), "kl")
     assert_close(rewards, [[-0.05, 1, 0], [1.9, 0, 0]])
     # per-sequence KL means: 0.5/2 and 1/1 -> mean over sequences 0.625
+    # dyadic KL values (exact in fp32) and a float64 beta: approx's default rel=1e-6 is slack
     assert metrics == {"actor/reward_kl_penalty": pytest.approx(0.625),
                        "actor/reward_kl_penalty_coeff": pytest.approx(0.1)}
     ctrl = AdaptiveKLController(0.1, target_kl=0.5, horizon=20)
@@ -185,6 +190,7 @@ MASK = T([[1, 1, 0], [1, 0, 0], [0, 0, 0]])
 def test_seq_mean_token_sum_norm():
     mode = "seq-mean-token-sum-norm"
     # masked token sum 1 + 2 + 4 = 7 over B = 3 rows (the empty one counts) x T = 3
+    # integer sums are exact in fp32, then one or two divisions: <= 2 ulp, inside rel=1e-6 (8+ ulp)
     assert agg_loss(LOSS, MASK, mode).item() == pytest.approx(7 / 9)
     assert agg_loss(LOSS, MASK, mode, loss_scale_factor=10).item() == pytest.approx(7 / 30)
     assert loss_normalizer(MASK, mode).item() == 3
@@ -237,6 +243,8 @@ def test_policy_loss_registry_and_vanilla():
     adv = T([[1.0, -1.0, 2.0]])
     loss, clipfrac, _, _ = vanilla_policy_loss(old, new, adv, mask, loss_agg_mode="token-mean",
                                                normalizer=None, config=CFG)
+    # abs=1e-6: ratios via fp32 log/exp (~2 ulp), a 3-term mean of |x| <= 2.2: ~2e-7 at worst;
+    # clipfrac is a count / 3 (one rounding), inside approx's default rel=1e-6
     assert loss.item() == pytest.approx((-1.2 + 0.8 - 2.2) / 3, abs=1e-6)  # as test_algorithms
     assert clipfrac.item() == pytest.approx(2 / 3)
     hi = SimpleNamespace(**{**vars(CFG), "clip_ratio_high": 0.28})
@@ -261,7 +269,7 @@ def test_gspo_ratio_one_is_minus_seq_mean_advantage():
     loss, clipfrac, ppo_kl, lower = compute_policy_loss_gspo(
         lp, lp, adv, mask, loss_agg_mode="token-mean", normalizer=None, config=CFG)
     # seq-mean-token-mean whatever the mode: (-1 + 2) / 2 (token-mean would give 4/5)
-    assert loss.item() == pytest.approx(0.5)
+    assert loss.item() == pytest.approx(0.5)  # ratio e^0 = 1: exact in fp32
     assert (clipfrac.item(), ppo_kl.item(), lower.item()) == (0.0, 0.0, 0.0)
 
 
@@ -276,6 +284,8 @@ def test_gspo_sequence_ratio_clip_and_gradient():
     loss, clipfrac, ppo_kl, _ = compute_policy_loss_gspo(
         old, lp, adv, mask, loss_agg_mode="seq-mean-token-mean", normalizer=None, config=wide)
     e = math.exp(0.2)
+    # abs=1e-6: fp32 e^(mean log-ratio) ~1.22 within ~2 ulp (2.4e-7), then halved; the KL is a
+    # 5-term mean of values <= 0.3 (ulp 3e-8)
     assert loss.item() == pytest.approx((-e + 2) / 2, abs=1e-6)
     assert clipfrac.item() == 0.0
     assert ppo_kl.item() == pytest.approx(-(0.1 + 0.3 - 0.2 + 0.2) / 5, abs=1e-6)
@@ -288,6 +298,7 @@ def test_gspo_sequence_ratio_clip_and_gradient():
     lp = start.clone().requires_grad_(True)
     loss, clipfrac, _, _ = compute_policy_loss_gspo(
         old, lp, adv, mask, loss_agg_mode="seq-mean-token-mean", normalizer=None, config=tight)
+    # the clipped ratio is the constant 1.2 (0.5 ulp), far inside 1e-6; clipfrac 2/5 is one division
     assert loss.item() == pytest.approx((-1.2 + 2) / 2, abs=1e-6)
     assert clipfrac.item() == pytest.approx(2 / 5)
     loss.backward()
@@ -296,7 +307,7 @@ def test_gspo_sequence_ratio_clip_and_gradient():
     # a global normaliser of sequences is honoured; one counted in tokens is refused
     loss4, *_ = compute_policy_loss_gspo(old, old, adv, mask, loss_agg_mode="seq-mean-token-mean",
                                          normalizer=4.0, config=wide)
-    assert loss4.item() == pytest.approx((-1 + 2) / 4)
+    assert loss4.item() == pytest.approx((-1 + 2) / 4)  # ratio 1, divided by 4: exact
     with pytest.raises(ValueError, match="loss_agg_mode='token-mean'"):
         compute_policy_loss_gspo(old, old, adv, mask, loss_agg_mode="token-mean", normalizer=5.0,
                                  config=wide)

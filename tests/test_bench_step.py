@@ -30,6 +30,7 @@ def test_phase_mfu_by_hand():
     # (one per prompt group) + 90 response tokens = 100 tokens of model work
     m = {"prompt_tokens": 40, "tokens": 90, "step_s": 4.0, "s_per_token": 4.0 / 90,
          "phases": {"gen": 1.0, "ref": 0.5, "update_actor": 2.0, "old_log_prob": 0.0}}
+    # plain float64 arithmetic: approx's default rel=1e-6 is ~5e9 ulp, room for decimal rounding
     out = bench_step_tables.phase_mfu(m, params=1000, peak_gflops=1e-3, samples=4)
     assert out["gen"] == pytest.approx((1.0, 2e-4, 0.2))            # 2 * 1000 * 100 FLOPs in 1 s
     assert out["ref"] == pytest.approx((0.5, 4e-4, 0.4))
@@ -61,6 +62,7 @@ def test_compare_pools_the_rounds_and_pairs_them(tmp_path):
     (tmp_path / "results.json").write_text(json.dumps({key: runs}))
     out = bench_step.compare("m", "d", a, forced=False)
     assert out["minihf"]["step_s"] == 4.5 and out["trl"]["step_s"] == 11.0    # medians of 6 steps
+    # float64 medians and ratios: approx's default rel=1e-6 only absorbs decimal rounding
     assert out["ratio"] == pytest.approx(11.0 / 4.5)
     assert out["round_ratios"] == pytest.approx([9.0 / 3.0, 15.0 / 6.0])
     assert out["minihf"]["phases"]["gen"] == 2.25

@@ -77,7 +77,7 @@ def test_save_load_round_trip_and_export_loads_in_transformers(tmp_path, tie):
     ids = torch.tensor([[3, 9, 27, 1, 5], [44, 2, 8, 30, 17]])
     with torch.no_grad():
         diff = (model(ids) - theirs(ids).logits).abs().max().item()
-    assert diff < 1e-5
+    assert diff < 1e-5  # other kernels; fp32 logits |z| < 1 (ulp 6e-8): 1e-5 is 150+ ulp
     # an RL run's global_step_N holds the policy in actor/: exporting the step dir exports it
     (tmp_path / "global_step_2").mkdir()
     (tmp_path / "ckpt").rename(tmp_path / "global_step_2" / "actor")

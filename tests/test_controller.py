@@ -112,6 +112,7 @@ def _two_ranks_driver(groups):
     out = {"who": a.whoami() + b.whoami()}
     data = _data(5)
     res = a.scale_batch(data, offset=1.0)
+    # the worker runs the same elementwise fp32 ops and the transport is lossless: bitwise
     torch.testing.assert_close(res.tensors["y"], data.tensors["x"] * 2.0 + 1.0)
     assert torch.equal(res.tensors["big"], data.tensors["big"])
     assert list(res.non_tensors["uid"]) == list(data.non_tensors["uid"])
@@ -135,6 +136,7 @@ def _two_ranks_driver(groups):
     batches = [_data(4 + i) for i in range(3)]
     futures = [a.scale_batch.future(bt) for bt in batches]
     for bt, fut in zip(reversed(batches), reversed(futures)):
+        # x * 2 by the same fp32 op on the worker: bitwise
         torch.testing.assert_close(fut.result().tensors["y"], bt.tensors["x"] * 2.0)
     out["sum_a"], out["sum_b"] = a.group_sum(1.0), b.group_sum(10.0)
     out["first"], out["each"] = b.only_first(), b.each(["x", "y" * 10_000])  # control > header
@@ -221,7 +223,7 @@ def _four_ranks_driver(groups):
     elapsed = time.monotonic() - t0
     data = _data(6)
     res = tp.scale_batch(data)
-    torch.testing.assert_close(res.tensors["y"], data.tensors["x"] * 3.0)
+    torch.testing.assert_close(res.tensors["y"], data.tensors["x"] * 3.0)  # same ops: bitwise
     return dict(elapsed=elapsed, naps=naps, who=tp.whoami(), res_who=res.tensors["who"].tolist(),
                 seen=tp.last_seen(), b_who=b.whoami(), sum_tp=tp.group_sum(1.0))
 
@@ -377,6 +379,7 @@ def test_repeated_runs_in_the_same_processes_after_fsdp(repeated_runs):
     for per_rank in runs:
         (n0, sums, built0), (n1, _, built1) = per_rank
         assert n0 == n1 and built0 == built1 == 56.0
+        # fp32: FSDP sums and norms the gradients in another order, a few ulp; rel 1e-5 is ~80 ulp
         assert n0 == pytest.approx(_reference_grad_norm(2, sums), rel=1e-5)
 
 

@@ -194,11 +194,14 @@ def test_main_job_learns(tmp_path):
     """The README's main job from scratch (in an empty dir, so everything under outputs/ is
     built: data, base model, SFT warm start): the validation score rises by >= 0.3 over
     the warm-started policy and ends >= 0.75 (the digits reward's maximum is 1), within
-    10 minutes of wall time."""
+    10 minutes of wall time. With ``rollout.check_log_probs=error`` (an observation: the
+    same training), so every step's rollout log-probs are also within rounding of the
+    trainer's."""
     import re
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--local-addr=127.0.0.1",
-           "--nproc_per_node=2", str(ROOT / "scripts" / "train_ppo.py")]
+           "--nproc_per_node=2", str(ROOT / "scripts" / "train_ppo.py"),
+           "actor_rollout_ref.rollout.check_log_probs=error"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     t0 = time.monotonic()
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1200)
@@ -211,6 +214,14 @@ def test_main_job_learns(tmp_path):
     print(f"main job: validation {before:.3f} -> {after:.3f} in {elapsed:.0f}s")
     assert after - before >= 0.3 and after >= 0.75, log
     assert elapsed <= 600, log
+    import json
+
+    rows = [json.loads(line) for line in
+            (tmp_path / "outputs" / "grpo_sort" / "metrics.jsonl").read_text().splitlines()]
+    ratios = [r["training/rollout_log_prob_bound_ratio"] for r in rows
+              if "training/rollout_log_prob_bound_ratio" in r]
+    print(f"rollout vs trainer log-probs: worst token {max(ratios):.2f} of the rounding bound")
+    assert len(ratios) == 150 and max(ratios) <= 1.0
 
 
 LONG_JOB = """

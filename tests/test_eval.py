@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_pass_at_k_by_hand():
     assert pass_at_k(4, 0, 1) == 0.0 and pass_at_k(4, 4, 1) == 1.0
+    # float64 ratios of binomials: approx's default rel=1e-6 only absorbs decimal rounding
     assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
     assert pass_at_k(4, 1, 2) == pytest.approx(1 - 3 / 6)       # C(3,2) / C(4,2)
     assert pass_at_k(4, 2, 2) == pytest.approx(1 - 1 / 6)       # C(2,2) / C(4,2)
@@ -26,6 +27,7 @@ def test_summarize_by_hand():
     # (prompt, sample, source, score, length, truncated): prompt 0 passes once of 2, prompt 1 never
     rows = [(0, 0, "a", 1.0, 3, False), (0, 1, "a", 0.5, 4, True), (1, 0, "a", 0.0, 2, False),
             (1, 1, "a", 0.25, 1, False), (2, 0, "b", 1.0, 5, False), (2, 1, "b", 1.0, 5, False)]
+    # float64 means of a few scores: approx's default rel=1e-6 only absorbs decimal rounding
     m = summarize({"mean@2": rows}, 3, EvalConfig(n=2))
     assert m["a/mean@2"] == pytest.approx(1.75 / 4) and m["b/mean@2"] == 1.0
     assert m["a/pass@1"] == pytest.approx((0.5 + 0.0) / 2) and m["a/pass@2"] == pytest.approx(0.5)

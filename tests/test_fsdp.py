@@ -155,6 +155,7 @@ def _invariance(rank, world):
         # Adam is blind to a global gradient scale, so the statistics are compared too
         for s in (s4, s22):
             for k in ("grad_norm", "loss"):
+                # step 0, before any update: fp32 sums in another order; 1e-5 is ~80 ulp
                 assert abs(s[0][k] - s1[0][k]) <= 1e-5 * abs(s1[0][k]), (mode, k, s[0][k], s1[0][k])
         a, b, c = full_params(one_by_one), full_params(one_by_four), full_params(two_by_two)
         init, d = full_params(tiny_model(seed=3)), full_params(naive)
@@ -183,14 +184,20 @@ def test_fsdp_two_ranks_match_single_process_reference():
         assert pl["model.layers.0.self_attn.q_proj.weight"] == Shard(0)
         assert pl["model.layers.0.mlp.gate_proj.weight"] == Shard(0)
         assert pl["lm_head.weight"] == Shard(0)
+        # one backward, sharded sums in another order: |grad| < 0.5 (ulp 3e-8), so 1e-6 is ~30 ulp
         assert r["grad_err"] < 1e-6, r["grad_err"]
         assert r["moved"] > 1e-3  # the updates did something
+        # AdamW steps: a few ulp of |w| <= 1 (1.2e-7), unless a gradient were rounding noise alone
+        # (Adam would step it by up to lr = 1e-3; none is in this model): 1e-5 is ~80 ulp
         assert r["param_err"] < 1e-5, r["param_err"]
         assert r["odd"][0] == Shard(0) and r["odd"][1] < 1e-5, r["odd"]
+        # recompute, CPU offload and one unit repeat the same ops in the same order (2-rank sums
+        # commute): bitwise expected, 1e-6 is slack
         assert r["ckpt_err"] < 1e-6 and r["offload_err"] < 1e-6, (r["ckpt_err"], r["offload_err"])
         assert r["root_err"] < 1e-6, r["root_err"]
         assert r["units"]["plain"] == 3 and r["units"]["root"] == 1, r["units"]  # 2 blocks + root
         for s, s_ref in zip(r["stats"], r["ref_stats"]):
+            # fp32 sums in another order: a few ulp (1.2e-7 relative); rel 1e-5 is ~80 ulp
             assert s["grad_norm"] == pytest.approx(s_ref["grad_norm"], rel=1e-5)
             assert s["loss"] == pytest.approx(s_ref["loss"], rel=1e-5)
             assert s["lr"] == s_ref["lr"]
@@ -201,6 +208,7 @@ def test_update_invariant_to_micro_batches_and_ranks():
         for mode, (micro_err, rank_err, moved, naive_err) in r.items():
             assert moved > 1e-3, mode
             assert naive_err > 1e-4, (mode, naive_err)  # the check can fail
+            # 2 AdamW steps: a few ulp of |w| <= 1, as in the test above; 1e-5 is ~80 ulp
             assert micro_err < 1e-5, (mode, micro_err)
             assert rank_err < 1e-5, (mode, rank_err)
 
@@ -212,6 +220,7 @@ def test_lr_schedule_by_hand():
     cos = OptimConfig(lr=1.0, warmup_steps=2, lr_scheduler="cosine", total_training_steps=6,
                       min_lr_ratio=0.1)
     assert [lr_factor(s, cos) for s in range(2)] == [0.5, 1.0]
+    # float64 cosines: approx's default rel=1e-6 absorbs their rounding (cos(pi/2) = 6e-17)
     assert lr_factor(4, cos) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
     assert lr_factor(6, cos) == pytest.approx(0.1) and lr_factor(60, cos) == pytest.approx(0.1)
     assert lr_factor(5, OptimConfig(warmup_steps=2)) == 1.0
@@ -246,6 +255,8 @@ def test_clip_grad_norm_matches_torch_single_process():
         nll_loss_fn(m, "token-mean", None)(batch)[0].backward()
     ours = clip_grad_norm_(a.parameters(), 0.05)
     theirs = torch.nn.utils.clip_grad_norm_(b.parameters(), 0.05)
+    # the same per-tensor norms, combined by another 27-term sum: ~1-2 ulp; rel 1e-6 is ~8 ulp;
+    # clip coefficients a few ulp apart give relative gradient differences ~1e-7 < rtol 1e-5
     assert ours.item() == pytest.approx(theirs.item(), rel=1e-6) and ours > 0.05
     assert all(torch.allclose(p.grad, q.grad, atol=1e-8) for p, q in zip(a.parameters(), b.parameters()))
 

@@ -26,6 +26,7 @@ from minihf.workers.config import (ActorConfig, ActorRolloutRefConfig, RLModelCo
                                    RolloutConfig)
 
 from logprob_reference import float64_log_probs, rounding_ratio
+from minihf.algorithms import logprob_rounding_bound
 from test_rollout_engine import build_tiny
 
 
@@ -108,7 +109,7 @@ def _driver(path, results):
             actor.update_actor(train_batch(greedy, step) | old)
         # sampled rollout: its log-probs vs the trainer's at the same temperature
         sampled = actor.generate_sequences(Batch(batch.tensors, batch.non_tensors, {"global_step": 5}))
-        old = actor.compute_log_prob(sampled)
+        old = actor.compute_log_prob(sampled, calc_bound=True)
         m = sampled["response_mask"].bool()
         engine, trainer = sampled["rollout_log_probs"], old["old_log_probs"]
         results["logp_diff"] = (trainer - engine)[m].abs().max().item()
@@ -118,6 +119,21 @@ def _driver(path, results):
         results["ratio"] = {"engine": rounding_ratio(engine, exact, scale, m),
                             "trainer": rounding_ratio(trainer, exact, scale, m),
                             "pair": rounding_ratio(engine, trainer, scale, m, pairwise=True)}
+        # the actor's own bound (rollout.check_log_probs) from its sharded fp32 forward: the
+        # same scale as the float64 one (to fp32 rounding of a 64-term sum, ~1e-6 relative)
+        want = 2 * logprob_rounding_bound(scale)
+        got = old["log_prob_bound"].double()
+        results["bound_rel_err"] = ((got - want).abs() / want)[m].max().item()
+        results["bound_zero_on_padding"] = bool((got[~m] == 0).all())
+        # top-k / top-p sampling: the engine reports the full softmax's log-prob, as the
+        # trainer computes it, so the two still agree within rounding (a renormalised
+        # engine log-prob would sit -log(kept mass) above, ~1e-2 or more)
+        cut = actor.generate_sequences(Batch(batch.tensors, batch.non_tensors,
+                                             {"global_step": 6, "top_k": 3, "top_p": 0.8}))
+        cut_old = actor.compute_log_prob(cut, calc_bound=True)
+        cm = cut["response_mask"].bool()
+        results["truncated_ratio"] = ((cut["rollout_log_probs"] - cut_old["old_log_probs"]).abs()
+                                      / cut_old["log_prob_bound"])[cm].max().item()
         results["meta"] = dict(sampled.meta)
         results["shapes"] = {k: tuple(v.shape) for k, v in sampled.tensors.items()}
         ids_ok = torch.equal(sampled["input_ids"], torch.cat([batch["input_ids"], sampled["responses"]], 1))
@@ -174,18 +190,17 @@ def llama_dir(tmp_path_factory):
 @pytest.mark.parametrize("tp", [1, 2])
 def test_generate_update_generate(llama_dir, tp):
     """Log-probs: the engine's and the trainer's are each checked against a float64 forward
-    of the same weights and tokens, within ``logprob_rounding_bound`` (32 fp32 unit
-    roundoffs u times ``logit_abs_scale`` at that token), not against each other with a
-    fixed absolute tolerance. The fixed 1e-5 failed on an Intel Xeon at t = 2 (1.0014e-5;
-    t = 1: 3.3e-6; AMD hosts: 3.1e-6). Where that gap comes from, measured on an AMD Zen 4
-    host: the logits are large here (init std 0.2, lr 5e-2, T = 0.7: ``|z/T|`` up to 15,
-    ``logit_abs_scale`` up to ~40), so 1e-5 is only ~4 u of scale. Each side sits within
-    0.32 of the bound of float64 (10 u), at t = 1 and t = 2 alike: the row-parallel partial
-    sums and the all-reduce add no systematic error. Changing only MKL's kernels
-    (``MKL_CBWR=COMPATIBLE``) moved the t = 2 gap from 3.3e-6 to 9.5e-6, engine 6.5e-6 and
-    trainer 4.1e-6 from float64 with opposite signs (0.20 and 0.12 of the bound). So the
-    Intel figure is two correct fp32 forwards rounding apart: the tolerance was wrong, not
-    the engine."""
+    of the same weights and tokens, within ``logprob_rounding_bound`` (256 fp32 unit
+    roundoffs u times ``logit_abs_scale`` at that token; derived in its docstring), not
+    against each other with a fixed absolute tolerance. The fixed 1e-5 failed on an Intel
+    Xeon at t = 2 (1.0014e-5; t = 1: 3.3e-6; AMD hosts: 3.1e-6). Where that gap comes from,
+    measured on an AMD Zen 4 host: the logits are large here (init std 0.2, lr 5e-2, T =
+    0.7: ``|z/T|`` up to 15, ``logit_abs_scale`` up to ~40), so 1e-5 is only ~4 u of scale.
+    Each side sits within 10 u of scale of float64, at t = 1 and t = 2 alike: the
+    row-parallel partial sums and the all-reduce add no systematic error. Changing only
+    MKL's kernels (``MKL_CBWR=COMPATIBLE``) moved the t = 2 gap from 3.3e-6 to 9.5e-6, engine
+    6.5e-6 and trainer 4.1e-6 from float64 with opposite signs. So the Intel figure is two
+    correct fp32 forwards rounding apart: the tolerance was wrong, not the engine."""
     res = spawn_ranks(_actor_rank, 2, llama_dir, tp, timeout_s=300)[0]
     ratio = res["ratio"]
     print(f"t={tp}: rollout vs trainer log-prob max diff {res['logp_diff']:.2e}; worst token in "
@@ -193,6 +208,8 @@ def test_generate_update_generate(llama_dir, tp):
           f"{ratio['trainer']:.2f}, pair {ratio['pair']:.2f}")
     assert res["greedy_ok_0"] and res["greedy_ok_1"]
     assert max(ratio.values()) <= 1, ratio
+    assert res["bound_rel_err"] < 1e-4 and res["bound_zero_on_padding"], res["bound_rel_err"]
+    assert res["truncated_ratio"] <= 1, res["truncated_ratio"]
     assert res["format_ok"], res["shapes"]
     assert res["shapes"]["responses"] == (6, 8) and res["shapes"]["input_ids"] == (6, 14)
     assert res["meta"]["temperature"] == 0.7 and res["meta"]["timing_s/gen"] > 0

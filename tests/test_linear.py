@@ -35,6 +35,8 @@ def test_onednn_linear_matches_f_linear(monkeypatch, shape, bias, column_major):
     y, grads = _grads(lin.linear, x, w, b, g)
     y_ref, grads_ref = _grads(F.linear, x, w, b, g)
     assert y.shape == y_ref.shape and y._base is None  # FSDP2 warns on a view output
+    # oneDNN and MKL sum 16 products in other orders: a few ulp of partial sums |s| < ~10
+    # (ulp 9.5e-7); atol + rtol |y| is >= 10 such ulp
     torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
     for got, want in zip(grads, grads_ref):
         if want is not None:
@@ -55,6 +57,7 @@ def test_onednn_linear_frozen_input_and_weight(monkeypatch):
     monkeypatch.setattr(lin, "MIN_MACS_PER_THREAD", 0)
     x, w = torch.randn(4, 6), torch.randn(3, 6, requires_grad=True)
     lin.linear(x, w).sum().backward()
+    # both checks: 3- or 4-term sums of |x| < ~4 in another order: ~1 ulp (4.8e-7) << atol 1e-5
     torch.testing.assert_close(w.grad, torch.ones(4, 3).t() @ x)
     x.requires_grad_()
     w2 = torch.randn(3, 6)
@@ -77,7 +80,13 @@ def test_small_matmuls_stay_on_mkl(monkeypatch, threads):
     for n, want in [(rows - 1, 0), (rows, 1)]:
         for x in (torch.randn(n, 128), torch.randn(1, n, 128)):  # leading dims count as rows
             calls.clear()
-            torch.testing.assert_close(lin.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+            # any summation order of a K-term fp32 dot product is within gamma_K |x|.|w| of the
+            # exact value, gamma_K = K u / (1 - K u) (Higham, ch. 3): each path against float64
+            y, ref = lin.linear(x, w), F.linear(x, w)
+            exact = F.linear(x.double(), w.double())
+            k, u = 128, 2.0**-24
+            bound = k * u / (1 - k * u) * F.linear(x.double().abs(), w.double().abs())
+            assert ((y.double() - exact).abs() <= bound).all() and ((ref.double() - exact).abs() <= bound).all()
             assert len(calls) == want, (x.shape, threads)
 
 
@@ -85,6 +94,7 @@ def test_other_dtypes_and_tensor_types_fall_back(monkeypatch):
     monkeypatch.setattr(lin, "use_onednn", lambda: True)
     monkeypatch.setattr(lin, "_onednn_mm_t", lambda *a: pytest.fail("oneDNN path taken"))
     x, w = torch.randn(3, 4, dtype=torch.float64), torch.randn(2, 4, dtype=torch.float64)
+    # the fallback is F.linear itself: bitwise, the default tolerances are never used
     torch.testing.assert_close(lin.linear(x, w), F.linear(x, w))
     xb, wb = x.to(torch.bfloat16), w.to(torch.bfloat16)
     torch.testing.assert_close(lin.linear(xb, wb), F.linear(xb, wb))
@@ -94,6 +104,7 @@ def test_linear_module_is_nn_linear():
     m = lin.Linear(4, 3)
     assert isinstance(m, torch.nn.Linear) and set(dict(m.named_parameters())) == {"weight", "bias"}
     x = torch.randn(2, 4)
+    # 24 MACs stay below MIN_MACS_PER_THREAD: the same F.linear, bitwise; the tolerances are slack
     torch.testing.assert_close(m(x), F.linear(x, m.weight, m.bias), rtol=1e-5, atol=1e-5)
 
 

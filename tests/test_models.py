@@ -216,7 +216,7 @@ def test_flash_varlen_path_plumbing_with_a_reference_kernel(monkeypatch):
         monkeypatch.setattr(layers, "flash_attn_varlen_func", fake_varlen)
         out = model(tokens, positions, cu_seqlens=cu)
     assert calls[0] == ([0, 3, 5, 7, 9], 3) and len(calls) == 2  # one call per layer
-    assert (out - ref).abs().max() < 1e-5
+    assert (out - ref).abs().max() < 1e-5  # other summation order; |z| < 0.5: 300+ ulp
 
 
 def test_logits_to_keep_selects_positions():
@@ -227,6 +227,7 @@ def test_logits_to_keep_selects_positions():
     keep = torch.tensor([6, 2, 2, 0])
     full = model(tokens, attention_mask=torch.ones(2, 7))
     part = model(tokens, attention_mask=torch.ones(2, 7), logits_to_keep=keep)
+    # the head on fewer rows may take another GEMM kernel: ~1 ulp of |z| < 0.5; atol 1e-6 is 30+ ulp
     assert part.shape == (2, 4, full.shape[-1]) and torch.allclose(part, full[:, keep], atol=1e-6)
     cu = torch.tensor([0, 3, 7], dtype=torch.int32)
     packed = model(tokens[:1], cu_seqlens=cu)

@@ -102,6 +102,7 @@ def test_grpo_and_ppo_one_process(tiny_job, tmp_path):
     # cosine over the run's 3 steps x 2 mini-batches x 2 epochs = 12 optimizer steps:
     # actor/lr is the mean over a step's 4 optimizer steps, decreasing
     lrs = [h["actor/lr"] for h in res["grpo"] if "actor/lr" in h]
+    # not tolerances: the bounds are the peak lr (1e-3) and the floor 0.1 x 1e-3 of the schedule
     assert lrs[0] < 1e-3 and lrs[0] > lrs[1] > lrs[2] > 1e-4, lrs
     check_metrics(res["ppo"], with_critic=True)
     assert "actor/kl_loss" in res["grpo"][-1] and "actor/reward_kl_penalty" in res["ppo"][-1]
@@ -320,7 +321,7 @@ class ScriptedActor:
                       "rollout_log_probs": torch.full((b, self.R), -1.0)},
                      {"uid": batch.non_tensors["uid"]}, {"temperature": 1.0})
 
-    def compute_log_prob(self, batch, calc_entropy=False):
+    def compute_log_prob(self, batch, calc_entropy=False, calc_bound=False):
         from minihf.protocol import Batch
 
         shape = batch["responses"].shape
@@ -352,7 +353,9 @@ def test_in_reward_kl_by_hand(tiny_job, tmp_path, estimator):
     actor = ScriptedActor()
     m = PPOTrainer(cfg, {"actor": actor}, log=lambda *a: None).train_step(1)
     kl = 0.5 if estimator == "kl" else math.exp(-0.5) - 1 + 0.5
-    assert m["actor/reward_kl_penalty"] == pytest.approx(kl)
+    # k1's 0.5 is exact; k3 as in test_algorithms: worst case rel 5.6e-7 from fp32 e^-0.5, plus
+    # ~2 ulp from the means of equal values: rel 2e-6 holds it; a swap moves it by 40%
+    assert m["actor/reward_kl_penalty"] == pytest.approx(kl, rel=2e-6)
     assert m["actor/reward_kl_penalty_coeff"] == 0.2
     b = actor.updated
     want = b["token_level_scores"] - 0.2 * kl * b["response_mask"]

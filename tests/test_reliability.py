@@ -259,5 +259,6 @@ def test_resume_with_a_longer_schedule_is_on_the_new_curve_at_once(tmp_path):
     longer = TrainState(small(), cfg, total_steps=20)
     longer.load(str(tmp_path / "ckpt"))
     want = 1e-2 * lr_factor(3, OptimConfig(lr=1e-2, lr_scheduler="cosine", warmup_steps=0, total_training_steps=20))
+    # float64 lr from the same formula: approx's default rel=1e-6 only absorbs rounding
     assert longer.optimizer.param_groups[0]["lr"] == pytest.approx(want)
     assert longer.optimizer.param_groups[0]["lr"] > state.optimizer.param_groups[0]["lr"]

@@ -61,10 +61,28 @@ def test_logprob_is_full_temperature_scaled_distribution():
     sp = SamplingParams(temperature=0.7, top_k=2)
     tok, logp = draw(sp, n=50)
     ref = torch.log_softmax(LOGITS / 0.7, -1)[tok]
+    # both: log_softmax of the same 6 logits, |x| < 5 (ulp 4.8e-7); default atol 1e-5 is 20+ ulp
     torch.testing.assert_close(logp, ref)
     g_tok, g_logp = draw(SamplingParams(temperature=0), n=3)
     assert g_tok.tolist() == [0, 0, 0]
     torch.testing.assert_close(g_logp, torch.log_softmax(LOGITS, -1)[[0, 0, 0]])
+
+
+def test_truncated_sampling_reports_the_untruncated_log_prob_by_hand():
+    """Top-k / top-p restrict which tokens are drawn; the log-prob reported is the full
+    softmax's, as the trainer computes it (docs/hybrid-engine.md). Logits [2, 1, 0], T = 1,
+    top-k 1: token 0 is certain under the truncated sampler (log-prob 0), and its log-prob
+    under the full softmax is 2 - log(e^2 + e + 1) = -0.40760596."""
+    from minihf.algorithms import logprobs_from_logits
+
+    logits = torch.tensor([2.0, 1.0, 0.0])
+    want = 2 - math.log(math.e ** 2 + math.e + 1)
+    for sp in (SamplingParams(top_k=1), SamplingParams(top_p=0.5), SamplingParams(top_k=2, top_p=0.6)):
+        tok, logp = draw(sp, n=20, logits=logits)
+        assert tok.tolist() == [0] * 20, sp                       # only token 0 survives the filter
+        assert logp.tolist() == pytest.approx([want] * 20, abs=1e-6), sp  # fp32 of a value ~0.4
+    trainer = logprobs_from_logits(logits[None], torch.tensor([0]))
+    assert trainer.item() == pytest.approx(want, abs=1e-6)
 
 
 def test_same_seed_same_tokens_regardless_of_batch():

@@ -31,6 +31,7 @@ def test_lagrange_multiplier_and_combined_advantage_by_hand():
     from minihf.algorithms import LagrangeMultiplier, combine_safe_advantages
 
     lag = LagrangeMultiplier(init=1.0, lr=0.5, limit=0.2)
+    # lambda is a Python float: approx's default rel=1e-6 only absorbs decimal rounding
     assert lag.update(1.0) == pytest.approx(1.4)             # 1 + 0.5 * (1.0 - 0.2)
     assert lag.update(-3.0) == 0.0                           # 1.4 + 0.5 * -3.2 < 0: projected to 0
     capped = LagrangeMultiplier(init=1.0, lr=1.0, limit=0.0, max_value=1.5)
@@ -53,6 +54,7 @@ def test_safe_sort_cost_and_cost_pairs():
 
     task = get_task("safe_sort")
     assert task.compute_cost("1,2,9", "1,2,9") == 1.0 and task.compute_cost("1,2", "1,2,9") == 0.0
+    # a float64 fraction: approx's default rel=1e-6 only absorbs its rounding
     assert task.compute_score("1,2", "1,2,9") == pytest.approx(2 / 3)   # sort's reward
     rows = generate_rows(task, 400, 0, seed=0)["train"]
     share = sum(task.compute_cost(r["extra_info"]["answer"], None) for r in rows) / len(rows)
@@ -120,6 +122,7 @@ def test_sign_labeled_pairs_and_cost_model_loss(tmp_path):
     ls = F.logsigmoid
     want = -(ls(torch.tensor(2.5)) + ls(torch.tensor(2.0)) + ls(torch.tensor(0.5))
              + ls(torch.tensor(-1.5)) + ls(torch.tensor(0.5)))
+    # 5 fp32 logsigmoids of |x| <= 2.5 summed in another order: ~1-2 ulp of 2.86, rel 1e-6 ~12 ulp
     assert got["loss"].item() == pytest.approx(want.item(), rel=1e-6)
     assert got["signed"].item() == 3 and got["sign_correct"].item() == 3 and got["correct"].item() == 1
 
@@ -173,6 +176,7 @@ def test_safe_rlhf_and_ppo_rm_run_and_resume(tiny, tmp_path):
     lam = 1.0                                                  # the recipe's lambda_init
     for h in full:
         assert all(math.isfinite(v) for v in h.values() if isinstance(v, float)), h
+        # lambda is updated in float64 from the logged cost mean, as here: rounding only
         assert h["safe/lambda"] == pytest.approx(lam)
         assert h["safe/cost_violation"] == pytest.approx(h["safe/cost/mean"] - 0.0)
         assert h["cost_critic/vf_loss"] != h["critic/vf_loss"]
@@ -184,6 +188,7 @@ def test_safe_rlhf_and_ppo_rm_run_and_resume(tiny, tmp_path):
         return {k: v for k, v in h.items() if not k.startswith(("timing_s/", "perf/throughput"))}
     assert [strip(h) for h in res["full"]] == [strip(h) for h in res["first"] + res["rest"]]
     state = json.loads((tmp_path / "resumed" / "global_step_1" / "driver_state.json").read_text())
+    # the same float64 update as the driver's: rounding only
     assert state["lagrange"]["value"] == pytest.approx(res["first"][-1]["safe/lambda"]
                                                        + 0.5 * res["first"][-1]["safe/cost/mean"])
     assert (tmp_path / "resumed" / "global_step_2" / "cost_critic").is_dir()
@@ -279,6 +284,8 @@ def test_safe_advantages_by_hand_with_delay_and_cap():
         m = safe.advantages(batch, step)
         lams.append(m["safe/lambda"])
         want, _ = compute_gae_advantage_return(costs + 0.2 * kl, torch.zeros(2, 3), mask, 1.0, 0.95)  # + beta*kl
+        # GAE on inputs equal up to rounding (scores - rewards vs 0.2 kl); whitened |x| > 0.1, so
+        # rtol 1e-5 (~80 ulp) applies; the next line repeats combine_safe_advantages' formula
         assert torch.allclose(batch["cost_advantages"], want)
         assert torch.allclose(batch["advantages"], (mask - lams[-1] * want) / (1 + lams[-1]))
         assert m["safe/cost/mean"] == 1.0 and m["safe/cost_violation"] == 1.0

@@ -84,7 +84,7 @@ def test_sft_two_ranks_loss_decreases_resume_matches_export_loads(tmp_path):
     ids = torch.tensor([[1, 5, 7, 9, 3, 4]])
     with torch.no_grad():
         diff = (ours(ids, torch.arange(6)[None]) - theirs(ids).logits).abs().max().item()
-    assert diff < 1e-4
+    assert diff < 1e-4  # other kernels: ~50 ulp even at |z| ~ 16
     # the final validation loss against the exported weights, computed here in one
     # process: token-mean NLL over the response tokens of every validation row
     from minihf.data import SFTDataset, load_tokenizer
@@ -95,6 +95,7 @@ def test_sft_two_ranks_loss_decreases_resume_matches_export_loads(tmp_path):
     with torch.no_grad():
         nll = -forward_token_log_probs(ours, val.tensors, use_remove_padding=False)
     ref_val = ((nll * mask).sum() / mask.sum()).item()
+    # one process vs the 2-rank validation: fp32 sums in another order; rel 1e-5 is ~80 ulp
     assert abs(hist_full[-1]["val/loss"] - ref_val) <= 1e-5 * ref_val, (hist_full[-1], ref_val)
 
     # the resumed run ends with bit-identical weights

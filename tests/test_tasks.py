@@ -29,7 +29,7 @@ def test_digits_continuation_by_hand():
     ("7,\u00b2,5,9", 0.75),     # a non-ASCII digit is a wrong term, not a crash
 ])
 def test_digits_reward(solution, expected):
-    assert digits.compute_score(solution, "7,1,5,9") == pytest.approx(expected)
+    assert digits.compute_score(solution, "7,1,5,9") == pytest.approx(expected)  # float64 fractions
 
 
 # --- sort ---------------------------------------------------------------------------------
@@ -52,7 +52,7 @@ def test_sort_examples_by_hand():
     ("", 0.0),
 ])
 def test_sort_reward(solution, expected):
-    assert sort.compute_score(solution, "1,3,5,8") == pytest.approx(expected)
+    assert sort.compute_score(solution, "1,3,5,8") == pytest.approx(expected)  # float64 fractions
 
 
 # --- arith --------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ verl schedule, the atomic HF export."""
 import json
 
 import pytest
+import torch
 
 from minihf.config import ConfigError
 from minihf.trainer.common import (MetricsLog, check_resume_config, check_run_length, every,
@@ -101,3 +102,26 @@ def test_run_length_is_checked_when_the_config_loads(kind):
             load_config(cls, None, [override])
     check_run_length(1, None)
     check_run_length(2, 1)
+
+
+def test_check_rollout_log_probs_names_the_worst_token():
+    import numpy as np
+
+    from minihf.trainer.metrics import check_rollout_log_probs
+
+    trainer = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.25, 0.0]])
+    bound = torch.full((2, 3), 1e-4)
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    uids = np.array(["a", "b"], dtype=object)
+    engine = trainer + torch.tensor([[5e-5, -2e-5, 0.0], [0.0, 1e-5, 9.0]])   # the 9 is padding
+    m, message = check_rollout_log_probs(engine, trainer, bound, mask, 3, "error", uids)
+    # the gaps are fp32 sums near 1 (ulp 1.2e-7): their ratios to 1e-4 carry ~1e-3 of it
+    assert message is None and m["training/rollout_log_prob_bound_ratio"] == pytest.approx(0.5, rel=2e-3)
+    engine[1, 1] += 3e-4                                                      # 3.1x the bound
+    m, message = check_rollout_log_probs(engine, trainer, bound, mask, 3, "warn", uids)
+    assert m["training/rollout_log_prob_bound_ratio"] == pytest.approx(3.1, rel=2e-3)
+    assert "step 3" in message and "row 1 (uid b), response token 1" in message
+    assert "1 of 5 tokens" in message
+    with pytest.raises(RuntimeError, match=r"step 3: .* row 1 \(uid b\), response token 1 .* 3\.1x"):
+        check_rollout_log_probs(engine, trainer, bound, mask, 3, "error", uids)
+    assert check_rollout_log_probs(engine, trainer, bound, torch.zeros(2, 3), 3, "error") == ({}, None)

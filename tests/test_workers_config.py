@@ -24,6 +24,7 @@ def test_overrides_reach_nested_sections():
     ("actor.optim.lr_scheduler=linear", "lr_scheduler"),
     ("actor.optim.min_lr_ratio=2", "min_lr_ratio=2"),
     ("actor.fsdp.mixed_precision=fp16", "mixed_precision"),
+    ("rollout.check_log_probs=always", "check_log_probs"),
     ("actor.clip_ratio=0", "clip_ratio=0"),
     ("actor.clip_ratio_c=0.5", r"actor: clip_ratio_c=0.5 must be > 1"),
     ("actor.clip_ratio_low=-0.2", r"clip_ratio_low=-0.2 must be in \[0, 1\)"),

@@ -7,8 +7,9 @@
 (with a critic), ``response_length/*`` (incl. ``clip_ratio``: responses that hit the
 length limit), ``prompt_length/*``, ``perf/*`` from token counts and the step time, and
 ``training/rollout_probs_diff_*`` (how far the rollout engine's token probabilities are from
-the trainer's, when the old log-probs are recomputed); ``sample_rows``: the rows of
-samples.jsonl.
+the trainer's, when the old log-probs are recomputed) and, with ``rollout.check_log_probs``,
+``training/rollout_log_prob_bound_ratio`` (the worst token's gap over what rounding explains);
+``sample_rows``: the rows of samples.jsonl.
 """
 
 from __future__ import annotations
@@ -65,6 +66,39 @@ def rollout_probs_diff(rollout_log_probs: torch.Tensor, log_probs: torch.Tensor,
     diff = (rollout_log_probs.double().exp() - log_probs.double().exp()).abs()[mask]
     stats = torch.stack([diff.max(), diff.mean(), diff.std(unbiased=False)]).tolist()  # one sync
     return {f"training/rollout_probs_diff_{k}": v for k, v in zip(("max", "mean", "std"), stats)}
+
+
+def check_rollout_log_probs(rollout_log_probs: torch.Tensor, log_probs: torch.Tensor,
+                            bound: torch.Tensor, response_mask: torch.Tensor, step: int,
+                            mode: str, uids=None) -> tuple[dict[str, float], str | None]:
+    """``rollout.check_log_probs``: every response token's engine log-prob against the
+    trainer's, in units of ``bound`` (the actor's ``log_prob_bound``: the gap rounding alone
+    can make). Returns ``({"training/rollout_log_prob_bound_ratio": worst}, message)``; the
+    message names the step, row (and uid) and token of the worst gap when it exceeds the
+    bound, else None. ``mode="error"`` raises it as a RuntimeError instead. All ``[B, R]``."""
+    mask = response_mask.bool()
+    if not mask.any():
+        return {}, None
+    ratio = torch.where(mask, (rollout_log_probs.double() - log_probs.double()).abs()
+                        / bound.double().clamp(min=torch.finfo(torch.float64).tiny), 0.0)
+    worst = ratio.max().item()
+    metrics = {"training/rollout_log_prob_bound_ratio": worst}
+    if worst <= 1.0:
+        return metrics, None
+    row, col = divmod(int(ratio.argmax()), ratio.shape[1])
+    uid = f" (uid {uids[row]})" if uids is not None else ""
+    message = (f"step {step}: the rollout engine's log-prob of row {row}{uid}, response token "
+               f"{col} is {rollout_log_probs[row, col].item():.7g}, the trainer's "
+               f"{log_probs[row, col].item():.7g}: they differ by "
+               f"{abs(rollout_log_probs[row, col].item() - log_probs[row, col].item()):.3g}, "
+               f"{worst:.1f}x what rounding alone explains ({bound[row, col].item():.3g}); "
+               f"{int((ratio > 1).sum())} of {int(mask.sum())} tokens are past it. The samples "
+               "were not drawn from the policy being trained (stale or different weights, "
+               "another temperature, a kernel bug); rollout.check_log_probs=warn only logs "
+               "this, off skips the check")
+    if mode == "error":
+        raise RuntimeError(message)
+    return metrics, message
 
 
 def group_metrics(scores: torch.Tensor, uids) -> dict[str, float]:

@@ -6,7 +6,8 @@ One step, as named phases (each timed as ``timing_s/<phase>``):
     prompts.repeat(n), a uid per prompt        -> gen            actor.generate_sequences
     rule function or reward model              -> reward
     old log-probs (+ entropy), unless the      -> old_log_prob   actor.compute_log_prob
-      update is one on-policy step (then the update's own, see old_log_prob_source)
+      update is one on-policy step (then the update's own, see old_log_prob_source);
+      with rollout.check_log_probs on, always, and checked against the engine's
     reference log-probs (when a KL is used)    -> ref            actor.compute_ref_log_prob
     values (with a critic)                     -> values         critic.compute_values
     in-reward KL, advantages (registry)        -> adv            on the driver
@@ -39,8 +40,8 @@ from minihf.trainer.common import (RESUME_FIX, Log, MetricsLog, config_json, eve
                                    find_resume_path, format_line, mark_latest, nothing_to_train,
                                    resume_config_changes, run_dir, save_config, write_atomic)
 from minihf.trainer.loggers import Console, Trackers
-from minihf.trainer.metrics import (data_metrics, group_metrics, rollout_probs_diff, sample_rows,
-                                    throughput)
+from minihf.trainer.metrics import (check_rollout_log_probs, data_metrics, group_metrics,
+                                    rollout_probs_diff, sample_rows, throughput)
 from minihf.trainer.ppo_config import PPOConfig
 from minihf.trainer.reward import RuleReward, at_last_token, load_reward, overlong_penalty
 from minihf.trainer.advantage import estimate_advantages
@@ -212,15 +213,25 @@ class PPOTrainer:
                 self.log_samples(step, sample_rows(batch, step, "train", self.reward, self.tokenizer,
                                                    self.cfg.trainer.log_samples_n, stride=n))
             source = cfg.old_log_prob_source
-            if source == "recompute":
+            check = cfg.actor_rollout_ref.rollout.check_log_probs
+            if source == "recompute" or check != "off":  # the check adds the pass otherwise
                 with self._timed(m, "old_log_prob"):
-                    old = self.actor.compute_log_prob(batch, calc_entropy=True)
+                    old = self.actor.compute_log_prob(batch, calc_entropy=True,
+                                                      calc_bound=check != "off")
                 m["actor/entropy"] = masked_mean(old["entropys"], batch["response_mask"]).item()
-                batch.tensors["old_log_probs"] = old["old_log_probs"]
+                if source == "recompute":
+                    batch.tensors["old_log_probs"] = old["old_log_probs"]
                 if "rollout_log_probs" in batch.tensors:
                     m.update(rollout_probs_diff(batch["rollout_log_probs"], old["old_log_probs"],
                                                 batch["response_mask"]))
-            elif source == "rollout":
+                    if check != "off":
+                        checked, message = check_rollout_log_probs(
+                            batch["rollout_log_probs"], old["old_log_probs"], old["log_prob_bound"],
+                            batch["response_mask"], step, check, batch.non_tensors.get("uid"))
+                        m.update(checked)
+                        if message:
+                            self.log(f"warning: {message}")
+            if source == "rollout":
                 batch.tensors["old_log_probs"] = batch["rollout_log_probs"]
             batch.meta["old_log_probs"] = source  # "update": the actor's own, detached
             pending = []  # concurrent when actor and critic are placed apart (_run_calls)

@@ -14,7 +14,7 @@ Methods the driver calls (dispatch ``DP_COMPUTE`` unless noted):
 * ``generate_sequences(batch) -> Batch`` (rollout layout; see ``HybridEngine``): prompts ->
   ``prompts, responses, input_ids, attention_mask, position_ids, response_mask,
   rollout_log_probs``; ``batch.meta["global_step"]`` seeds the samples.
-* ``compute_log_prob(batch) -> Batch{old_log_probs[, entropys]}``
+* ``compute_log_prob(batch) -> Batch{old_log_probs[, entropys][, log_prob_bound]}``
 * ``compute_ref_log_prob(batch) -> Batch{ref_log_prob}``
 * ``update_actor(batch) -> metrics`` (DP_COMPUTE_EXACT) (``actor/pg_loss``, ``actor/pg_clipfrac``,
   ``actor/ppo_kl``, ``actor/entropy``, ``actor/kl_loss``, ``actor/grad_norm``,
@@ -39,9 +39,14 @@ size: no rank computes another's rows.
 
 from __future__ import annotations
 
-from minihf.algorithms import agg_loss, get_policy_loss_fn, kl_penalty, masked_mean
+import torch
+
+from minihf.algorithms import (agg_loss, get_policy_loss_fn, kl_penalty, logprob_rounding_bound,
+                               masked_mean)
 from minihf.controller import Dispatch, Worker, register
 from minihf.hybrid import HybridEngine, collect_rollout
+from minihf.hybrid.engine import rollout_dtype
+from minihf.parallel.fsdp import default_mixed_precision
 from minihf.protocol import Batch
 from minihf.rollout.llm import eos_ids_from_dir
 from minihf.workers.config import ActorRolloutRefConfig
@@ -117,26 +122,42 @@ class ActorRolloutRefWorker(Worker):
 
     # -- inference ------------------------------------------------------------------------
     def _log_probs(self, model, batch: Batch, micro: int | None, max_tokens: int | None,
-                   calc_entropy: bool) -> dict:
+                   calc_entropy: bool, calc_logit_scale: bool = False) -> dict:
         data = tensors_of(batch, INPUT_KEYS, self.device)
         temperature = float(batch.meta.get("temperature", 1.0))
         use_rmpad, share = self.config.model.use_remove_padding, self.config.model.shares_prompt
 
         def fn(mb):
             return forward_log_probs(model, mb, use_remove_padding=use_rmpad, share_prompt=share,
-                                     temperature=temperature, calc_entropy=calc_entropy)
+                                     temperature=temperature, calc_entropy=calc_entropy,
+                                     calc_logit_scale=calc_logit_scale)
         return run_micro_batches(data, fn, micro_batch_size=micro, max_tokens=max_tokens,
                                  group=self.group, model=model, share_prompt=share)
 
+    def _coarsest_dtype(self) -> torch.dtype:
+        """The lower of the engine's and the trainer's compute precisions (bf16 where
+        either runs in bf16): what a rollout-vs-trainer log-prob gap is rounded to."""
+        trainer = (default_mixed_precision(self.device.type)[0]
+                   if self.config.actor.fsdp.mixed_precision == "auto" else None)
+        dtypes = {rollout_dtype(self.config.rollout.dtype, self.device), trainer or torch.float32}
+        return max(dtypes, key=lambda d: torch.finfo(d).eps)
+
     @register(dispatch=Dispatch.DP_COMPUTE)
-    def compute_log_prob(self, batch: Batch, calc_entropy: bool = False) -> Batch:
-        """Old log-probs of the response tokens under the current actor (+ entropy)."""
+    def compute_log_prob(self, batch: Batch, calc_entropy: bool = False,
+                         calc_bound: bool = False) -> Batch:
+        """Old log-probs of the response tokens under the current actor (+ entropy). With
+        ``calc_bound``, ``log_prob_bound`` [B, R]: how far the engine's log-prob of each token
+        may sit from this one by rounding alone (twice ``logprob_rounding_bound`` in the
+        coarser of the two compute dtypes)."""
         a = self.config.actor
         out = self._log_probs(self._require("actor"), batch, a.log_prob_micro_batch_size_per_gpu,
-                              a.max_tokens_per_micro_batch, calc_entropy)
+                              a.max_tokens_per_micro_batch, calc_entropy, calc_bound)
         tensors = {"old_log_probs": out["log_probs"].cpu()}
         if calc_entropy:
             tensors["entropys"] = out["entropy"].cpu()
+        if calc_bound:
+            tensors["log_prob_bound"] = 2 * logprob_rounding_bound(out["logit_scale"].cpu(),
+                                                                   self._coarsest_dtype())
         return Batch(tensors)
 
     @register(dispatch=Dispatch.DP_COMPUTE)

@@ -166,6 +166,9 @@ class RolloutConfig:
     gathers every full weight on every rank, then slices (the baseline). ``free_cache_engine``
     frees the engine's weights and KV cache after each generation. A sample's random stream
     is a function of (``seed``, global step, prompt uid, sample index) only.
+    ``check_log_probs``: each step, the engine's log-probs of the sampled tokens against the
+    trainer's on the same tokens, within twice ``minihf.algorithms.logprob_rounding_bound``
+    (``warn`` logs the worst token, ``error`` stops the run naming it; docs/hybrid-engine.md).
     """
     n: int = 1                           # samples per prompt
     temperature: float = 1.0             # sampling temperature
@@ -184,10 +187,14 @@ class RolloutConfig:
     reshard_bucket_mb: int = 32          # small tensors travel together up to this size
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
     seed: int = 0                        # base of every sample's seed (with step, uid, sample index)
+    check_log_probs: Literal["off", "warn", "error"] = "off"  # engine vs trainer log-probs within rounding, every step
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
 
     def __post_init__(self):
         _check_sampling(self, "rollout")
+        if self.check_log_probs not in ("off", "warn", "error"):
+            raise ValueError(f"rollout.check_log_probs={self.check_log_probs!r}; choose off, warn "
+                             "or error")
         for key in ("prompt_length", "response_length", "tensor_model_parallel_size",
                     "max_num_seqs", "reshard_bucket_mb"):
             value = getattr(self, key)

@@ -14,10 +14,12 @@ a sub-module directly) so FSDP's hooks gather its parameters.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import torch.nn as nn
 
-from minihf.algorithms import entropy_from_logits, logprobs_from_logits
+from minihf.algorithms import entropy_from_logits, logit_abs_scale, logprobs_from_logits
 from minihf.workers.packing import next_token_labels, pack, unpack
 
 
@@ -38,16 +40,48 @@ def _run(model: nn.Module, mb: dict, use_remove_padding: bool, share_prompt: boo
     return out, None
 
 
+@contextmanager
+def lm_head_scale(model: nn.Module, temperature: float):
+    """Within the block, each forward of ``model`` (an LM) stores ``logit_abs_scale`` of its
+    LM head's input and weight (the values the logits are rounded from) in the yielded
+    dict under ``"scale"``: a forward hook, so FSDP has gathered the weight by then."""
+    captured: dict = {}
+
+    def hook(module, args, output):
+        with torch.no_grad():
+            captured["scale"] = logit_abs_scale(args[0].detach().float(),
+                                                module.weight.detach().float(), temperature)
+    handle = model.lm_head.register_forward_hook(hook)
+    try:
+        yield captured
+    finally:
+        handle.remove()
+
+
 def forward_log_probs(model: nn.Module, mb: dict, *, use_remove_padding: bool = True,
                       share_prompt: bool = False, temperature: float = 1.0,
-                      calc_entropy: bool = False, entropy_grad: bool = True) -> dict:
+                      calc_entropy: bool = False, entropy_grad: bool = True,
+                      calc_logit_scale: bool = False) -> dict:
     """Log-probs (and entropy) of the response tokens under ``model`` (an LM).
 
     Returns ``{"log_probs": [B, R]}`` (+ ``"entropy": [B, R]``), fp32, computed from
     ``logits / temperature`` (the distribution the rollout sampled from); zero at
     response padding (``attention_mask == 0``). ``entropy_grad=False``: the entropy is a
-    metric only, computed off the autograd graph.
+    metric only, computed off the autograd graph. ``calc_logit_scale`` adds
+    ``"logit_scale": [B, R]``, ``minihf.algorithms.logit_abs_scale`` at each response
+    token (what its log-prob's rounding scales with; an extra LM-head-sized matmul).
     """
+    if calc_logit_scale:
+        with lm_head_scale(model, temperature) as captured:
+            result = forward_log_probs(model, mb, use_remove_padding=use_remove_padding,
+                                       share_prompt=share_prompt, temperature=temperature,
+                                       calc_entropy=calc_entropy, entropy_grad=entropy_grad)
+        r = mb["responses"].shape[1]
+        valid = mb["attention_mask"][:, -r:].bool()                           # [B, R]
+        scale = captured["scale"]                         # packed [1, M] or padded [B, R]
+        result["logit_scale"] = (scale.new_zeros(valid.shape).index_put_(
+            valid.nonzero(as_tuple=True), scale[0]) if use_remove_padding else scale * valid)
+        return result
     r = mb["responses"].shape[1]
     valid = mb["attention_mask"][:, -r:].float()                             # [B, R]
     if use_remove_padding:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+import inspect
+
 import torch
 
 from minihf.algorithms.loss_agg import agg_loss, masked_mean
@@ -31,19 +33,32 @@ def get_policy_loss_fn(name: str) -> Callable:
     return lookup(POLICY_LOSSES, name, "policy loss", "register_policy_loss")
 
 
+def check_takes_is_weights(name: str) -> None:
+    """Raise a ValueError unless the policy loss ``name`` takes ``rollout_is_weights``."""
+    fn = get_policy_loss_fn(name)
+    params = inspect.signature(fn).parameters
+    if "rollout_is_weights" not in params and not any(
+            p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        raise ValueError(f"policy loss {name!r} does not take rollout_is_weights, which "
+                         "algorithm.rollout_correction.rollout_is passes: add a keyword "
+                         "argument rollout_is_weights=None and multiply the per-token losses "
+                         "by it before aggregating, or set rollout_is to null")
+
+
 def compute_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor,
                         advantages: torch.Tensor, response_mask: torch.Tensor,
                         cliprange: float = 0.2, cliprange_low: float | None = None,
                         cliprange_high: float | None = None, clip_ratio_c: float | None = None,
                         loss_agg_mode: str = "token-mean",
-                        normalizer: torch.Tensor | float | None = None):
+                        normalizer: torch.Tensor | float | None = None,
+                        rollout_is_weights: torch.Tensor | None = None):
     """PPO-clip loss over response tokens; every tensor is ``[B, T]``.
 
     ``r = exp(log_prob - old_log_prob)``;
     ``l = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))``;
     with ``clip_ratio_c = c`` (dual clip, Ye et al. 2020) tokens with ``A < 0`` use
-    ``min(l, -A c)``. The matrix is aggregated with :func:`agg_loss` (``normalizer`` as
-    there).
+    ``min(l, -A c)``. With ``rollout_is_weights`` ``w`` (rollout correction), ``l w``. The
+    matrix is aggregated with :func:`agg_loss` (``normalizer`` as there).
 
     Returns ``(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)``: the loss; the fraction
     of tokens where the clipped term was active; the mean of ``old_log_prob - log_prob``
@@ -73,6 +88,8 @@ def compute_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor,
             (torch.gt(loss_mat, loss_dual) & (advantages < 0)).float(), response_mask)
         loss_mat = torch.where(advantages < 0, dual, loss_mat)
 
+    if rollout_is_weights is not None:
+        loss_mat = loss_mat * rollout_is_weights
     pg_loss = agg_loss(loss_mat, response_mask, loss_agg_mode, normalizer)
     return pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower
 
@@ -87,20 +104,23 @@ def _clip_bounds(config) -> tuple[float, float]:
 def vanilla_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor,
                         advantages: torch.Tensor, response_mask: torch.Tensor, *,
                         loss_agg_mode: str = "token-mean",
-                        normalizer: torch.Tensor | float | None = None, config):
+                        normalizer: torch.Tensor | float | None = None, config,
+                        rollout_is_weights: torch.Tensor | None = None):
     """:func:`compute_policy_loss` with its clip ranges read from ``config``."""
     low, high = _clip_bounds(config)
     return compute_policy_loss(old_log_prob, log_prob, advantages, response_mask,
                                cliprange=config.clip_ratio, cliprange_low=low, cliprange_high=high,
                                clip_ratio_c=getattr(config, "clip_ratio_c", None),
-                               loss_agg_mode=loss_agg_mode, normalizer=normalizer)
+                               loss_agg_mode=loss_agg_mode, normalizer=normalizer,
+                               rollout_is_weights=rollout_is_weights)
 
 
 @register_policy_loss("gspo")
 def compute_policy_loss_gspo(old_log_prob: torch.Tensor, log_prob: torch.Tensor,
                              advantages: torch.Tensor, response_mask: torch.Tensor, *,
                              loss_agg_mode: str = "seq-mean-token-mean",
-                             normalizer: torch.Tensor | float | None = None, config):
+                             normalizer: torch.Tensor | float | None = None, config,
+                             rollout_is_weights: torch.Tensor | None = None):
     """GSPO (Zheng et al., 2025): PPO-clip with a sequence-level importance ratio.
 
     ``s_i = exp((1/|y_i|) sum_t m_it (log_prob_it - old_log_prob_it))``; per token
@@ -133,5 +153,7 @@ def compute_policy_loss_gspo(old_log_prob: torch.Tensor, log_prob: torch.Tensor,
     loss_clipped = -advantages * torch.clamp(ratio, 1.0 - low, 1.0 + high)
     loss_mat = torch.maximum(loss_unclipped, loss_clipped)
     pg_clipfrac = masked_mean(torch.gt(loss_clipped, loss_unclipped).float(), response_mask)
+    if rollout_is_weights is not None:  # rollout correction, as in the vanilla loss
+        loss_mat = loss_mat * rollout_is_weights
     pg_loss = agg_loss(loss_mat, response_mask, "seq-mean-token-mean", normalizer)
     return pg_loss, pg_clipfrac, ppo_kl, torch.zeros((), device=loss_mat.device)

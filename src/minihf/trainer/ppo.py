@@ -7,7 +7,8 @@ One step, as named phases (each timed as ``timing_s/<phase>``):
     rule function or reward model              -> reward
     old log-probs (+ entropy), unless the      -> old_log_prob   actor.compute_log_prob
       update is one on-policy step (then the update's own, see old_log_prob_source);
-      with rollout.check_log_probs on, always, and checked against the engine's
+      with rollout.check_log_probs on, always, and checked against the engine's;
+      then, on the driver, algorithm.rollout_correction (IS weights, rejected tokens)
     reference log-probs (when a KL is used)    -> ref            actor.compute_ref_log_prob
     values (with a critic)                     -> values         critic.compute_values
     in-reward KL, advantages (registry)        -> adv            on the driver
@@ -34,6 +35,7 @@ import numpy as np
 import torch
 
 from minihf.algorithms import AdaptiveKLController, FixedKLController, apply_kl_penalty, masked_mean
+from minihf.algorithms.rollout_correction import compute_rollout_correction_and_rejection_mask
 from minihf.config import dump_yaml
 from minihf.protocol import Batch
 from minihf.trainer.common import (RESUME_FIX, Log, MetricsLog, config_json, every,
@@ -233,6 +235,8 @@ class PPOTrainer:
                             self.log(f"warning: {message}")
             if source == "rollout":
                 batch.tensors["old_log_probs"] = batch["rollout_log_probs"]
+            if source == "recompute" and "rollout_log_probs" in batch.tensors:
+                self._correct_rollout(batch, m)
             batch.meta["old_log_probs"] = source  # "update": the actor's own, detached
             pending = []  # concurrent when actor and critic are placed apart (_run_calls)
             if cfg.use_ref:
@@ -266,6 +270,20 @@ class PPOTrainer:
         m.update(data_metrics(batch))
         m.update(throughput(batch, m["timing_s/step"], len(self.actor.ranks)))
         return m
+
+    def _correct_rollout(self, batch: Batch, m: dict) -> None:
+        """``algorithm.rollout_correction`` (decoupled): importance weights for the policy
+        loss and rejected tokens out of the response mask, before the advantages; the
+        ``rollout_corr/*`` off-policy figures always."""
+        rc = self.cfg.algorithm.rollout_correction
+        weights, mask, metrics = compute_rollout_correction_and_rejection_mask(
+            batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"],
+            rc.rollout_is, rc.rollout_is_threshold, rc.rollout_is_batch_normalize,
+            rc.rollout_rs, rc.rollout_rs_threshold)
+        m.update(metrics)
+        batch.tensors["response_mask"] = mask
+        if weights is not None:
+            batch.tensors["rollout_is_weights"] = weights
 
     # -- validation -----------------------------------------------------------------------
     def validate(self, step: int) -> dict:

@@ -99,6 +99,34 @@ class SafeConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """verl's ``algorithm.rollout_correction`` (decoupled mode: the trainer's recomputed old
+    log-probs against the engine's), formulas in ``minihf.algorithms.rollout_correction``.
+    Off unless ``rollout_is`` or ``rollout_rs`` is set; the ``rollout_corr/*`` off-policy
+    figures are logged whenever the old log-probs are recomputed."""
+    rollout_is: Optional[str] = None     # importance weights: null (off) | token | sequence
+    rollout_is_threshold: Union[float, str] = 2.0  # cap C: min(w, C); or 'lower_upper': zero outside (IcePop)
+    rollout_is_batch_normalize: bool = False  # divide the capped weights by their batch mean
+    rollout_rs: Optional[str] = None     # rejection: null | token_k1 | seq_mean_k1 | seq_max_k3 | ... (comma-separated)
+    rollout_rs_threshold: Optional[str] = None  # per option: 'lower_upper' for k1 (e.g. 0.5_2.0), an upper bound for k2/k3
+
+    def __post_init__(self):
+        from minihf.algorithms.rollout_correction import IS_LEVELS, parse_is_threshold, parse_rs_options
+
+        if self.rollout_is is not None and self.rollout_is not in IS_LEVELS:
+            raise ValueError(f"rollout_is={self.rollout_is!r}; choose one of {list(IS_LEVELS)} "
+                             "or null (off)")
+        parse_is_threshold(self.rollout_is_threshold)                   # raises naming the value
+        if self.rollout_rs_threshold is not None:
+            self.rollout_rs_threshold = str(self.rollout_rs_threshold)
+        parse_rs_options(self.rollout_rs, self.rollout_rs_threshold)   # raises naming the value
+
+    @property
+    def enabled(self) -> bool:
+        return self.rollout_is is not None or self.rollout_rs is not None
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "gae"           # gae | grpo | rloo | reinforce_plus_plus | ... (registry)
     gamma: float = 1.0                   # discount (GAE, REINFORCE++)
@@ -109,6 +137,7 @@ class AlgorithmConfig:
     kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     safe: SafeConfig = field(default_factory=SafeConfig)  # Safe-RLHF's cost constraint
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
     def __post_init__(self):
         from minihf.algorithms import get_adv_estimator_fn
@@ -248,6 +277,12 @@ class PPOConfig:
             raise ValueError("algorithm.adv_estimator=gae needs a critic; set critic.enable=true")
         if self.critic.enable and not self.critic.model.path:
             self.critic.model.path = self.actor_rollout_ref.model.path
+        if (self.algorithm.rollout_correction.enabled
+                and self.actor_rollout_ref.actor.recompute_log_prob is False):
+            raise ValueError("algorithm.rollout_correction weighs the engine's samples by the "
+                             "trainer's recomputed old log-probs, but actor.recompute_log_prob="
+                             "false uses the engine's as the old ones (verl's bypass mode, "
+                             "nothing to correct); set recompute_log_prob to null or true")
         self._check_safe()
 
     def _check_safe(self) -> None:
@@ -281,12 +316,13 @@ class PPOConfig:
         pass before the update), ``update`` (the update is one on-policy optimizer step: its
         own log-probs, detached, are exactly the old ones; as TRL does) or ``rollout`` (the
         engine's ``rollout_log_probs``: ``recompute_log_prob=false`` with several optimizer
-        steps; equal to ~1e-6 in fp32, further apart with a bf16 rollout)."""
+        steps; equal to ~1e-6 in fp32, further apart with a bf16 rollout). Rollout correction
+        needs them recomputed."""
         a = self.actor_rollout_ref.actor
         rows = self.data.train_batch_size * self.actor_rollout_ref.rollout.n
         one_step = (a.ppo_epochs == 1 and a.ppo_mini_batch_size >= rows
                     and not self.algorithm.use_kl_in_reward)  # the in-reward KL needs them first
-        if a.recompute_log_prob:
+        if a.recompute_log_prob or self.algorithm.rollout_correction.enabled:
             return "recompute"
         if one_step:
             return "update"

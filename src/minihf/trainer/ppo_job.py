@@ -75,12 +75,13 @@ def ppo_roles(cfg: PPOConfig) -> dict:
     return roles
 
 
-def ppo_driver(cfg: PPOConfig, stop_after: int | None = None):
-    """The driver function for ``minihf.controller.run``: the metrics history."""
+def ppo_driver(cfg: PPOConfig, stop_after: int | None = None, trainer=None):
+    """The driver function for ``minihf.controller.run``: the metrics history. ``trainer``:
+    a ``PPOTrainer`` subclass to run instead (an experiment that changes a phase)."""
     from minihf.trainer.ppo import PPOTrainer
 
     def drive(groups):
-        return PPOTrainer(cfg, groups).fit(stop_after)
+        return (trainer or PPOTrainer)(cfg, groups).fit(stop_after)
     return drive
 
 
@@ -225,8 +226,9 @@ def sft_config(cfg: PPOJobConfig):
     return sft
 
 
-def run_ppo(cfg: PPOJobConfig):
-    """The whole job (prepare, warm start, RL) as one ``torchrun`` job; history on rank 0."""
+def run_ppo(cfg: PPOJobConfig, trainer=None):
+    """The whole job (prepare, warm start, RL) as one ``torchrun`` job; history on rank 0.
+    ``trainer``: as in :func:`ppo_driver`."""
     from minihf.controller import launch_job, run
     from minihf.trainer.rm import rm_driver, rm_roles
     from minihf.trainer.sft import check_paths as check_sft_paths, sft_driver, sft_roles
@@ -246,6 +248,6 @@ def run_ppo(cfg: PPOJobConfig):
                 print(f"[prepare] training the {by} model -> {run_dir(rm.trainer) / 'hf'}")
             run(rm_driver(rm), rm_roles(rm), cfg.controller, device=device)
         check_paths(cfg)
-        return run(ppo_driver(cfg), ppo_roles(cfg), cfg.controller, device=device)
+        return run(ppo_driver(cfg, trainer=trainer), ppo_roles(cfg), cfg.controller, device=device)
 
     return launch_job(job, cfg.controller)

@@ -43,6 +43,7 @@ import torch
 
 from minihf.algorithms import (agg_loss, get_policy_loss_fn, kl_penalty, logprob_rounding_bound,
                                masked_mean)
+from minihf.algorithms.policy_loss import check_takes_is_weights
 from minihf.controller import Dispatch, Worker, register
 from minihf.hybrid import HybridEngine, collect_rollout
 from minihf.hybrid.engine import rollout_dtype
@@ -184,9 +185,10 @@ class ActorRolloutRefWorker(Worker):
                                     entropy_grad=a.entropy_coeff != 0)
             log_prob = out["log_probs"]                                       # [b, R]
             old = log_prob.detach() if own_old else mb["old_log_probs"]
+            extra = {"rollout_is_weights": mb["rollout_is_weights"]} if "rollout_is_weights" in mb else {}
             pg_loss, clipfrac, ppo_kl, clipfrac_lower = policy_loss(
                 old, log_prob, mb["advantages"], mask,
-                loss_agg_mode=a.loss_agg_mode, normalizer=norm, config=a)
+                loss_agg_mode=a.loss_agg_mode, normalizer=norm, config=a, **extra)
             share = mask.float().sum() / tokens  # this micro-batch's weight in token means
             stats = {"pg_loss": pg_loss, "pg_clipfrac": clipfrac * share,
                      "ppo_kl": ppo_kl * share, "pg_clipfrac_lower": clipfrac_lower * share}
@@ -211,6 +213,9 @@ class ActorRolloutRefWorker(Worker):
         self._require("actor")
         own_old = batch.meta.get("old_log_probs") == "update"
         keys = UPDATE_KEYS + (("ref_log_prob",) if a.use_kl_loss else ())
+        if "rollout_is_weights" in batch.tensors:  # algorithm.rollout_correction.rollout_is
+            check_takes_is_weights(a.policy_loss.loss_mode)
+            keys += ("rollout_is_weights",)
         if own_old:
             keys = tuple(k for k in keys if k != "old_log_probs")
             steps = a.ppo_epochs * -(-len(batch) // (a.ppo_mini_batch_size // self.dp_size))

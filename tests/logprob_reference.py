@@ -32,8 +32,10 @@ def float64_log_probs(model: torch.nn.Module, mb: dict, temperature: float):
 
 
 def rounding_ratio(got: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor,
-                   mask: torch.Tensor, pairwise: bool = False) -> float:
-    """The worst ``|got - ref|`` over ``mask``, in units of the rounding bound (twice it when
-    ``pairwise``: ``got`` and ``ref`` are then two fp32 computations). <= 1 passes."""
-    bound = logprob_rounding_bound(scale) * (2 if pairwise else 1)
+                   mask: torch.Tensor, pairwise: bool = False,
+                   dtype: torch.dtype = torch.float32) -> float:
+    """The worst ``|got - ref|`` over ``mask``, in units of the rounding bound of ``dtype``
+    (twice it when ``pairwise``: ``got`` and ``ref`` are then two computations in ``dtype``).
+    <= 1 passes."""
+    bound = logprob_rounding_bound(scale, dtype) * (2 if pairwise else 1)
     return ((got.double() - ref.double()).abs() / bound)[mask.bool()].max().item()

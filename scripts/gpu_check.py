@@ -1,0 +1,246 @@
+"""The prepared GPU check: everything minihf wants to know from a rare, short GPU window, in one
+call that writes one markdown report.
+
+    bash scripts/gpu_check.sh OUTDIR             # on the GPU machine: install, then this
+    python scripts/gpu_check.py OUTDIR           # the same without the install step
+    python scripts/gpu_check.py --dry-run OUTDIR # CPU, tiny model, seconds (the test suite runs it)
+
+Sections, each timed, its failure recorded without stopping the rest, the report rewritten
+after each (a check cut short by the machine's time limit still leaves what it found):
+
+1. the machine: GPU, torch, CUDA, transformers, which attention paths exist (flash-attn's
+   varlen kernel when installed; SDPA's flash backend otherwise);
+2. ``pytest -m gpu`` (``tests/test_gpu.py``: engine vs trainer log-probs in fp32 and bf16,
+   SDPA flash vs math, packed vs padded, FSDP2 on NCCL, the in-place reshard gather, optimizer
+   offload during generation) with its printed figures;
+3. the main job on the GPU, one process (``scripts/train_ppo.py``): validation before and
+   after, wall time;
+4. a ~0.5B random Qwen2-style model (Qwen2.5-0.5B's shapes) in bf16: the bf16 matmul peak
+   and the copy bandwidth measured first, then prefill and training (forward + backward)
+   against the peak (MFU), decode tokens/s at batch 1 and 64 against the bandwidth bound
+   (weights + KV cache read once per step), and peak memory.
+
+``--dry-run`` runs sections 1 and 4 on the CPU with a tiny model in fp32, collects the GPU
+tests without running them and shows the main job's command without running it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import platform
+import re
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+QWEN05 = dict(arch="qwen2", vocab_size=151936, hidden_size=896, num_hidden_layers=24,
+              num_attention_heads=14, num_key_value_heads=2, head_dim=64,
+              intermediate_size=4864, attention_bias=True, tie_word_embeddings=True,
+              max_position_embeddings=4096, rope_theta=1e6)
+TINY = dict(arch="qwen2", vocab_size=512, hidden_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
+            attention_bias=True, tie_word_embeddings=True, max_position_embeddings=512)
+
+
+class Report:
+    """The markdown report, rewritten to ``path`` after every section."""
+
+    def __init__(self, path: Path, title: str):
+        self.path, self.lines = path, [f"# {title}", ""]
+        self.failures = 0
+
+    def section(self, name: str, fn) -> None:
+        self.lines += [f"## {name}", ""]
+        t0 = time.perf_counter()
+        try:
+            self.lines += fn()
+            status = "ok"
+        except Exception:  # noqa: BLE001 - the report must say what failed and go on
+            self.failures += 1
+            self.lines += ["```", traceback.format_exc()[-3000:], "```"]
+            status = "FAILED"
+        self.lines += ["", f"({status}, {time.perf_counter() - t0:.1f} s)", ""]
+        self.path.write_text("\n".join(self.lines))
+        print(f"[gpu_check] {name}: {status}", flush=True)
+
+
+def rate(flops_per_s: float) -> str:
+    """FLOP/s in the unit that fits (a CPU dry run is in GFLOP/s)."""
+    return f"{flops_per_s / 1e12:.1f} TFLOP/s" if flops_per_s >= 1e12 else f"{flops_per_s / 1e9:.1f} GFLOP/s"
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, device, repeats: int = 3) -> float:
+    """The best of ``repeats`` timed calls after one warm-up (seconds)."""
+    fn()
+    sync(device)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def machine(device: torch.device) -> list[str]:
+    from minihf.models.masks import flash_attn_varlen_func
+
+    rows = [("python", platform.python_version()), ("torch", torch.__version__),
+            ("CUDA (torch)", torch.version.cuda or "none")]
+    if device.type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        rows += [("GPU", f"{p.name}, {p.total_memory / 2**30:.0f} GiB, {p.multi_processor_count} SMs"),
+                 ("SDPA flash backend enabled", str(torch.backends.cuda.flash_sdp_enabled())),
+                 ("NCCL", str(torch.distributed.is_nccl_available()))]
+    for name in ("transformers", "flash_attn"):
+        spec = importlib.util.find_spec(name)
+        rows.append((name, __import__(name).__version__ if spec else "not installed"))
+    path = ("flash-attn's varlen kernel" if flash_attn_varlen_func is not None and device.type == "cuda"
+            else "SDPA (right-padded buckets; on CUDA its flash backend where the inputs allow)")
+    rows.append(("packed attention path", path))
+    return ["| | |", "|---|---|", *[f"| {k} | {v} |" for k, v in rows]]
+
+
+def gpu_tests(dry: bool, out: Path) -> list[str]:
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-s", "-p", "no:cacheprovider",
+           str(ROOT / "tests" / "test_gpu.py")] + (["--collect-only"] if dry else [])
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    (out / "pytest_gpu.log").write_text(proc.stdout + proc.stderr)
+    figures = [line for line in proc.stdout.splitlines()
+               if re.search(r"vs|units of the rounding|moments", line) and not line.startswith(("E ", ">"))]
+    tail = [line for line in proc.stdout.splitlines() if line.strip()][-12:]
+    if proc.returncode not in (0, 5) or (not dry and proc.returncode == 5):
+        raise RuntimeError(f"pytest -m gpu exited {proc.returncode}:\n" + "\n".join(tail))
+    return [f"`{' '.join(cmd[2:])}` (exit {proc.returncode}; full log: pytest_gpu.log)", "",
+            "```", *figures, *tail[-3:], "```"]
+
+
+def main_job(dry: bool, out: Path, limit_s: int) -> list[str]:
+    cmd = [sys.executable, str(ROOT / "scripts" / "train_ppo.py"),
+           f"trainer.default_local_dir={out / 'main_job'}", "actor_rollout_ref.rollout.check_log_probs=warn"]
+    if dry:
+        return [f"dry run: would run `{' '.join(cmd[1:])}` (limit {limit_s} s)"]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=out, capture_output=True, text=True, timeout=limit_s)
+    wall = time.perf_counter() - t0
+    (out / "main_job.log").write_text(proc.stdout + proc.stderr)
+    found = re.search(r"validation score: ([0-9.]+) \(first\) -> ([0-9.]+) \(last\)", proc.stdout)
+    phases = [line for line in proc.stdout.splitlines() if line.startswith("wall time")]
+    if proc.returncode != 0 or not found:
+        raise RuntimeError(f"the main job exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-2000:]}")
+    return [f"`{' '.join(cmd[1:])}` in an empty directory (builds its data, model and SFT warm "
+            f"start first): validation score {found.group(1)} -> {found.group(2)}, "
+            f"{wall:.0f} s in all; {phases[0] if phases else ''}"]
+
+
+def peaks(device: torch.device, dtype: torch.dtype, dry: bool) -> dict[str, float]:
+    """The matmul peak (FLOP/s) and copy bandwidth (bytes read + written per second)."""
+    n = 256 if dry else 8192
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    mm = timed(lambda: a @ b, device, repeats=3 if dry else 10)
+    size = (1 << 20) if dry else (1 << 31)
+    src = torch.empty(size, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    cp = timed(lambda: dst.copy_(src), device, repeats=3 if dry else 10)
+    return {"flops": 2 * n**3 / mm, "bandwidth": 2 * size / cp}
+
+
+def benchmark(device: torch.device, dry: bool) -> list[str]:
+    from minihf.models import ModelArgs, build_model, init_weights
+    from minihf.rollout import LLM, SamplingParams
+
+    dtype = torch.float32 if dry else torch.bfloat16
+    peak = peaks(device, dtype, dry)
+    args = ModelArgs(**(TINY if dry else QWEN05))
+    with torch.device("cpu"):
+        model = init_weights(build_model(args, "lm"), seed=0)
+    model = model.to(device=device, dtype=dtype)
+    params = sum(p.numel() for p in model.parameters())
+    matmul = params - args.vocab_size * args.hidden_size * (0 if args.tie_word_embeddings else 1)
+    # matmul parameters: every Linear, the tied LM head once (the embedding lookup is not a matmul)
+    lines = [f"Model: {'tiny (dry run)' if dry else 'Qwen2.5-0.5B shapes'}, random init, {dtype}, "
+             f"{params / 1e6:.2f}M parameters ({matmul / 1e6:.2f}M in matmuls)", "",
+             f"Measured: {dtype} matmul peak **{rate(peak['flops'])}** "
+             f"({'256' if dry else '8192'}^3, best of 10); copy bandwidth **{peak['bandwidth'] / 1e9:.0f} GB/s** "
+             "(device-to-device, bytes read + written)", "",
+             "| phase | shape | time | achieved | bound | of bound |", "|---|---|---|---|---|---|"]
+    L, H, kv = args.num_hidden_layers, args.head_dim * args.num_attention_heads, args.num_key_value_heads
+
+    def attn_flops(b, t):  # causal QK^T and PV, forward
+        return 2 * 2 * b * L * H * t * t / 2
+    b, t = (2, 64) if dry else (8, 1024)
+    ids = torch.randint(0, args.vocab_size, (b, t), device=device)
+    with torch.no_grad():
+        s = timed(lambda: model(ids, logits_to_keep=torch.tensor([t - 1], device=device)), device)
+    flops = 2 * (matmul - args.vocab_size * args.hidden_size) * b * t + attn_flops(b, t)
+    lines.append(f"| prefill (forward) | {b} x {t} | {s * 1e3:.1f} ms | {rate(flops / s)} "
+                 f"| {rate(peak['flops'])} | {flops / s / peak['flops']:.1%} |")
+    b, t = (2, 64) if dry else (4, 1024)
+    ids = torch.randint(0, args.vocab_size, (b, t), device=device)
+    model.train()
+
+    def step():
+        model(ids).float().logsumexp(-1).mean().backward()
+    s = timed(step, device)
+    model.zero_grad(set_to_none=True)
+    model.eval()
+    flops = 3 * (2 * matmul * b * t + attn_flops(b, t))
+    lines.append(f"| training (forward + backward) | {b} x {t} | {s * 1e3:.1f} ms | "
+                 f"{rate(flops / s)} | {rate(peak['flops'])} | {flops / s / peak['flops']:.1%} |")
+    weight_bytes = params * torch.finfo(dtype).bits // 8
+    new, prompt = (16, 16) if dry else (128, 32)
+    for batch in (1, 64):
+        llm = LLM(model, dtype=dtype, device=str(device), max_num_seqs=batch, eos_token_ids=())
+        prompts = [[(7 * i + j) % args.vocab_size for j in range(prompt)] for i in range(batch)]
+        sp = SamplingParams(temperature=1.0, max_tokens=new, ignore_eos=True, seed=0)
+        s = timed(lambda: llm.generate(prompts, sp), device, repeats=2)
+        tokens = batch * new
+        # per decode step: every weight once, plus the KV cache of all sequences so far
+        kv_bytes = 2 * L * kv * args.head_dim * (prompt + new / 2) * batch * torch.finfo(dtype).bits // 8
+        bound = peak["bandwidth"] / 2 / (weight_bytes + kv_bytes) * batch   # reads only: half the copy figure
+        lines.append(f"| decode (prefill included) | batch {batch}, {prompt} + {new} tokens | {s:.2f} s "
+                     f"| {tokens / s:.0f} tokens/s | {bound:.0f} tokens/s | {tokens / s / bound:.1%} |")
+        llm.free(weights=False)
+    if device.type == "cuda":
+        lines += ["", f"Peak memory: {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB allocated "
+                  f"({torch.cuda.max_memory_reserved(device) / 2**30:.1f} GiB reserved)"]
+    lines += ["", "MFU counts 2 FLOPs per multiply-add of the matmul parameters per token (x3 for "
+              "forward + backward) plus causal attention; the decode bound reads each weight and "
+              "the KV cache once per step at half the copy bandwidth (a copy reads and writes)."]
+    return lines
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out", help="directory for the report (gpu_check.md) and logs")
+    p.add_argument("--dry-run", action="store_true", help="CPU, tiny model, seconds")
+    p.add_argument("--main-job-limit", type=int, default=240, help="seconds for the main job")
+    args = p.parse_args()
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    if not args.dry_run and not torch.cuda.is_available():
+        raise SystemExit("gpu_check: torch sees no CUDA GPU here; use --dry-run on a CPU machine")
+    device = torch.device("cpu" if args.dry_run else "cuda")
+    report = Report(out / "gpu_check.md", "minihf GPU check" + (" (dry run, CPU)" if args.dry_run else ""))
+    report.section("Machine", lambda: machine(device))
+    report.section("GPU tests (pytest -m gpu)", lambda: gpu_tests(args.dry_run, out))
+    report.section("The main job on one GPU", lambda: main_job(args.dry_run, out, args.main_job_limit))
+    report.section("A 0.5B model in bf16: prefill, training, decode against their bounds",
+                   lambda: benchmark(device, args.dry_run))
+    print(f"[gpu_check] wrote {report.path} ({report.failures} section(s) failed)")
+    sys.exit(1 if report.failures else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -87,8 +87,12 @@ def report(out: Path, steps: int, names: list[str]) -> list[str]:
             lines.append(f"| {row['step']} | " + " | ".join(cells) + " |")
         vals = [r["val-core/mean"] for r in rows if "val-core/mean" in r]
         finals.append(f"| `{name}` | {vals[0]:.3f} | {max(vals):.3f} | {vals[-1]:.3f} |")
-    return (["| variant | val before | best val | val at the end |", "|---|---|---|---|", *finals]
-            + lines)
+    return (["| variant | val before | best val | val at the end |", "|---|---|---|---|", *finals,
+             "", "One run per variant, all with the same seeds and data order (a rerun repeats a "
+             "how far another seed would move these figures is not measured here, "
+             "so read small differences between variants with care. Compare the off-policy rows "
+             "with each other, and their `kl` and `probs diff` columns with `on_policy`'s "
+             "(rounding only there)."] + lines)
 
 
 def main() -> None:

@@ -104,3 +104,60 @@ def test_errors_name_the_path(tmp_path):
     from minihf.data.tokenizer import load_tokenizer
     with pytest.raises(FileNotFoundError, match="training checkpoint.*minihf export"):
         load_tokenizer(tmp_path / "noopt")  # e.g. `minihf generate CKPT`
+
+
+class _Payload:
+    """Unpickling it would create ``marker``: what a crafted checkpoint file would run."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        import os
+
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_crafted_checkpoint_never_runs_code(tmp_path):
+    """Every pickle of a checkpoint is replaced by one whose unpickling would write a marker
+    file: each load path (resume, export; DCP's metadata, its byte items, extra/rank_N.pt)
+    refuses it by name, and the marker never appears. An honest checkpoint still loads,
+    numpy RNG state of earlier checkpoints included."""
+    import io
+    import pickle
+
+    from minihf.utils.safe_load import SafeLoadPlanner, UnsafeCheckpointError
+
+    model, opt, sched, cfg = trained(False)
+    ckpt = save_checkpoint(tmp_path / "ckpt", model, opt, sched, extra={"step": 2})
+    marker = tmp_path / "marker"
+    # extra/rank_0.pt: the resume path
+    good_extra = (ckpt / "extra" / "rank_0.pt").read_bytes()
+    torch.save({"lr_scheduler": None, "rng": _Payload(marker), "extra": {}}, ckpt / "extra" / "rank_0.pt")
+    with pytest.raises(UnsafeCheckpointError, match=r"refusing to load .*rank_0\.pt.*never runs code"):
+        load_checkpoint(ckpt, model, opt, sched)
+    (ckpt / "extra" / "rank_0.pt").write_bytes(good_extra)
+    # model/.metadata: export, eval, generate and resume all read it
+    good_meta = (ckpt / "model" / ".metadata").read_bytes()
+    (ckpt / "model" / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    with pytest.raises(UnsafeCheckpointError, match=r"\.metadata: it asks for posix\.system"):
+        export_hf(ckpt, tmp_path / "hf")
+    with pytest.raises(UnsafeCheckpointError, match="posix.system"):
+        load_checkpoint(ckpt, model, opt, sched)
+    (ckpt / "model" / ".metadata").write_bytes(good_meta)
+    # a DCP byte item (the optimizer's param_groups are stored as such)
+    buf = io.BytesIO()
+    torch.save(_Payload(marker), buf)
+    buf.seek(0)
+    item = type("Item", (), {"dest_index": type("Index", (), {"fqn": "optim.param_groups"})()})()
+    with pytest.raises(UnsafeCheckpointError, match="optim.param_groups"):
+        SafeLoadPlanner().load_bytes(item, buf)
+    assert not marker.exists()
+    # the honest checkpoint loads, and so does an extra file holding numpy's RNG state as an
+    # ndarray (as checkpoints written before this change do)
+    assert load_checkpoint(ckpt, model, opt, sched) == {"step": 2}
+    state = {"lr_scheduler": None, "rng": {**capture_rng_state(), "numpy": np.random.get_state()},
+             "extra": {"step": 3}}
+    torch.save(state, ckpt / "extra" / "rank_0.pt")
+    first = draw()
+    assert load_checkpoint(ckpt, model, opt, sched) == {"step": 3} and draw() == first

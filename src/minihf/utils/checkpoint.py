@@ -10,7 +10,8 @@ Layout of a checkpoint dir::
     meta.json         world size and head kind, for loading and export
 
 Resuming restores everything an optimizer step depends on, so the next step is
-bit-identical to an uninterrupted run on CPU. Export (:func:`export_hf`) reads ``model/``
+bit-identical to an uninterrupted run on CPU. Loading runs no code from the files
+(``minihf.utils.safe_load``): a checkpoint from a stranger is data only. Export (:func:`export_hf`) reads ``model/``
 in a single process (no process group) and writes an HF dir with ``save_hf``.
 """
 
@@ -33,6 +34,8 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
                                                      set_model_state_dict, set_optimizer_state_dict)
 
 from minihf.utils.files import CorruptFileError, read_json
+from minihf.utils.safe_load import (SafeFileSystemReader, SafeLoadPlanner, UnsafeCheckpointError,
+                                    load_extra)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "chat_template.jinja", "generation_config.json",
@@ -40,9 +43,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def capture_rng_state() -> dict:
-    """This process's RNG states: torch CPU (+ CUDA), Python ``random``, NumPy."""
+    """This process's RNG states: torch CPU (+ CUDA), Python ``random``, NumPy (its key as a
+    tensor, so the state loads with ``weights_only=True``)."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
     state = {"torch": torch.get_rng_state(), "python": random.getstate(),
-             "numpy": np.random.get_state()}
+             "numpy": (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached)}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -51,7 +56,8 @@ def capture_rng_state() -> dict:
 def restore_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, keys, *rest = state["numpy"]  # keys: a tensor, or an ndarray in older checkpoints
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), *rest))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
@@ -118,8 +124,14 @@ def _dcp_load(state: dict, shard_dir: Path, group, **kw) -> None:
         raise CorruptFileError(f"{shard_dir} has no .metadata file (the checkpoint was not written "
                                f"completely); {CKPT_FIX}")
     try:
-        dcp.load(state, checkpoint_id=str(shard_dir), process_group=group, **kw)
+        dcp.load(state, checkpoint_id=str(shard_dir), process_group=group,
+                 storage_reader=SafeFileSystemReader(shard_dir), planner=SafeLoadPlanner(), **kw)
+    except UnsafeCheckpointError:
+        raise
     except (Exception, CheckpointException) as exc:  # DCP wraps every rank's error in one (a BaseException)
+        refused = [line.strip() for line in str(exc).splitlines() if "refusing to load" in line]
+        if refused:  # a rank's UnsafeCheckpointError inside DCP's wrapper
+            raise UnsafeCheckpointError(refused[0][refused[0].index("refusing to load"):]) from None
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
         last, low = (lines[-1][:240] if lines else type(exc).__name__), str(exc).lower()
         if "size mismatch" in low:
@@ -160,7 +172,7 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer=None, lr
         warnings.warn(f"{own} missing (saved with fewer ranks?): RNG and LR-scheduler states "
                       "start fresh on this rank")
         return {}
-    saved = torch.load(own, weights_only=False)
+    saved = load_extra(own)
     if lr_scheduler is not None and saved["lr_scheduler"] is not None:
         lr_scheduler.load_state_dict(saved["lr_scheduler"])
     if restore_rng:

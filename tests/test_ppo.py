@@ -130,7 +130,10 @@ def test_two_processes_and_resume_equals_uninterrupted(tiny_job, tmp_path):
     cases = [("grpo", "grpo", None, "grpo", one_mini), ("ppo", "ppo", None, "ppo", {}),
              ("unbalanced", "grpo", None, "unbalanced", {**one_mini, "trainer.balance_batch": False}),
              ("full", "ppo", None, "full", extra), ("first", "ppo", 2, "resumed", extra),
-             ("rest", "ppo", None, "resumed", extra)]
+             ("rest", "ppo", None, "resumed", extra),
+             # stopped after step 1, before its first checkpoint (save_freq 3), then rerun
+             ("early", "grpo", 1, "early", {**extra, "trainer.save_freq": 3}),
+             ("again", "grpo", None, "early", {**extra, "trainer.save_freq": 3})]
     res = spawn_ranks(_runs, 2, model, data, str(tmp_path), cases, timeout_s=600)[0]
     check_metrics(res["grpo"], with_critic=False)
     check_metrics(res["ppo"], with_critic=True)
@@ -153,6 +156,12 @@ def test_two_processes_and_resume_equals_uninterrupted(tiny_job, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
     rows = [json.loads(x) for x in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    # a rerun after an attempt that saved nothing starts fresh: each step's rows once
+    rows = [json.loads(x) for x in (tmp_path / "early" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    samples = [json.loads(x) for x in (tmp_path / "early" / "samples.jsonl").read_text().splitlines()]
+    keys = [(r["step"], r["kind"], r["prompt"], r["response"]) for r in samples]
+    assert any(k[0] == 0 for k in keys) and len(keys) == len(set(keys))   # no sample row twice
 
 
 def test_batch_sizes_that_do_not_fit_fail_early(tiny_job, tmp_path):

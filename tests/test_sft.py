@@ -29,10 +29,11 @@ def _fit(cfg, stop_after):
 
 
 def _job(rank, world, cfgs):
-    # three jobs in a row in the same processes, as separate launches would be: the full
-    # run, the split run stopped after step 3, its resumption from the checkpoint dir
+    # jobs in a row in the same processes, as separate launches would be: the full run, the
+    # split run stopped after step 3, its resumption from the checkpoint dir; a run stopped
+    # after step 2 before its first checkpoint, and its rerun (a fresh start)
     return [run(_fit(c, stop), sft_roles(c), c.controller)
-            for c, stop in zip(cfgs, [None, 3, None])]
+            for c, stop in zip(cfgs, [None, 3, None, 2, None])]
 
 
 def test_sft_two_ranks_loss_decreases_resume_matches_export_loads(tmp_path):
@@ -47,7 +48,10 @@ def test_sft_two_ranks_loss_decreases_resume_matches_export_loads(tmp_path):
     full = config(model, data, str(tmp_path / "full"), 8, test_freq=4)
     first = config(model, data, str(tmp_path / "split"), 8, save_freq=3)  # stops after 3
     second = config(model, data, str(tmp_path / "split"), 8, save_freq=3)
-    hist_full, hist_a, hist_b = spawn_ranks(_job, 2, [full, first, second], timeout_s=240)[0]
+    early = [config(model, data, str(tmp_path / "early"), 4, save_freq=3) for _ in range(2)]
+    hist_full, hist_a, hist_b, _, _ = spawn_ranks(_job, 2, [full, first, second, *early], timeout_s=240)[0]
+    rows = [json.loads(x)["step"] for x in (tmp_path / "early" / "metrics.jsonl").read_text().splitlines()]
+    assert rows == sorted(set(rows)) and rows[-1] == 4, rows   # each step once after the rerun
     assert [m["step"] for m in hist_a] == [1, 2, 3]
 
     losses = [m["train/loss"] for m in hist_full]

@@ -125,3 +125,21 @@ def test_check_rollout_log_probs_names_the_worst_token():
     with pytest.raises(RuntimeError, match=r"step 3: .* row 1 \(uid b\), response token 1 .* 3\.1x"):
         check_rollout_log_probs(engine, trainer, bound, mask, 3, "error", uids)
     assert check_rollout_log_probs(engine, trainer, bound, torch.zeros(2, 3), 3, "error") == ({}, None)
+
+
+def test_metrics_log_cuts_a_torn_last_line_and_names_a_broken_one(tmp_path):
+    from minihf.utils.files import CorruptFileError
+
+    log = MetricsLog(tmp_path)
+    log.append({"step": 0, "v": 1}, {"step": 1, "v": 2}, {"step": 2, "v": 3})
+    with open(log.path, "a") as f:
+        f.write('{"step": 3, "v"')                         # killed mid-write
+    with pytest.warns(UserWarning, match=r"cut a torn last line 4"):
+        log.resume_at(2)
+    assert [json.loads(x)["step"] for x in log.path.read_text().splitlines()] == [0, 1, 2]
+    log.path.write_text('{"step": 0}\n{"step": 1, oops}\n{"step": 2}\n')
+    with pytest.raises(CorruptFileError, match=r"metrics.jsonl line 2 is not JSON"):
+        log.resume_at(2)
+    log.path.write_text('{"step": 0}\n{"step": 1}\n')     # an attempt stopped before any checkpoint
+    log.start_fresh()
+    assert log.path.read_text() == ""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -153,7 +154,9 @@ def mark_latest(out_dir: Path, step: int) -> None:
 class MetricsLog:
     """``metrics.jsonl`` (or ``name``) in the run dir: rows with a ``step``. On resume at
     step s, rows after s (written by the run that died) are cut, so the file reads as one
-    uninterrupted run."""
+    uninterrupted run; a fresh start (:meth:`start_fresh`) cuts every row of an earlier,
+    interrupted attempt. A last line torn by a kill or a full disk is dropped with a
+    warning; a broken line before it is an error naming the file and line."""
 
     def __init__(self, out_dir: Path, enabled: bool = True, name: str = "metrics.jsonl"):
         self.path = Path(out_dir) / name
@@ -162,9 +165,27 @@ class MetricsLog:
     def resume_at(self, step: int) -> None:
         if not (self.enabled and self.path.exists()):
             return
-        rows = [line for line in self.path.read_text().splitlines() if line.strip()]
-        kept = [r for r in rows if json.loads(r).get("step", 0) <= step]
+        lines = [(i, line) for i, line in enumerate(self.path.read_text().splitlines(), 1)
+                 if line.strip()]
+        kept = []
+        for n, (i, line) in enumerate(lines):
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                if n == len(lines) - 1:  # the row being written when the job died
+                    warnings.warn(f"{self.path}: cut a torn last line {i} ({e.msg}); it was being "
+                                  "written when the run stopped")
+                    continue
+                raise CorruptFileError(f"{self.path} line {i} is not JSON ({e.msg}): {line[:80]!r}; "
+                                       "fix or delete that line, or start a new run dir") from None
+            if row.get("step", 0) <= step:
+                kept.append(line)
         write_atomic(self.path, "".join(r + "\n" for r in kept))
+
+    def start_fresh(self) -> None:
+        """A run starting at step 0: rows an interrupted attempt wrote (step 0 included,
+        it is validated again) are cut."""
+        self.resume_at(-1)
 
     def append(self, *rows: dict) -> None:
         if not (self.enabled and rows):

@@ -338,7 +338,9 @@ class PPOTrainer:
     def resume(self) -> int:
         t = self.cfg.trainer
         path = find_resume_path(str(self.out), t.resume_mode, t.resume_from_path)
-        if path is None:
+        if path is None:  # an attempt interrupted before its first checkpoint wrote rows
+            self.metrics_log.start_fresh()
+            self.samples.start_fresh()
             return 0
         changed = resume_config_changes(path, self.cfg)  # refuses changes that cannot apply
         state = read_json(path / "driver_state.json", RESUME_FIX)

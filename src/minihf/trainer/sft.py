@@ -145,7 +145,9 @@ class SFTDriver:
         self.sft.init_model(self.total_steps)
         step = 0
         resume = find_resume_path(str(self.out), t.resume_mode, t.resume_from_path)
-        if resume is not None:
+        if resume is None:  # an attempt interrupted before its first checkpoint wrote rows
+            self.metrics_log.start_fresh()
+        else:
             changed = resume_config_changes(resume, self.cfg)  # refuses changes that cannot apply
             extra = self.sft.load_checkpoint(str(resume))
             self.sampler.load_state_dict(extra["sampler"])

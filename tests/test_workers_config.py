@@ -96,3 +96,17 @@ def test_rl_config_errors():
                             ("algorithm.kl_ctrl.horizon=0", "horizon=0 >= 1")):
         with pytest.raises(ConfigError, match=match):
             load_config(PPOJobConfig, None, [override])
+
+
+@pytest.mark.parametrize("kind, recipe, role", [("rl", "ppo", "critic"), ("rl", "grpo", "actor"),
+                                                ("sft", "sft_sort", "sft")])
+def test_a_tp_size_in_a_training_role_placement_is_refused_at_load(kind, recipe, role):
+    """The jobs' roles train data-parallel only: a placement tp_size would be silently
+    ignored (the critic ran unsharded by TP, its update twice as long), so it is refused."""
+    from minihf.config import ConfigError, load_config
+    from minihf.trainer.ppo_job import PPOJobConfig
+    from minihf.trainer.sft import SFTConfig
+
+    cls = PPOJobConfig if kind == "rl" else SFTConfig
+    with pytest.raises(ConfigError, match=rf"controller.placement.{role}.tp_size=2: .*data-parallel"):
+        load_config(cls, recipe, [f"controller.placement={{{role}: {{ranks: [0, 1], tp_size: 2}}}}"])

@@ -33,6 +33,16 @@ class RoleSpec:
 PlacementConfig = dict[str, RoleSpec]  # role name -> RoleSpec
 
 
+def refuse_tp(placement: PlacementConfig, why: str) -> None:
+    """A ValueError naming the first role placed with ``tp_size`` > 1, for jobs whose roles
+    train data-parallel only (``why`` says where TP lives instead, if anywhere)."""
+    for role, spec in placement.items():
+        tp = spec.tp_size if isinstance(spec, RoleSpec) else dict(spec).get("tp_size", 1)
+        if tp != 1:
+            raise ValueError(f"controller.placement.{role}.tp_size={tp}: this job's roles train "
+                             f"data-parallel (FSDP) only, so a TP size would be ignored; {why}")
+
+
 def resolve_placement(placement: PlacementConfig, world_size: int,
                       roles: list[str] | None = None) -> dict[str, RoleLayout]:
     """Resolve ``placement`` for ``world_size`` ranks: each role's default layout.

@@ -19,7 +19,7 @@ from typing import Literal, Optional, Union
 
 from minihf.algorithms.kl import KL_PENALTIES
 from minihf.config import ConfigError
-from minihf.controller.config import ControllerConfig
+from minihf.controller.config import ControllerConfig, refuse_tp
 from minihf.trainer.common import check_run_length
 from minihf.workers.config import ActorRolloutRefConfig, CriticConfig, RewardModelConfig
 
@@ -283,6 +283,8 @@ class PPOConfig:
                              "trainer's recomputed old log-probs, but actor.recompute_log_prob="
                              "false uses the engine's as the old ones (verl's bypass mode, "
                              "nothing to correct); set recompute_log_prob to null or true")
+        refuse_tp(self.controller.placement, "generation's tensor parallelism is actor_rollout_"
+                  "ref.rollout.tensor_model_parallel_size; drop tp_size")
         self._check_safe()
 
     def _check_safe(self) -> None:

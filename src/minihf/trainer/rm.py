@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
-from minihf.controller.config import ControllerConfig
+from minihf.controller.config import ControllerConfig, refuse_tp
 from minihf.trainer.sft import SFTDriver, SFTTrainerConfig, check_paths, padded
 from minihf.workers.config import FSDPConfig, ModelConfig
 from minihf.workers.optim import OptimConfig
@@ -53,6 +53,9 @@ class RMConfig:
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     trainer: RMTrainerConfig = field(default_factory=RMTrainerConfig)
     controller: ControllerConfig = field(default_factory=ControllerConfig)
+
+    def __post_init__(self):
+        refuse_tp(self.controller.placement, "drop tp_size")
 
 
 class RMDriver(SFTDriver):

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Literal, Optional, Union
 
 from minihf.config import dump_yaml
-from minihf.controller.config import ControllerConfig
+from minihf.controller.config import ControllerConfig, refuse_tp
 from minihf.trainer.common import (MetricsLog, check_run_dir, check_run_length, find_resume_path,
                                    mark_latest, nothing_to_train, resume_config_changes, run_dir,
                                    save_config)
@@ -72,6 +72,9 @@ class SFTConfig:
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     trainer: SFTTrainerConfig = field(default_factory=SFTTrainerConfig)
     controller: ControllerConfig = field(default_factory=ControllerConfig)
+
+    def __post_init__(self):
+        refuse_tp(self.controller.placement, "drop tp_size")
 
 
 def padded(batch, dp: int, mask_key: str = "loss_mask"):

@@ -34,16 +34,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from minihf.algorithms import AdaptiveKLController, FixedKLController, apply_kl_penalty, masked_mean
-from minihf.algorithms.rollout_correction import compute_rollout_correction_and_rejection_mask
+from minihf.algorithms import AdaptiveKLController, FixedKLController, apply_kl_penalty
 from minihf.config import dump_yaml
 from minihf.protocol import Batch
 from minihf.trainer.common import (RESUME_FIX, Log, MetricsLog, config_json, every,
                                    find_resume_path, format_line, mark_latest, nothing_to_train,
                                    resume_config_changes, run_dir, save_config, write_atomic)
 from minihf.trainer.loggers import Console, Trackers
-from minihf.trainer.metrics import (check_rollout_log_probs, data_metrics, group_metrics,
-                                    rollout_probs_diff, sample_rows, throughput)
+from minihf.trainer.metrics import data_metrics, group_metrics, sample_rows, throughput
+from minihf.trainer.old_log_prob import old_log_prob_phase
 from minihf.trainer.ppo_config import PPOConfig
 from minihf.trainer.reward import RuleReward, at_last_token, load_reward, overlong_penalty
 from minihf.trainer.advantage import estimate_advantages
@@ -214,30 +213,7 @@ class PPOTrainer:
             if every(cfg.trainer.log_samples_freq, step, self.total_steps):
                 self.log_samples(step, sample_rows(batch, step, "train", self.reward, self.tokenizer,
                                                    self.cfg.trainer.log_samples_n, stride=n))
-            source = cfg.old_log_prob_source
-            check = cfg.actor_rollout_ref.rollout.check_log_probs
-            if source == "recompute" or check != "off":  # the check adds the pass otherwise
-                with self._timed(m, "old_log_prob"):
-                    old = self.actor.compute_log_prob(batch, calc_entropy=True,
-                                                      calc_bound=check != "off")
-                m["actor/entropy"] = masked_mean(old["entropys"], batch["response_mask"]).item()
-                if source == "recompute":
-                    batch.tensors["old_log_probs"] = old["old_log_probs"]
-                if "rollout_log_probs" in batch.tensors:
-                    m.update(rollout_probs_diff(batch["rollout_log_probs"], old["old_log_probs"],
-                                                batch["response_mask"]))
-                    if check != "off":
-                        checked, message = check_rollout_log_probs(
-                            batch["rollout_log_probs"], old["old_log_probs"], old["log_prob_bound"],
-                            batch["response_mask"], step, check, batch.non_tensors.get("uid"))
-                        m.update(checked)
-                        if message:
-                            self.log(f"warning: {message}")
-            if source == "rollout":
-                batch.tensors["old_log_probs"] = batch["rollout_log_probs"]
-            if source == "recompute" and "rollout_log_probs" in batch.tensors:
-                self._correct_rollout(batch, m)
-            batch.meta["old_log_probs"] = source  # "update": the actor's own, detached
+            old_log_prob_phase(cfg, self.actor, batch, m, step, self._timed, self.log)
             pending = []  # concurrent when actor and critic are placed apart (_run_calls)
             if cfg.use_ref:
                 pending.append(("ref", self.actor.compute_ref_log_prob))
@@ -270,20 +246,6 @@ class PPOTrainer:
         m.update(data_metrics(batch))
         m.update(throughput(batch, m["timing_s/step"], len(self.actor.ranks)))
         return m
-
-    def _correct_rollout(self, batch: Batch, m: dict) -> None:
-        """``algorithm.rollout_correction`` (decoupled): importance weights for the policy
-        loss and rejected tokens out of the response mask, before the advantages; the
-        ``rollout_corr/*`` off-policy figures always."""
-        rc = self.cfg.algorithm.rollout_correction
-        weights, mask, metrics = compute_rollout_correction_and_rejection_mask(
-            batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"],
-            rc.rollout_is, rc.rollout_is_threshold, rc.rollout_is_batch_normalize,
-            rc.rollout_rs, rc.rollout_rs_threshold)
-        m.update(metrics)
-        batch.tensors["response_mask"] = mask
-        if weights is not None:
-            batch.tensors["rollout_is_weights"] = weights
 
     # -- validation -----------------------------------------------------------------------
     def validate(self, step: int) -> dict:

@@ -1,0 +1,59 @@
+"""The ``old_log_prob`` phase of an RL step: the trainer's log-probs of the sampled tokens,
+checked against the rollout engine's and, with rollout correction on, used to weigh or
+reject the samples.
+
+Where the PPO ratio's old log-probs come from is ``PPOConfig.old_log_prob_source``:
+``recompute`` (this phase's forward), ``update`` (the one-step update's own) or ``rollout``
+(the engine's). ``rollout.check_log_probs`` adds the forward when the source would skip it.
+Rollout correction (``algorithm.rollout_correction``) runs on the driver, before the
+advantages, whenever the old log-probs are recomputed.
+"""
+
+from __future__ import annotations
+
+from minihf.algorithms import masked_mean
+from minihf.algorithms.rollout_correction import compute_rollout_correction_and_rejection_mask
+from minihf.protocol import Batch
+from minihf.trainer.metrics import check_rollout_log_probs, rollout_probs_diff
+
+
+def old_log_prob_phase(cfg, actor, batch: Batch, m: dict, step: int, timed, log) -> None:
+    """Fill ``batch["old_log_probs"]`` (or mark the update's own) and ``m`` with the phase's
+    metrics. ``timed(m, name)`` times a call as ``timing_s/<name>``; ``log`` prints."""
+    source = cfg.old_log_prob_source
+    check = cfg.actor_rollout_ref.rollout.check_log_probs
+    if source == "recompute" or check != "off":  # the check adds the pass otherwise
+        with timed(m, "old_log_prob"):
+            old = actor.compute_log_prob(batch, calc_entropy=True, calc_bound=check != "off")
+        m["actor/entropy"] = masked_mean(old["entropys"], batch["response_mask"]).item()
+        if source == "recompute":
+            batch.tensors["old_log_probs"] = old["old_log_probs"]
+        if "rollout_log_probs" in batch.tensors:
+            m.update(rollout_probs_diff(batch["rollout_log_probs"], old["old_log_probs"],
+                                        batch["response_mask"]))
+            if check != "off":
+                checked, message = check_rollout_log_probs(
+                    batch["rollout_log_probs"], old["old_log_probs"], old["log_prob_bound"],
+                    batch["response_mask"], step, check, batch.non_tensors.get("uid"))
+                m.update(checked)
+                if message:
+                    log(f"warning: {message}")
+    if source == "rollout":
+        batch.tensors["old_log_probs"] = batch["rollout_log_probs"]
+    if source == "recompute" and "rollout_log_probs" in batch.tensors:
+        correct_rollout(cfg.algorithm.rollout_correction, batch, m)
+    batch.meta["old_log_probs"] = source  # "update": the actor's own, detached
+
+
+def correct_rollout(rc, batch: Batch, m: dict) -> None:
+    """``algorithm.rollout_correction`` (decoupled): importance weights for the policy loss
+    and rejected tokens out of the response mask; the ``rollout_corr/*`` off-policy figures
+    always."""
+    weights, mask, metrics = compute_rollout_correction_and_rejection_mask(
+        batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"],
+        rc.rollout_is, rc.rollout_is_threshold, rc.rollout_is_batch_normalize,
+        rc.rollout_rs, rc.rollout_rs_threshold)
+    m.update(metrics)
+    batch.tensors["response_mask"] = mask
+    if weights is not None:
+        batch.tensors["rollout_is_weights"] = weights

@@ -379,7 +379,10 @@ class PPOTrainer:
 
     def summary(self, wall_s: float) -> None:
         vals = [h["val-core/mean"] for h in self.history if "val-core/mean" in h]
-        if vals:
+        if len(vals) == 1:  # e.g. trainer.test_freq=-1: no "last" to compare with
+            self.log(f"validation score: {vals[0]:.4f} (the only validation this run; "
+                     "trainer.test_freq sets how often it runs)")
+        elif vals:
             self.log(f"validation score: {vals[0]:.4f} (first) -> {vals[-1]:.4f} (last)")
         phases = ", ".join(f"{k} {v:.1f}s" for k, v in sorted(self.phase_totals.items(),
                                                                key=lambda kv: -kv[1]))

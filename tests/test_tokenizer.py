@@ -109,3 +109,27 @@ def test_round_trip_in_fresh_offline_process(tok_dir):
     assert child["decoded"] == TEXT
     assert child["chat"] == encode_chat(parent, CHAT)
     assert (child["pad"], child["eos"]) == (0, 3)
+
+
+def test_a_model_dir_with_its_own_tokenizer_code_is_refused_never_run(smollm2_tokenizer_dir, tmp_path):
+    """A tokenizer_config.json whose auto_map points at the dir's own Python: minihf refuses
+    it in one line and never runs it (nor asks "run the custom code? [y/N]")."""
+    import json
+    import shutil
+
+    import pytest
+
+    from minihf.data import load_tokenizer
+
+    d = tmp_path / "custom"
+    shutil.copytree(smollm2_tokenizer_dir, d)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg.update(tokenizer_class="EvilTokenizer", auto_map={"AutoTokenizer": ["evil.EvilTokenizer", "evil.EvilTokenizer"]})
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    marker = tmp_path / "marker"
+    (d / "evil.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n"
+                               "from transformers import PreTrainedTokenizerFast\n"
+                               "class EvilTokenizer(PreTrainedTokenizerFast):\n    pass\n")
+    with pytest.raises(ValueError, match=r"needs its own code .* minihf never runs code from a model dir"):
+        load_tokenizer(d)
+    assert not marker.exists()

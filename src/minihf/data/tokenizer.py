@@ -143,10 +143,21 @@ def load_tokenizer(model_dir: str | Path, padding_side: str = "left"):
     config_file = model_dir / "tokenizer_config.json"
     config = read_json(config_file, "copy a good tokenizer_config.json from the model's source") \
         if config_file.exists() else {}
+    # trust_remote_code=False always: a model dir's own code (``auto_map``) is never run, and
+    # transformers would otherwise ask "run the custom code? [y/N]" on a terminal
     if config.get("tokenizer_class") in _GENERIC_CLASSES and (model_dir / "tokenizer.json").exists():
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(model_dir))
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(model_dir), trust_remote_code=False)
     else:
-        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False)
+        except ValueError as e:
+            if "trust_remote_code" not in str(e):
+                raise
+            raise ValueError(
+                f"load_tokenizer: {model_dir} needs its own code to load its tokenizer "
+                f"(tokenizer_class {config.get('tokenizer_class')!r} via auto_map); minihf never runs "
+                "code from a model dir: use a tokenizer transformers ships (a tokenizer.json with "
+                "tokenizer_class PreTrainedTokenizerFast, or a built-in class)") from None
     if tokenizer.chat_template is None and "chat_template" in config:
         tokenizer.chat_template = config["chat_template"]
     if tokenizer.pad_token is None:

@@ -152,7 +152,9 @@ def convert_gguf(gguf_file: str | Path, out_dir: str | Path, dtype: str = "float
     if arch not in GGUF_ARCHS:
         raise ValueError(f"{src}: GGUF architecture {arch!r} is not one minihf runs; supported: "
                          f"{sorted(GGUF_ARCHS)} (minihf.models implements {sorted(ARCH_PREFIX)})")
-    where = dict(pretrained_model_name_or_path=str(src.parent), gguf_file=src.name)
+    # trust_remote_code=False: minihf never runs code from a model dir (nor asks to)
+    where = dict(pretrained_model_name_or_path=str(src.parent), gguf_file=src.name,
+                 trust_remote_code=False)
     config = AutoConfig.from_pretrained(**where)
     if config.model_type not in ARCH_PREFIX:
         raise ValueError(f"{src}: transformers reads it as model_type {config.model_type!r}, "

@@ -158,8 +158,11 @@ def _recipes(tmp_path):
 def test_post_init_range_checks_carry_path():
     with pytest.raises(ConfigError, match=r"actor\.optim: lr must be > 0, got -1\.0"):
         load_config(RootConfig, None, ["actor.optim.lr=-1"])
-    with pytest.raises(ConfigError, match=r"controller: timeout_s must be > 0, got 0"):
+    with pytest.raises(ConfigError, match=r"controller: timeout_s must be >= 1 .*, got 0"):
         load_config(RootConfig, None, ["controller.timeout_s=0"])
+    # a tiny timeout failed as 117 lines of socket timeouts; now one line at load
+    with pytest.raises(ConfigError, match=r"timeout_s must be >= 1 .*got 0.001: shorter, the ranks"):
+        load_config(RootConfig, None, ["controller.timeout_s=0.001"])
     with pytest.raises(ValueError, match="backend must be"):
         ControllerConfig(backend="mpi")
     with pytest.raises(ConfigError, match=r"controller: idle_timeout_s must be > 0 or null"):

@@ -94,8 +94,9 @@ class ControllerConfig:
     def __post_init__(self):
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', got {self.backend!r}")
-        if not self.timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if not self.timeout_s >= 1:  # below it, starting the process groups alone times out
+            raise ValueError(f"timeout_s must be >= 1 (seconds; the default is 600), got "
+                             f"{self.timeout_s}: shorter, the ranks cannot even connect")
         if self.idle_timeout_s is not None and not self.idle_timeout_s > 0:
             raise ValueError(f"idle_timeout_s must be > 0 or null (no limit while the driver "
                              f"is alive), got {self.idle_timeout_s}")

@@ -172,6 +172,13 @@ def test_batch_sizes_that_do_not_fit_fail_early(tiny_job, tmp_path):
                                           r"divide the 8 sequences of a step .* values that work: "
                                           r"\[2, 4, 8\]"):
         cfg.check_sizes(2, 2)
+    # 8 sequences over 3 ranks: no mini-batch size works, so say what to change instead
+    cfg = job_config(model, data, tmp_path, "grpo", **{"actor_rollout_ref.actor.ppo_mini_batch_size": 8})
+    with pytest.raises(ConfigError, match=r"no value works, as 8 sequences do not split evenly over 3 "
+                                          r"ranks: run on a process count that divides 8 \(1, 2, 4, 8\), or "
+                                          r"make data.train_batch_size x rollout.n a multiple of 3 "
+                                          r"\(e.g. data.train_batch_size=6\)"):
+        cfg.check_sizes(3, 3)
 
 
 FORKED = {

@@ -330,6 +330,16 @@ class PPOConfig:
             return "update"
         return "recompute" if a.recompute_log_prob is None else "rollout"
 
+    def _no_mini_batch_fits(self, rows: int, ranks: int) -> str:
+        """What to change when no mini-batch size splits ``rows`` over ``ranks``."""
+        counts = [d for d in range(1, min(rows, 16) + 1) if rows % d == 0]
+        n, batch = self.actor_rollout_ref.rollout.n, self.data.train_batch_size
+        fit = next(b for b in range(batch, batch + ranks + 1) if b * n % ranks == 0)
+        return (f"no value works, as {rows} sequences do not split evenly over {ranks} ranks: run "
+                f"on a process count that divides {rows} ({', '.join(map(str, counts))}), or make "
+                f"data.train_batch_size x rollout.n a multiple of {ranks} (e.g. "
+                f"data.train_batch_size={fit})")
+
     def check_sizes(self, actor_ranks: int, critic_ranks: int) -> None:
         """Batch sizes that do not fit the ranks fail here, naming the key and what works."""
         rows = self.data.train_batch_size * self.actor_rollout_ref.rollout.n
@@ -345,4 +355,5 @@ class PPOConfig:
                     f"{key}={mini} must divide the {rows} sequences of a step "
                     f"(data.train_batch_size={self.data.train_batch_size} x rollout.n="
                     f"{self.actor_rollout_ref.rollout.n}) and be a multiple of the {ranks} "
-                    f"ranks that train it; values that work: {ok}")
+                    f"ranks that train it; " + (f"values that work: {ok}" if ok
+                                                else self._no_mini_batch_fits(rows, ranks)))

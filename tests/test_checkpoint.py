@@ -161,3 +161,21 @@ def test_a_crafted_checkpoint_never_runs_code(tmp_path):
     torch.save(state, ckpt / "extra" / "rank_0.pt")
     first = draw()
     assert load_checkpoint(ckpt, model, opt, sched) == {"step": 3} and draw() == first
+
+
+@pytest.mark.parametrize("damage", ["empty", "truncated", "junk", "not_a_dict"])
+def test_a_damaged_extra_file_is_named(tmp_path, damage):
+    """An empty, truncated or foreign ``extra/rank_0.pt`` is one line naming the file and
+    the way out, not a traceback from inside torch."""
+    from minihf.utils.files import CorruptFileError
+
+    model, opt, sched, _ = trained(False)
+    ckpt = save_checkpoint(tmp_path / "ckpt", model, opt, sched)
+    f = ckpt / "extra" / "rank_0.pt"
+    if damage == "not_a_dict":
+        torch.save([1, 2], f)
+    else:
+        f.write_bytes({"empty": b"", "truncated": f.read_bytes()[:200], "junk": b"hello world"}[damage])
+    with pytest.raises(CorruptFileError, match=r"rank_0\.pt (is empty, truncated or damaged|is not a "
+                                               r"minihf extra-state file).*resume an earlier"):
+        load_checkpoint(ckpt, model, opt, sched)

@@ -112,6 +112,21 @@ def load_extra(path: str | Path) -> dict:
     """``torch.load(path)`` of an ``extra/rank_N.pt``, data only (NumPy arrays admitted)."""
     try:
         with torch.serialization.safe_globals(NUMPY_ARRAY_GLOBALS):
-            return torch.load(path, weights_only=True)
+            saved = torch.load(path, weights_only=True)
     except pickle.UnpicklingError as exc:
+        if "Weights only load failed" not in str(exc):
+            raise _damaged(path, exc) from None
         raise _refuse(path, "a non-data object", str(exc).split("\n")[0]) from None
+    except Exception as exc:  # empty, truncated, not a torch file (EOFError, KeyError, ...)
+        raise _damaged(path, exc) from None
+    if not isinstance(saved, dict) or not {"lr_scheduler", "rng", "extra"} <= saved.keys():
+        raise CorruptFileError(f"{path} is not a minihf extra-state file (it holds "
+                               f"{type(saved).__name__}); resume an earlier global_step_N or "
+                               "start fresh (trainer.resume_mode=disable)")
+    return saved
+
+
+def _damaged(path, exc: BaseException) -> CorruptFileError:
+    first = str(exc).strip().split("\n")[0][:160] or type(exc).__name__
+    return CorruptFileError(f"{path} is empty, truncated or damaged ({first}); resume an earlier "
+                            "global_step_N or start fresh (trainer.resume_mode=disable)")

@@ -262,3 +262,23 @@ def test_resume_with_a_longer_schedule_is_on_the_new_curve_at_once(tmp_path):
     # float64 lr from the same formula: approx's default rel=1e-6 only absorbs rounding
     assert longer.optimizer.param_groups[0]["lr"] == pytest.approx(want)
     assert longer.optimizer.param_groups[0]["lr"] > state.optimizer.param_groups[0]["lr"]
+
+
+def test_lengths_past_the_models_context_fail_at_start_up(model_dir, tmp_path):
+    """data.max_response_length=100000 with a 2048-token model failed at the first
+    validation, allocating its KV cache; now at start-up, naming both numbers."""
+    import json
+
+    from minihf.config import ConfigError, load_config
+    from minihf.data import make_task_data
+    from minihf.trainer.ppo_job import PPOJobConfig, check_paths
+
+    make_task_data("sort", tmp_path / "d", 4, 2)
+    context = json.loads((model_dir / "config.json").read_text())["max_position_embeddings"]
+    common = [f"data.train_files={tmp_path}/d/train.parquet", f"data.val_files={tmp_path}/d/test.parquet",
+              f"actor_rollout_ref.model.path={model_dir}", f"trainer.default_local_dir={tmp_path}/run"]
+    cfg = load_config(PPOJobConfig, "grpo", common + ["data.max_response_length=100000"])
+    with pytest.raises(ConfigError, match=rf"max_prompt_length \+ data.max_response_length = \d+ \+ 100000 "
+                                          rf"exceeds the model's context, max_position_embeddings={context}"):
+        check_paths(cfg)
+    check_paths(load_config(PPOJobConfig, "grpo", common))   # the recipe's own lengths fit

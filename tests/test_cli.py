@@ -90,3 +90,26 @@ def test_train_refuses_bad_recipes_and_keys_with_one_line():
     assert res.exit_code == 2 and "did you mean 'grpo'" in res.output, res.output
     res = CliRunner().invoke(app, ["train", "ppo", "algorithm.adv_estimatr=gae"])
     assert res.exit_code == 2 and "adv_estimator" in res.output, res.output
+
+
+def test_output_paths_under_a_file_are_one_line(tmp_path):
+    """``minihf export CKPT afile/sub`` and ``init-model afile/x`` name the file in the way
+    (they failed with a NotADirectoryError traceback)."""
+    from typer.testing import CliRunner
+
+    from minihf.cli import app
+
+    (tmp_path / "afile").write_text("x")
+    runner = CliRunner()
+    res = runner.invoke(app, ["init-model", str(tmp_path / "afile" / "x")])
+    flat = " ".join(res.output.replace("│", " ").split())
+    assert res.exit_code == 2 and "afile is a file, not a directory" in flat, res.output
+    assert runner.invoke(app, ["init-model", str(tmp_path / "m")]).exit_code == 0
+    ckpt = tmp_path / "ckpt"
+    from minihf.models import load_hf
+    from minihf.utils.checkpoint import save_checkpoint
+
+    save_checkpoint(ckpt, load_hf(tmp_path / "m"), hf_source=tmp_path / "m")
+    res = runner.invoke(app, ["export", str(ckpt), str(tmp_path / "afile" / "sub")])
+    flat = " ".join(res.output.replace("│", " ").split())
+    assert res.exit_code == 2 and "export target" in flat and "afile is a file" in flat, res.output

@@ -108,3 +108,9 @@ def test_cli_errors_name_the_fix(ckpt, tmp_path):
     res = runner.invoke(app, ["eval", str(ckpt / "run" / "global_step_2"), "--data",
                               str(ckpt / "data" / "test.parquet"), "-n", "2", "--max-tokens", "4", "--no-greedy"])
     assert res.exit_code == 0 and "minihf/digits/pass@2" in res.output, res.output
+    # a --json path that cannot be written fails before the evaluation runs, not after it
+    for bad, why in ((tmp_path / "missing" / "m.json", "does not exist"), (tmp_path, "is a directory")):
+        res = runner.invoke(app, ["eval", str(ckpt / "run" / "global_step_2"), "--data",
+                                  str(ckpt / "data" / "test.parquet"), "--json", str(bad)])
+        flat = " ".join(res.output.replace("│", " ").split())   # rich wraps the message in a box
+        assert res.exit_code == 2 and why in flat and "pass@" not in flat, res.output

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from minihf.data.tasks import get_task
 from minihf.data.tokenizer import build_char_tokenizer, save_tokenizer
+from minihf.utils.files import check_output_dir
 
 ARCHS = ("qwen2", "llama", "qwen3", "mistral")
 # Embedding rows are padded to a multiple of this (as real checkpoints do, e.g. Qwen2's
@@ -96,6 +97,7 @@ def init_model(out_dir: str | Path, arch: str = "qwen2", size: str = "tiny", tas
     task_module = get_task(task)
     check_choice(arch, size)
     out_dir = Path(out_dir)
+    check_output_dir(out_dir, "init-model: the model dir")
     if (out_dir / "config.json").exists() or (out_dir / "model.safetensors").exists():
         raise FileExistsError(f"{out_dir} already holds a model; choose a new directory or delete it first")
     if tokenizer is None:

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
-from minihf.utils.files import CorruptFileError, read_json
+from minihf.utils.files import CorruptFileError, check_output_dir, read_json
 from minihf.utils.safe_load import (SafeFileSystemReader, SafeLoadPlanner, UnsafeCheckpointError,
                                     load_extra)
 
@@ -208,8 +208,7 @@ def export_hf(ckpt: str | Path, out: str | Path, dtype: torch.dtype | None = Non
                                 "pass a dir written by training (.../global_step_N, or a role's "
                                 ".../global_step_N/critic)")
     ckpt = found
-    if out.exists() and not out.is_dir():
-        raise FileExistsError(f"export target {out} is a file; pass a directory path")
+    check_output_dir(out, "export target")
     head = read_json(ckpt / "meta.json", "the checkpoint was not written completely; export an earlier "
                      "global_step_N").get("head")
     model = build_model(load_args(ckpt / "hf"), head)

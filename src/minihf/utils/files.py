@@ -57,3 +57,15 @@ def read_int(path: str | Path, fix: str) -> int:
     except ValueError:
         shown = repr(text[:40]) if text else "nothing"
         raise CorruptFileError(f"{path} holds {shown}, not a step number; {fix}") from None
+
+
+def check_output_dir(path: str | Path, what: str) -> None:
+    """A FileExistsError naming ``what`` if directory ``path`` cannot be created because it, or
+    one of its parents, is a file (e.g. ``minihf export CKPT afile/sub``)."""
+    path = Path(path)
+    for p in [path, *path.parents]:
+        if p.exists():
+            if not p.is_dir():
+                raise FileExistsError(f"{what} {path}: {p} is a file, not a directory; choose "
+                                      "another path")
+            return

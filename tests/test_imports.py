@@ -58,3 +58,31 @@ def test_recipe_relative_paths(tmp_path, monkeypatch):
     cfg = load_config(PPOConfig, str(recipe / "config.yaml"),
                       ["custom_reward_function.path=r/reward.py"])
     assert cfg.custom_reward_function.path == "r/reward.py"
+
+
+def test_loading_a_config_runs_no_recipe_code(tmp_path):
+    """``minihf config show`` (and every config load) checks a ``file.py:name`` estimator by
+    reading the file, not running it: a module-level side effect never happens, and a
+    missing name or a syntax error is still one line."""
+    from typer.testing import CliRunner
+
+    from minihf.cli import app
+    from minihf.config import ConfigError, load_config
+    from minihf.trainer.ppo_job import PPOJobConfig
+
+    marker = tmp_path / "marker"
+    algo = tmp_path / "algo.py"
+    algo.write_text(f"open({str(marker)!r}, 'w').write('ran')\n\n"
+                    "def my_adv(token_level_rewards, response_mask, index, **kw):\n    return 0, 0\n")
+    cfg = load_config(PPOJobConfig, "grpo", [f"algorithm.adv_estimator={algo}:my_adv"])
+    assert cfg.algorithm.adv_estimator.endswith("algo.py:my_adv")
+    res = CliRunner().invoke(app, ["config", "show", "grpo", f"algorithm.adv_estimator={algo}:my_adv"])
+    assert res.exit_code == 0, res.output
+    assert not marker.exists()
+    with pytest.raises(ConfigError, match=r"algo.py has no advantage estimator 'nope'; names defined "
+                                          r"there: \['my_adv'\]"):
+        load_config(PPOJobConfig, "grpo", [f"algorithm.adv_estimator={algo}:nope"])
+    algo.write_text("def broken(:\n")
+    with pytest.raises(ConfigError, match=r"algo.py, line 1: .*def broken\(:; fix the file"):
+        load_config(PPOJobConfig, "grpo", [f"algorithm.adv_estimator={algo}:broken"])
+    assert not marker.exists()

@@ -8,11 +8,13 @@ loss). A file is executed once per process, whatever the number of references to
 
 Relative paths in a recipe's YAML are made absolute from the recipe's folder by
 ``minihf.config.load_config``; relative paths given on the command line are from the
-working directory (the same on every rank under ``torchrun``).
+working directory (the same on every rank under ``torchrun``). Loading or showing a
+config runs no recipe code: :func:`check_ref` reads the file's syntax tree for the name.
 """
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import importlib.util
 import re
@@ -82,3 +84,37 @@ def load_ref(ref: str, what: str = "function"):
     """The callable a ``file.py:name`` reference names."""
     path, name = split_ref(ref)
     return load_object(path, name, what)
+
+
+def _bound_names(tree: ast.Module) -> set[str]:
+    """Names a module binds at top level: defs, classes, assignments and imports."""
+    names: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    return names
+
+
+def check_ref(ref: str, what: str = "function") -> None:
+    """Check a ``file.py:name`` reference without running the file: it exists, parses, and
+    binds ``name`` at top level. Raises what :func:`load_ref` would (FileNotFoundError,
+    ValueError for a syntax error, AttributeError for a missing name)."""
+    path, name = split_ref(ref)
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist (relative paths are from {Path.cwd()}, "
+                                "or from the recipe folder in a recipe's config.yaml)")
+    try:
+        tree = ast.parse(path.read_text(), filename=str(path))
+    except SyntaxError as e:
+        line = f": {e.text.strip()}" if e.text else ""
+        raise ValueError(f"{path}, line {e.lineno}: {e.msg}{line}; fix the file") from None
+    names = _bound_names(tree)
+    if name not in names:
+        found = sorted(n for n in names if not n.startswith("_"))
+        raise AttributeError(f"{path} has no {what} {name!r}; names defined there: {found}")

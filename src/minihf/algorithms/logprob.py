@@ -43,9 +43,14 @@ def logit_abs_scale(hidden: torch.Tensor, weight: torch.Tensor, temperature: flo
     ``max_v |z_v / T|`` from above).
 
     hidden: ``[..., H]`` final normed hidden states; weight: ``[V, H]`` the LM head.
-    Returns ``[...]`` in the wider of the two dtypes.
+    Returns ``[...]`` in the wider of the two dtypes. Computed 256 rows at a time, so the
+    ``[rows, V]`` product stays small for a large vocabulary.
     """
-    return (hidden.abs() @ weight.abs().T).amax(-1) / temperature  # [...]
+    rows = hidden.abs().reshape(-1, hidden.shape[-1])                   # [N, H]
+    w = weight.abs().T                                                   # [H, V]
+    scale = torch.cat([(chunk @ w).amax(-1) for chunk in rows.split(256)]) if len(rows) \
+        else rows.new_zeros(0)                                           # [N]
+    return scale.reshape(hidden.shape[:-1]) / temperature               # [...]
 
 
 def logprob_rounding_bound(logit_scale: torch.Tensor, dtype: torch.dtype = torch.float32,

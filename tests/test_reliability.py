@@ -224,7 +224,9 @@ def test_every_entry_point_takes_the_same_keys_and_hints_the_dotted_path():
 
     for cls, recipe in ((PPOJobConfig, "grpo"), (SFTConfig, "sft_sort"), (RMConfig, "rm_sort")):
         assert load_config(cls, recipe, ["controller.timeout_s=5"]).controller.timeout_s == 5.0
-        with pytest.raises(ConfigError, match=r"unknown key 'timeout_s'; did you mean 'controller.timeout_s'\?"):
+        # (RL configs also have custom_reward/cost_function.timeout_s: listed after it)
+        with pytest.raises(ConfigError, match=r"unknown key 'timeout_s'; did you mean 'controller.timeout_s'"
+                                              r"( or '[\w.]+')*\?"):
             load_config(cls, recipe, ["timeout_s=5"])
     with pytest.raises(ConfigError, match=r"did you mean 'actor_rollout_ref.actor.optim.lr' or 'cost_critic.optim.lr' "
                                           r"or 'critic.optim.lr'\?"):
@@ -282,3 +284,46 @@ def test_lengths_past_the_models_context_fail_at_start_up(model_dir, tmp_path):
                                           rf"exceeds the model's context, max_position_embeddings={context}"):
         check_paths(cfg)
     check_paths(load_config(PPOJobConfig, "grpo", common))   # the recipe's own lengths fit
+
+
+def test_a_reward_that_never_returns_stops_the_run_or_scores_zero():
+    """custom_reward_function.timeout_s: a call past it stops the run naming the sample and
+    the function within about that long (the job hung before), or, with on_timeout=zero,
+    scores 0 and counts it; the hung call is abandoned, the other samples are scored."""
+    import threading
+    import time
+
+    from minihf.data import RewardError, compute_score
+
+    release = threading.Event()
+
+    def fn(source, text, truth, info):
+        if text == "hang":
+            release.wait(60)                                   # "never" returns
+        return 1.0
+
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(RewardError, match=r"reward function 'fn' did not return within timeout_s=0.2 on "
+                                              r"sample 1 \(data_source='s'\)"):
+            compute_score(fn, ["s"] * 3, ["a", "hang", "b"], ["x"] * 3, timeout_s=0.2)
+        assert time.monotonic() - t0 < 5
+        scores, extras = compute_score(fn, ["s"] * 4, ["a", "hang", "b", "hang"], ["x"] * 4,
+                                       timeout_s=0.2, on_timeout="zero")
+        assert scores == [1.0, 0.0, 1.0, 0.0] and extras["timed_out"] == [0.0, 1.0, 0.0, 1.0]
+        assert compute_score(fn, ["s"], ["a"], ["x"]) == ([1.0], {})   # no limit: called directly
+    finally:
+        release.set()
+
+
+def test_reward_timeout_config_errors():
+    from minihf.config import ConfigError, load_config
+    from minihf.trainer.ppo_job import PPOJobConfig
+
+    cfg = load_config(PPOJobConfig, "grpo", ["custom_reward_function.timeout_s=5",
+                                             "custom_reward_function.on_timeout=zero"])
+    assert cfg.custom_reward_function.timeout_s == 5.0
+    with pytest.raises(ConfigError, match=r"timeout_s=0.0 must be > 0"):
+        load_config(PPOJobConfig, "grpo", ["custom_reward_function.timeout_s=0"])
+    with pytest.raises(ConfigError, match=r"on_timeout"):
+        load_config(PPOJobConfig, "grpo", ["custom_reward_function.on_timeout=skip"])

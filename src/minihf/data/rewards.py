@@ -11,7 +11,9 @@ the sample index and data source -- a crashing reward is a bug to see, not a sil
 from __future__ import annotations
 
 import math
+import queue
 import re
+import threading
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -116,13 +118,69 @@ def load_reward_fn(path: str | Path, name: str = "compute_score") -> RewardFn:
     return load_object(path, name, "reward function")
 
 
+TIMED_OUT = "timed_out"  # the extras key counting samples scored 0 after a timeout
+
+
+class _Watched:
+    """Calls of ``fn`` in a daemon thread, each waited for at most ``timeout_s``: a call
+    that never returns is abandoned (a daemon thread cannot keep the process alive) and
+    later calls go to a fresh thread. Python cannot stop the abandoned call itself."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self._start()
+
+    def _start(self) -> None:
+        self.inbox, self.outbox = queue.Queue(), queue.Queue()
+        threading.Thread(target=self._loop, args=(self.fn, self.inbox, self.outbox),
+                         name="minihf-reward", daemon=True).start()
+
+    @staticmethod
+    def _loop(fn, inbox, outbox) -> None:
+        while (args := inbox.get()) is not None:
+            try:
+                outbox.put((True, fn(*args)))
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+                outbox.put((False, exc))
+
+    def __call__(self, args: tuple, timeout_s: float):
+        self.inbox.put(args)
+        try:
+            ok, value = self.outbox.get(timeout=timeout_s)
+        except queue.Empty:
+            self._start()
+            raise TimeoutError from None
+        if not ok:
+            raise value
+        return value
+
+    def close(self) -> None:
+        self.inbox.put(None)
+
+
 def compute_score(fn: RewardFn, data_sources: Sequence[str], solutions: Sequence[str], ground_truths: Sequence[Any],
-                  extra_infos: Sequence[dict | None] | None = None) -> tuple[list[float], dict[str, list[float]]]:
+                  extra_infos: Sequence[dict | None] | None = None, timeout_s: float | None = None,
+                  on_timeout: str = "error") -> tuple[list[float], dict[str, list[float]]]:
     """Run ``fn`` on every sample: ``(scores, extra metrics by name)``.
 
     Extra metrics come from dict results (all keys but ``"score"``); samples that did not
-    report a key get NaN for it so every list has one entry per sample.
+    report a key get NaN for it so every list has one entry per sample. With ``timeout_s``,
+    a call that has not returned by then raises :class:`RewardError` naming the sample
+    (``on_timeout="error"``), or scores 0 and counts as 1 in ``extras["timed_out"]``
+    (``"zero"``).
     """
+    if on_timeout not in ("error", "zero"):
+        raise ValueError(f"on_timeout={on_timeout!r}; choose error or zero")
+    watched = _Watched(fn) if timeout_s is not None else None
+    try:
+        return _score_all(fn, watched, timeout_s, on_timeout, data_sources, solutions,
+                          ground_truths, extra_infos)
+    finally:
+        if watched is not None:
+            watched.close()
+
+
+def _score_all(fn, watched, timeout_s, on_timeout, data_sources, solutions, ground_truths, extra_infos):
     n = len(solutions)
     if not (len(data_sources) == len(ground_truths) == n) or (extra_infos is not None and len(extra_infos) != n):
         raise ValueError(
@@ -134,7 +192,18 @@ def compute_score(fn: RewardFn, data_sources: Sequence[str], solutions: Sequence
     for i in range(n):
         source, info = data_sources[i], (extra_infos[i] if extra_infos is not None else None)
         try:
-            result = fn(source, solutions[i], ground_truths[i], info)
+            args = (source, solutions[i], ground_truths[i], info)
+            result = fn(*args) if watched is None else watched(args, timeout_s)
+        except TimeoutError:
+            if on_timeout == "error":
+                raise RewardError(
+                    f"reward function {getattr(fn, '__name__', fn)!r} did not return within "
+                    f"timeout_s={timeout_s} on sample {i} (data_source={source!r}); make it faster, "
+                    "raise custom_reward_function.timeout_s, or set on_timeout=zero to score such "
+                    "samples 0") from None
+            extras.setdefault(TIMED_OUT, [0.0] * n)[i] = 1.0
+            scores.append(0.0)
+            continue
         except Exception as exc:
             raise RewardError(
                 f"reward function {getattr(fn, '__name__', fn)!r} raised on sample {i} (data_source={source!r}): "

@@ -88,7 +88,8 @@ class PPOTrainer:
         if t.total_training_steps is not None:
             self.total_steps = min(self.total_steps, t.total_training_steps)
         r = cfg.custom_reward_function
-        self.reward = RuleReward(load_reward(r.path, r.name), tok, r.skip_special_tokens)
+        self.reward = RuleReward(load_reward(r.path, r.name), tok, r.skip_special_tokens,
+                                 r.timeout_s, r.on_timeout)
         k = cfg.algorithm.kl_ctrl
         self.kl_ctrl = (AdaptiveKLController(k.kl_coef, k.target_kl, k.horizon)
                         if k.type == "adaptive" else FixedKLController(k.kl_coef))

@@ -163,8 +163,14 @@ class CustomRewardConfig:
     path: Optional[str] = None           # a .py file: from the recipe folder in a recipe's YAML,
     name: str = "compute_score"          # from the working directory on the command line
     skip_special_tokens: bool = True     # decode responses without special tokens (verl); false: the function sees e.g. the final <|im_end|>
+    timeout_s: Optional[float] = None    # per sample; a call past it stops the run naming the sample (null: no limit)
+    on_timeout: Literal["error", "zero"] = "error"  # zero: such a sample scores 0 (reward_extra/timed_out/mean)
 
     def __post_init__(self):
+        if self.timeout_s is not None and not self.timeout_s > 0:
+            raise ValueError(f"timeout_s={self.timeout_s} must be > 0 (seconds per sample) or null")
+        if self.on_timeout not in ("error", "zero"):
+            raise ValueError(f"on_timeout={self.on_timeout!r}; choose error or zero")
         if self.path and not Path(self.path).is_file():
             raise ValueError(f"path={self.path!r} does not exist (relative to {Path.cwd()}); "
                              "name a .py file with the reward function")

@@ -5,7 +5,8 @@ extra_info) -> float | dict`` (a dict has ``score`` plus extra per-sample values
 ``reward_extra/<key>/mean``): the built-ins (``minihf.data.default_reward_fn``) or the one
 ``custom_reward_function.path/name`` names, imported from its file on the driver (a
 recipe's ``reward.py`` is found in the recipe folder, see ``minihf.config``). One that
-raises stops the run naming the sample (``RewardError``).
+raises stops the run naming the sample (``RewardError``), and so does one that does not
+return within ``custom_reward_function.timeout_s`` (or it scores 0 with ``on_timeout=zero``).
 """
 
 from __future__ import annotations
@@ -45,8 +46,10 @@ class RuleReward:
     tokens only (``response_mask``: no padding, even where pad = eos), with special tokens
     (the final ``<|im_end|>``) removed unless ``skip_special_tokens=False``."""
 
-    def __init__(self, fn, tokenizer, skip_special_tokens: bool = True):
+    def __init__(self, fn, tokenizer, skip_special_tokens: bool = True,
+                 timeout_s: float | None = None, on_timeout: str = "error"):
         self.fn, self.tokenizer, self.skip_special_tokens = fn, tokenizer, skip_special_tokens
+        self.timeout_s, self.on_timeout = timeout_s, on_timeout
 
     def decode(self, batch: Batch) -> list[str]:
         return [self.tokenizer.decode(r[m.bool()].tolist(), skip_special_tokens=self.skip_special_tokens)
@@ -59,7 +62,8 @@ class RuleReward:
         nt = batch.non_tensors
         extra = nt["extra_info"] if "extra_info" in nt else None
         scores, extras = compute_score(self.fn, list(nt["data_source"]), texts,
-                                       list(nt["ground_truth"]), extra)
+                                       list(nt["ground_truth"]), extra, self.timeout_s,
+                                       self.on_timeout)
         token_scores = at_last_token(torch.tensor(scores), batch["response_mask"])
         metrics = {}
         for key, values in extras.items():

@@ -68,7 +68,7 @@ class SafeRLHF:
         self.model = groups.get("cost_model")
         c = cfg.custom_cost_function
         self.rule = RuleReward(load_reward_fn(c.path, c.name) if c.path else default_cost_fn,
-                               tokenizer, c.skip_special_tokens)
+                               tokenizer, c.skip_special_tokens, c.timeout_s, c.on_timeout)
         self.lagrange = LagrangeMultiplier(self.s.lambda_init, self.s.lambda_lr, self.s.cost_limit,
                                            self.s.lambda_max)
 

@@ -262,7 +262,12 @@ def eval_(
     if not files:
         raise typer.BadParameter("no prompt files; list them after MODEL or pass --data FILE")
     if json_out:  # before the evaluation, not after it
-        _check_writable_file(Path(json_out), "--json")
+        from minihf.utils.files import check_writable_file
+
+        try:
+            check_writable_file(json_out, "--json")
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from exc
     group = join_launcher_group()  # under torchrun: the prompts are split over the ranks
     try:
         cfg = EvalConfig(n=n, temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy,
@@ -283,20 +288,6 @@ def eval_(
         typer.echo(f"{key:<40} {value:.4f}" if isinstance(value, float) else f"{key:<40} {value}")
     if json_out:
         Path(json_out).write_text(json.dumps(metrics, indent=2) + "\n")
-
-
-def _check_writable_file(path: Path, option: str) -> None:
-    """A BadParameter unless ``path`` can be written as a file (its directory exists and is
-    writable, and it is not itself a directory)."""
-    import os
-
-    if path.is_dir():
-        raise typer.BadParameter(f"{option} {path} is a directory; give a file path")
-    if not path.parent.is_dir():
-        raise typer.BadParameter(f"{option} {path}: {path.parent} does not exist (or is a file); "
-                                 "create the directory first or choose another path")
-    if not os.access(path.parent, os.W_OK):
-        raise typer.BadParameter(f"{option} {path}: {path.parent} is not writable")
 
 
 @app.command("convert-gguf")

@@ -9,6 +9,7 @@ decoder's traceback without the file name.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -69,3 +70,16 @@ def check_output_dir(path: str | Path, what: str) -> None:
                 raise FileExistsError(f"{what} {path}: {p} is a file, not a directory; choose "
                                       "another path")
             return
+
+
+def check_writable_file(path: str | Path, what: str) -> None:
+    """A ValueError naming ``what`` unless ``path`` can be written as a file: not a
+    directory, in an existing, writable directory (checked before long work, not after)."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{what} {path} is a directory; give a file path")
+    if not path.parent.is_dir():
+        raise ValueError(f"{what} {path}: {path.parent} does not exist (or is a file); create "
+                         "the directory first or choose another path")
+    if not os.access(path.parent, os.W_OK):
+        raise ValueError(f"{what} {path}: {path.parent} is not writable")

@@ -1,6 +1,10 @@
 """``minihf generate``: text in, text out, on an offline random-init model; greedy output equals
 the library's for the same ids."""
 
+import os
+import subprocess
+import sys
+
 from typer.testing import CliRunner
 
 from minihf.cli import app
@@ -52,6 +56,12 @@ def test_generate_refuses_unknown_characters_and_says_why_it_stopped(tmp_path):
     flat = " ".join(res.output.replace("│", " ").split())
     assert res.exit_code != 0 and "has characters outside the model's vocabulary: [';', 'x']" in flat
     assert "pass --allow-unk" in flat
+    # bytes that are not UTF-8 on the command line (Python passes them as surrogate escapes)
+    res = subprocess.run([sys.executable, "-c", "from minihf.cli import app; app()", "generate", str(model),
+                          "--prompt", os.fsdecode(b"1,\xff2")], capture_output=True, text=True, timeout=120)
+    flat = " ".join(res.stderr.replace("│", " ").split())
+    assert res.returncode != 0 and "prompt 1 is not UTF-8 text (byte 0xff at character 2); pass UTF-8" in flat, res.stderr
+    assert "Traceback" not in res.stderr and len(res.stderr.splitlines()) < 10, res.stderr
     res = runner.invoke(app, ["generate", str(model), "--prompt", "1,2x", "--allow-unk", "--max-tokens", "2"])
     assert res.exit_code == 0 and res.output.startswith("'1,2x' -> ")
     # greedy on a random model rarely stops: 40 tokens do not fit a context of 10

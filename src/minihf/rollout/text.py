@@ -39,6 +39,14 @@ def generate_text(model_dir: str | Path, prompts: list[str], params: SamplingPar
     """
     from minihf.utils.checkpoint import model_dir_of
 
+    for i, p in enumerate(prompts):  # a non-UTF-8 argument arrives with surrogate escapes
+        try:
+            p.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            byte = ord(p[exc.start]) - 0xDC00 if 0xDC80 <= ord(p[exc.start]) <= 0xDCFF else None
+            shown = f"byte 0x{byte:02x}" if byte is not None else repr(p[exc.start])
+            raise ValueError(f"prompt {i + 1} is not UTF-8 text ({shown} at character {exc.start}); pass "
+                             "UTF-8 (e.g. `iconv -f latin1 -t utf-8` on the file it came from)") from None
     with tempfile.TemporaryDirectory(prefix="minihf-generate-") as scratch:
         return _generate_text(model_dir_of(model_dir, Path(scratch)), prompts, params, chat,
                               max_model_len, allow_unk)

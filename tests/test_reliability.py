@@ -327,3 +327,50 @@ def test_reward_timeout_config_errors():
         load_config(PPOJobConfig, "grpo", ["custom_reward_function.timeout_s=0"])
     with pytest.raises(ConfigError, match=r"on_timeout"):
         load_config(PPOJobConfig, "grpo", ["custom_reward_function.on_timeout=skip"])
+
+
+@pytest.mark.parametrize("target", ["model/__0_0.distcp", "model/.metadata.tmp"])
+def test_a_full_disk_while_saving_is_one_line(tmp_path, target):
+    """Writes into /dev/full fail as on a full disk: torch's writer (a shard) reports only
+    "unexpected pos 704 vs 598", Python's (DCP's metadata) ENOSPC; both become one line
+    naming the checkpoint and what was kept."""
+    from minihf.utils.files import WriteFailedError, short_write
+
+    (tmp_path / "ckpt" / "model").mkdir(parents=True)
+    (tmp_path / "ckpt" / target).symlink_to("/dev/full")
+    with pytest.raises(WriteFailedError, match=rf"could not write the checkpoint {tmp_path}/ckpt: no space left on device, "
+                                               r"\d+ MiB free there now; it is incomplete and never used: "
+                                               r"latest_checkpointed_iteration.txt still names the previous"):
+        save_checkpoint(tmp_path / "ckpt", small(), extra={"step": 1})
+    torn = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")  # e.g. a quota
+    assert "a write stopped short (disk full or over quota?)" in str(short_write(torn, tmp_path, "x", "kept"))
+    assert short_write(RuntimeError("shape mismatch"), tmp_path, "x", "kept") is None
+
+
+def test_a_full_disk_during_an_rl_run_keeps_the_last_checkpoint(tmp_path):
+    """The save of step 2 fails as on a full disk: the job ends with one line from the rank
+    that wrote, the pointer still names step 1, and the same command, once there is space,
+    resumes from step 1 and finishes."""
+    from minihf.data import init_model, make_task_data
+
+    from test_controller_launch import _run
+    from test_locks import _args
+
+    init_model(tmp_path / "model", size="tiny", task="sort")
+    make_task_data("sort", tmp_path / "data", 16, 4, seed=0)
+    run_dir = tmp_path / "run"
+    shard = run_dir / "global_step_2" / "actor" / "model" / "__0_0.distcp"
+    shard.parent.mkdir(parents=True)
+    shard.symlink_to("/dev/full")
+    cmd = _args(tmp_path, run_dir, 3) + ["trainer.save_freq=1"]
+    full = _run(cmd, timeout=180)
+    assert full.returncode == 1, full.log
+    assert (f"job failed: actor.save_checkpoint failed on rank 0: WriteFailedError: could not write the checkpoint "
+            f"{run_dir}/global_step_2/actor: no space left on device") in full.stderr, full.log
+    assert "Traceback" not in full.stderr, full.log
+    assert (run_dir / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+    shard.unlink()
+    rerun = _run(cmd, timeout=180)
+    assert rerun.returncode == 0, rerun.log
+    assert f"resumed from {run_dir}/global_step_1" in rerun.stdout, rerun.log
+    assert (run_dir / "latest_checkpointed_iteration.txt").read_text().strip() == "3"

@@ -16,14 +16,27 @@ class ControllerError(RuntimeError):
 
 
 class RemoteError(RuntimeError):
-    """A worker method raised on ``rank``; ``traceback`` is the remote traceback text."""
+    """A worker method raised on ``rank``; ``traceback`` is the remote traceback text;
+    ``summary`` the one line that says it all, for an error minihf raised for the user
+    (``user_summary``), else None."""
 
-    def __init__(self, rank: int, role: str, method: str, traceback: str):
+    def __init__(self, rank: int, role: str, method: str, traceback: str, summary: str | None = None):
         self.rank, self.role, self.method, self.traceback = rank, role, method, traceback
+        self.summary = summary
         super().__init__(f"{role}.{method} failed on rank {rank}:\n{traceback.rstrip()}")
 
     def __reduce__(self):
-        return (type(self), (self.rank, self.role, self.method, self.traceback))
+        return (type(self), (self.rank, self.role, self.method, self.traceback, self.summary))
+
+
+def user_summary(e: BaseException) -> str | None:
+    """``Type: message`` for an error of minihf's own user-error classes (a ``ValueError`` or
+    ``OSError`` subclass defined in minihf: ``ConfigError``, ``CorruptFileError``, a failed
+    checkpoint write ...), whose message names the value and the fix; None for anything
+    else, whose traceback is what to read."""
+    if isinstance(e, (ValueError, OSError)) and type(e).__module__.startswith("minihf."):
+        return f"{type(e).__name__}: {e}"
+    return None
 
 
 class RankLostError(RemoteError):

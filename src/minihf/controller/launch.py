@@ -46,12 +46,13 @@ from minihf.controller.config import ControllerConfig, resolve_placement
 from minihf.controller.layout import DEFAULT_LAYOUT, RoleLayout
 from minihf.controller.ranks import die_with_launcher, kill_lost_rank, rank_processes
 from minihf.controller.driver import Driver, run_driver
-from minihf.controller.errors import ControllerAborted, ControllerError
+from minihf.controller.errors import ControllerAborted, ControllerError, RemoteError
 from minihf.controller.group import WorkerGroup
 from minihf.controller.serve import serve
 from minihf.controller.transport import Channel
 from minihf.controller.worker import ParallelInfo, Worker, WorkerContext, create_worker
 from minihf.utils.process_exit import skip_final_gc
+from minihf.utils.locks import release_all
 
 
 @dataclass(frozen=True)
@@ -251,6 +252,8 @@ def failure_report(e: BaseException) -> str:
     """
     if isinstance(e, ControllerAborted):
         return str(e)
+    if isinstance(e, RemoteError) and e.summary:  # a user error on a worker rank: its line
+        return f"job failed: {e.role}.{e.method} failed on rank {e.rank}: {e.summary}"
     if isinstance(e, KeyboardInterrupt):  # Ctrl-C reaches every rank: no traceback to read
         return ("interrupted (SIGINT); rerun the same command to resume from the run's latest "
                 "checkpoint (trainer.save_freq)")
@@ -349,6 +352,7 @@ def launch_job(job: Callable[[torch.device], Any], config: ControllerConfig | No
         sys.stderr.flush()
         if rank == 0:
             kill_lost_rank(e, processes)
+        release_all()  # this job's run-dir locks: the next run starts without a takeover message
         # not sys.exit: threads blocked in a receive must not delay the exit; 130 = SIGINT's
         os._exit(130 if isinstance(e, KeyboardInterrupt) else 1)
     dist.destroy_process_group()

@@ -16,7 +16,7 @@ import traceback
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from minihf.controller.errors import ControllerAborted, ControllerError, RemoteError
+from minihf.controller.errors import ControllerAborted, ControllerError, RemoteError, user_summary
 from minihf.controller.messages import Abort, Command, Ping, Reply, Stop
 from minihf.controller.transport import Channel, DecodeError, pack
 from minihf.controller.worker import Worker
@@ -31,8 +31,8 @@ def execute(workers: dict[str, Worker], cmd: Command, rank: int) -> Reply:
                                  f"{cmd.method!r}")
         value = getattr(worker, cmd.method)(*cmd.args, **cmd.kwargs)
         return Reply(value if cmd.reply else None)
-    except Exception:  # noqa: BLE001 - every failure goes back to the driver
-        return Reply(error=RemoteError(rank, cmd.role, cmd.method, traceback.format_exc()))
+    except Exception as e:  # noqa: BLE001 - every failure goes back to the driver
+        return Reply(error=RemoteError(rank, cmd.role, cmd.method, traceback.format_exc(), user_summary(e)))
 
 
 def _send_reply(up: Channel, reply: Reply, cmd: Command | None, rank: int) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from minihf.data.tasks import get_task
 from minihf.data.tokenizer import build_char_tokenizer, save_tokenizer
-from minihf.utils.files import check_output_dir
+from minihf.utils.files import check_output_dir, staged_dir
 
 ARCHS = ("qwen2", "llama", "qwen3", "mistral")
 # Embedding rows are padded to a multiple of this (as real checkpoints do, e.g. Qwen2's
@@ -104,14 +104,15 @@ def init_model(out_dir: str | Path, arch: str = "qwen2", size: str = "tiny", tas
         tokenizer = build_char_tokenizer(task_module.ALPHABET, model_max_length=max_position_embeddings)
     else:
         tokenizer = load_tokenizer(tokenizer)
-    save_tokenizer(tokenizer, out_dir)
-    vocab_size = -(-len(tokenizer) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
-    config = model_config(arch, size, vocab_size, tokenizer.bos_token_id, tokenizer.eos_token_id,
-                          tokenizer.pad_token_id, max_position_embeddings)
-    config.save_pretrained(str(out_dir))  # the models package reads the config the way it reads any checkpoint
-    model = init_weights(build_model(load_args(out_dir)), seed)
-    save_hf(model, out_dir)
-    GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                     pad_token_id=tokenizer.pad_token_id).save_pretrained(str(out_dir))
+    with staged_dir(out_dir) as tmp:  # an interrupted build leaves no model dir a rerun would trust
+        save_tokenizer(tokenizer, tmp)
+        vocab_size = -(-len(tokenizer) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+        config = model_config(arch, size, vocab_size, tokenizer.bos_token_id, tokenizer.eos_token_id,
+                              tokenizer.pad_token_id, max_position_embeddings)
+        config.save_pretrained(str(tmp))  # the models package reads the config the way it reads any checkpoint
+        model = init_weights(build_model(load_args(tmp)), seed)
+        save_hf(model, tmp)
+        GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id).save_pretrained(str(tmp))
     return out_dir
 

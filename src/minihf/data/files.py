@@ -10,6 +10,7 @@ come back as dicts and lists in both formats.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -92,9 +93,23 @@ def require_columns(path: Path, rows: Iterable[dict], columns: Sequence[str]) ->
 
 
 def write_rows(rows: list[dict], path: str | Path) -> Path:
-    """Write rows as parquet or jsonl, chosen by the suffix."""
+    """Write rows as parquet or jsonl, chosen by the suffix, under a temporary name renamed
+    into place when complete (an interrupted write leaves the old file, or none)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix not in (".parquet", ".jsonl"):
+        raise DataFileError(f"write_rows: unsupported suffix {path.suffix!r} for {path}; use .parquet or .jsonl")
+    tmp = path.with_name(f".{path.name}.partial")
+    try:
+        _write_rows(rows, path, tmp)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    os.replace(tmp, path)
+    return path
+
+
+def _write_rows(rows: list[dict], path: Path, tmp: Path) -> None:
     if path.suffix == ".parquet":
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -106,14 +121,11 @@ def write_rows(rows: list[dict], path: str | Path) -> Path:
                 f"write_rows: cannot write {path} as parquet, a column mixes types ({exc}); "
                 "give each column one type or write .jsonl"
             ) from exc
-        pq.write_table(table, path)
-    elif path.suffix == ".jsonl":
-        with open(path, "w") as f:
+        pq.write_table(table, tmp)
+    else:
+        with open(tmp, "w") as f:
             for row in rows:
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    else:
-        raise DataFileError(f"write_rows: unsupported suffix {path.suffix!r} for {path}; use .parquet or .jsonl")
-    return path
 
 
 def describe(value: Any) -> str:

@@ -137,6 +137,7 @@ def convert_gguf(gguf_file: str | Path, out_dir: str | Path, dtype: str = "float
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     from minihf.data.tokenizer import save_tokenizer
+    from minihf.utils.files import staged_dir
 
     from .hf_io import load_args, save_hf
     from .model import build_model, materialize
@@ -164,16 +165,16 @@ def convert_gguf(gguf_file: str | Path, out_dir: str | Path, dtype: str = "float
     gen = hf_model.generation_config
     align_special_tokens(tokenizer, gen.bos_token_id, gen.eos_token_id, gen.pad_token_id)
 
-    out.mkdir(parents=True, exist_ok=True)
     hf = config.to_dict()
     for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):
         hf.pop(key, None)
     hf["architectures"] = [ARCH_PREFIX[config.model_type] + "ForCausalLM"]
-    (out / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
-    model = materialize(build_model(load_args(out), device="meta", dtype=DTYPES[dtype]), "cpu")
-    model.load_state_dict(hf_model.state_dict(), strict=True)  # names mirror HF's; a mismatch is an error
-    save_hf(model, out)
-    save_tokenizer(tokenizer, out)
-    GenerationConfig(bos_token_id=gen.bos_token_id, eos_token_id=gen.eos_token_id,
-                     pad_token_id=gen.pad_token_id).save_pretrained(str(out))
+    with staged_dir(out) as tmp:  # an interrupted conversion leaves no model dir behind
+        (tmp / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+        model = materialize(build_model(load_args(tmp), device="meta", dtype=DTYPES[dtype]), "cpu")
+        model.load_state_dict(hf_model.state_dict(), strict=True)  # names mirror HF's; a mismatch is an error
+        save_hf(model, tmp)
+        save_tokenizer(tokenizer, tmp)
+        GenerationConfig(bos_token_id=gen.bos_token_id, eos_token_id=gen.eos_token_id,
+                         pad_token_id=gen.pad_token_id).save_pretrained(str(tmp))
     return out

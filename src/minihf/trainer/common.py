@@ -51,6 +51,29 @@ def check_run_dir(path: Path, key: str) -> None:
             return
 
 
+def run_dir_lock(path: Path, key: str = "trainer.default_local_dir") -> tuple[str, str]:
+    """What a second job in run dir ``path`` is told: the dir, and the way out."""
+    return (f"the run dir {key}={str(path)!r}", f"wait for that job to end, or pass another {key} "
+            "(two jobs in one run dir would write every step twice and replace each other's "
+            "checkpoints)")
+
+
+def hold_run_dir(path: Path, key: str = "trainer.default_local_dir"):
+    """This job's hold on its run dir for the block (``minihf.utils.locks``): a second job
+    with the same dir is refused, naming the first."""
+    from minihf.utils.locks import hold
+
+    return hold(path, *run_dir_lock(path, key))
+
+
+def hold_artefact(path: Path, what: str):
+    """This job's hold on a prepared artefact while it builds it (``minihf.utils.locks``)."""
+    from minihf.utils.locks import hold
+
+    return hold(path, f"{what} {path}", "it is being built by that job; rerun once it has "
+                "finished, and this job reuses it")
+
+
 def check_run_length(total_epochs: int, total_training_steps: Optional[int]) -> None:
     """A trainer section's length: at least one epoch, and at least one step when capped."""
     if not isinstance(total_epochs, int) or total_epochs < 1:

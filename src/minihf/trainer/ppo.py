@@ -38,7 +38,7 @@ from minihf.algorithms import AdaptiveKLController, FixedKLController, apply_kl_
 from minihf.config import dump_yaml
 from minihf.protocol import Batch
 from minihf.trainer.common import (RESUME_FIX, Log, MetricsLog, config_json, every,
-                                   find_resume_path, format_line, mark_latest, nothing_to_train,
+                                   find_resume_path, format_line, hold_run_dir, mark_latest, nothing_to_train,
                                    resume_config_changes, run_dir, save_config, write_atomic)
 from minihf.trainer.loggers import Console, Trackers
 from minihf.trainer.metrics import data_metrics, group_metrics, sample_rows, throughput
@@ -345,7 +345,12 @@ class PPOTrainer:
             self.console.step(metrics, format_line(metrics, LINE_KEYS))
 
     def fit(self, stop_after: int | None = None) -> list[dict]:
-        """Train to ``total_steps`` (or ``stop_after`` more steps, as if preempted)."""
+        """Train to ``total_steps`` (or ``stop_after`` more steps, as if preempted), holding
+        the run dir."""
+        with hold_run_dir(self.out):
+            return self._fit(stop_after)
+
+    def _fit(self, stop_after: int | None) -> list[dict]:
         t0 = time.perf_counter()
         self.actor.init_model(self.optimizer_steps(self.cfg.actor_rollout_ref.actor))
         if self.critic is not None:

@@ -24,7 +24,9 @@ import torch.distributed as dist
 
 from minihf.config import ConfigError
 from minihf.controller.errors import ControllerAborted
-from minihf.trainer.common import check_run_dir, run_dir
+from minihf.trainer.common import check_run_dir, hold_artefact, run_dir, run_dir_lock
+from minihf.utils.files import staged_dir
+from minihf.utils.locks import acquire, release
 from minihf.trainer.ppo_config import PPOConfig
 
 DEFAULT_RECIPE = "grpo"  # what `scripts/train_ppo.py` and `minihf train` run without a recipe
@@ -159,19 +161,22 @@ def prepare_files(cfg: PPOJobConfig) -> bool:
     from minihf.data import init_model, make_task_data
 
     p = cfg.prepare
-    train = _files(cfg.data.train_files)
-    if p.task and train and not Path(train[0]).exists():
+    train, files = _files(cfg.data.train_files), _files(cfg.data.train_files) + _files(cfg.data.val_files)
+    if p.task and train and not all(Path(f).exists() for f in files):
         out = Path(train[0]).parent
-        print(f"[prepare] writing {p.task} data to {out}")
-        make_task_data(p.task, out, p.num_train, p.num_test, p.seed)
+        with hold_artefact(out, "the task data dir"):
+            print(f"[prepare] writing {p.task} data to {out}")
+            with staged_dir(out, replace=False) as tmp:  # all files, or none
+                make_task_data(p.task, tmp, p.num_train, p.num_test, p.seed)
     model = Path(cfg.actor_rollout_ref.model.path)
     if (model / "config.json").is_file():
         return False
     if p.gguf_file:
         from minihf.models.gguf import convert_gguf
 
-        print(f"[prepare] converting {p.gguf_file} to {model}")
-        convert_gguf(p.gguf_file, model)
+        with hold_artefact(model, "the model dir"):
+            print(f"[prepare] converting {p.gguf_file} to {model}")
+            convert_gguf(p.gguf_file, model, overwrite=True)  # an empty or partial dir: never a model
         return False
     if not p.sft_recipe:
         return False  # check_paths reports the missing model
@@ -179,8 +184,9 @@ def prepare_files(cfg: PPOJobConfig) -> bool:
         raise ConfigError("prepare.sft_recipe is set but prepare.base_model is not; name the "
                           "random-init model dir to warm-start")
     if not Path(p.base_model, "config.json").is_file():
-        print(f"[prepare] building a random-init {p.arch}/{p.size} model at {p.base_model}")
-        init_model(p.base_model, arch=p.arch, size=p.size, task=p.task or "digits", seed=p.seed)
+        with hold_artefact(Path(p.base_model), "the random-init model dir"):
+            print(f"[prepare] building a random-init {p.arch}/{p.size} model at {p.base_model}")
+            init_model(p.base_model, arch=p.arch, size=p.size, task=p.task or "digits", seed=p.seed)
     return True
 
 
@@ -198,12 +204,13 @@ def prepare_pairs(cfg: PPOJobConfig) -> None:
             raise ConfigError(f"{pairs[0]} (pairs for the {by} model) is absent and prepare.task "
                               "is not set; write pairs with `minihf make-data TASK DIR --pairs`")
         out = Path(pairs[0]).parent
-        print(f"[prepare] writing {p.task} pairs by {by} to {out}")
-        make_task_data(p.task, out, p.num_train, p.num_test, p.seed, pairs=True, pairs_by=by)
-        if p.pair_samples:
-            added = add_sampled_pairs(out, rm.model.path, p.pair_samples, by=by, seed=p.seed,
-                                      max_tokens=cfg.data.max_response_length)
-            print(f"[prepare] + pairs of {p.pair_samples} samples per prompt from {rm.model.path}: {added}")
+        with hold_artefact(out, "the pairs dir"), staged_dir(out, replace=False) as tmp:
+            print(f"[prepare] writing {p.task} pairs by {by} to {out}")
+            make_task_data(p.task, tmp, p.num_train, p.num_test, p.seed, pairs=True, pairs_by=by)
+            if p.pair_samples:
+                added = add_sampled_pairs(tmp, rm.model.path, p.pair_samples, by=by, seed=p.seed,
+                                          max_tokens=cfg.data.max_response_length)
+                print(f"[prepare] + pairs of {p.pair_samples} samples per prompt from {rm.model.path}: {added}")
 
 
 def _on_rank0(fn, what: str):
@@ -242,7 +249,21 @@ def run_ppo(cfg: PPOJobConfig, trainer=None):
     from minihf.trainer.rm import rm_driver, rm_roles
     from minihf.trainer.sft import check_paths as check_sft_paths, sft_driver, sft_roles
 
+    rl_dir = run_dir(cfg.trainer)
+
+    def take_run_dir():  # held to the end of the job (released there, or at exit)
+        check_run_dir(rl_dir, "trainer.default_local_dir")
+        acquire(rl_dir, *run_dir_lock(rl_dir))
+
     def job(device):
+        _on_rank0(take_run_dir, "taking the run dir")  # before anything is prepared or written
+        try:
+            return prepared_job(device)
+        finally:
+            if dist.get_rank() == 0:
+                release(rl_dir)
+
+    def prepared_job(device):
         if _on_rank0(lambda: prepare_files(cfg), "preparing the job"):
             sft = sft_config(cfg)
             check_sft_paths(sft)

@@ -18,7 +18,7 @@ from typing import Literal, Optional, Union
 from minihf.config import dump_yaml
 from minihf.controller.config import ControllerConfig, refuse_tp
 from minihf.trainer.common import (MetricsLog, check_run_dir, check_run_length, find_resume_path,
-                                   mark_latest, nothing_to_train, resume_config_changes, run_dir,
+                                   hold_run_dir, mark_latest, nothing_to_train, resume_config_changes, run_dir,
                                    save_config)
 from minihf.workers.optim import OptimConfig
 from minihf.workers.config import FSDPConfig, ModelConfig
@@ -143,10 +143,15 @@ class SFTDriver:
                               for k, v in metrics.items()))
 
     def fit(self, stop_after: int | None = None) -> list[dict]:
-        """Train to ``total_steps`` (or only ``stop_after`` more steps, as if preempted)."""
+        """Train to ``total_steps`` (or only ``stop_after`` more steps, as if preempted),
+        holding the run dir."""
+        with hold_run_dir(self.out):
+            return self._fit(stop_after)
+
+    def _fit(self, stop_after: int | None) -> list[dict]:
         t = self.cfg.trainer
         self.sft.init_model(self.total_steps)
-        step = 0
+        step, last = 0, None
         resume = find_resume_path(str(self.out), t.resume_mode, t.resume_from_path)
         if resume is None:  # an attempt interrupted before its first checkpoint wrote rows
             self.metrics_log.start_fresh()
@@ -159,10 +164,13 @@ class SFTDriver:
             self.log(f"resumed from {resume} at step {step}"
                      + (f" (changed: {', '.join(changed)})" if changed else ""))
             done = nothing_to_train(self.out, step, self.total_steps)
-            if done:
+            if done and t.export_hf and not (self.out / "hf" / "config.json").is_file():
+                last = resume  # its export was interrupted (or deleted): export now
+                self.log(f"the run in {self.out} has trained all {step} steps but has no HF export "
+                         f"(interrupted while exporting?): exporting {resume.name}")
+            elif done:
                 self.log(done)
         dump_yaml(self.cfg, self.out / "config.yaml")  # the resolved config of this start
-        last = None
         end = self.total_steps if stop_after is None else min(self.total_steps, step + stop_after)
         while step < end:
             t0 = time.perf_counter()

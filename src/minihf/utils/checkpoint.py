@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import random
 import shutil
 import warnings
@@ -33,7 +32,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
-from minihf.utils.files import CorruptFileError, check_output_dir, read_json
+from minihf.utils.files import CorruptFileError, check_output_dir, read_json, short_write, staged_dir
 from minihf.utils.safe_load import (SafeFileSystemReader, SafeLoadPlanner, UnsafeCheckpointError,
                                     load_extra)
 
@@ -86,6 +85,21 @@ def save_checkpoint(path: str | Path, model: torch.nn.Module, optimizer=None, lr
     into ``hf/`` so :func:`export_hf` writes a complete model dir.
     """
     path = Path(path)
+    try:
+        _save(path, model, optimizer, lr_scheduler, group, extra, hf_source)
+    except (Exception, CheckpointException) as exc:
+        short = short_write(exc, path, "the checkpoint", KEPT)
+        if short is None:
+            raise
+        raise short from None
+    return path
+
+
+KEPT = ("it is incomplete and never used: latest_checkpointed_iteration.txt still names the previous "
+        "complete checkpoint, which is intact; free space, then rerun the same command to resume from it")
+
+
+def _save(path, model, optimizer, lr_scheduler, group, extra, hf_source) -> None:
     rank, world = _rank(group)
     with _quiet_single_process(group is None):
         dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(path / "model"),
@@ -110,7 +124,6 @@ def save_checkpoint(path: str | Path, model: torch.nn.Module, optimizer=None, lr
         (path / "meta.json").write_text(json.dumps({"world_size": world, "head": model.head}) + "\n")
     if group is not None and dist.is_initialized():
         dist.barrier(group=group)
-    return path
 
 
 CKPT_FIX = ("resume from an earlier global_step_N (trainer.resume_mode=resume_path), start fresh "
@@ -129,6 +142,10 @@ def _dcp_load(state: dict, shard_dir: Path, group, **kw) -> None:
     except UnsafeCheckpointError:
         raise
     except (Exception, CheckpointException) as exc:  # DCP wraps every rank's error in one (a BaseException)
+        failures = getattr(exc, "failures", {}).values()
+        interrupt = next((e for e, _ in failures if isinstance(e, (KeyboardInterrupt, SystemExit))), None)
+        if interrupt is not None:  # Ctrl-C while loading: an interrupt, not a damaged file
+            raise interrupt from None
         refused = [line.strip() for line in str(exc).splitlines() if "refusing to load" in line]
         if refused:  # a rank's UnsafeCheckpointError inside DCP's wrapper
             raise UnsafeCheckpointError(refused[0][refused[0].index("refusing to load"):]) from None
@@ -219,15 +236,11 @@ def export_hf(ckpt: str | Path, out: str | Path, dtype: torch.dtype | None = Non
     model.tie_weights()
     if dtype is not None:
         model.to(dtype)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    save_hf(model, tmp)
-    for name in TOKENIZER_FILES:
-        if (ckpt / "hf" / name).exists() and name != "config.json":
-            shutil.copy2(ckpt / "hf" / name, tmp / name)
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+    with staged_dir(out) as tmp:
+        save_hf(model, tmp)
+        for name in TOKENIZER_FILES:
+            if (ckpt / "hf" / name).exists() and name != "config.json":
+                shutil.copy2(ckpt / "hf" / name, tmp / name)
     return out
 
 

@@ -8,8 +8,11 @@ decoder's traceback without the file name.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +22,41 @@ MODEL_FIX = "re-export or re-download the model dir (`minihf export CKPT OUT` wr
 
 class CorruptFileError(ValueError):
     """A file exists but cannot be read as what it should be."""
+
+
+class WriteFailedError(OSError):
+    """A file could not be written completely (a full disk, a quota)."""
+
+
+def _chain(exc: BaseException):
+    """``exc``, its causes and contexts, and the per-rank errors DCP wraps."""
+    seen, todo = set(), [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        todo += [e.__cause__, e.__context__]
+        todo += [f[0] for f in getattr(e, "failures", {}).values()]
+
+
+def short_write(exc: BaseException, path: str | Path, what: str, kept: str) -> WriteFailedError | None:
+    """A one-line ``WriteFailedError`` for ``exc`` if it is a write that stopped short (no
+    space left, a quota, torch's "unexpected pos" of a torn file), naming ``what`` at
+    ``path``, the free space there and what was ``kept``; None for any other error."""
+    full = any(getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "No space left" in str(e)
+               for e in _chain(exc))
+    torn = any("unexpected pos" in str(e) for e in _chain(exc))
+    if not (full or torn):
+        return None
+    where = Path(path)
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    free = shutil.disk_usage(where).free / 2**20
+    why = "no space left on device" if full else "a write stopped short (disk full or over quota?)"
+    return WriteFailedError(f"could not write {what} {path}: {why}, {free:.0f} MiB free there now; "
+                            f"{kept}")
 
 
 def read_json(path: str | Path, fix: str) -> Any:
@@ -83,3 +121,33 @@ def check_writable_file(path: str | Path, what: str) -> None:
                          "the directory first or choose another path")
     if not os.access(path.parent, os.W_OK):
         raise ValueError(f"{what} {path}: {path.parent} is not writable")
+
+
+@contextlib.contextmanager
+def staged_dir(final: str | Path, replace: bool = True):
+    """Build a directory under a temporary sibling name (yielded) and move it to ``final``
+    when the block completes: a reader of ``final`` (a rerun deciding what to redo) never
+    sees it half written. An error or an interrupt removes the temporary dir, and a
+    leftover of a killed build is removed by the next one (the caller holds the artefact's
+    lock, ``minihf.utils.locks``). ``replace``: an existing ``final`` is replaced as a
+    whole; otherwise the new files are moved into it one by one (e.g. a data dir that
+    holds other files)."""
+    final = Path(final)
+    tmp = final.with_name(f".{final.name}.partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if final.is_dir() and not replace:
+        for entry in sorted(tmp.iterdir()):
+            if (final / entry.name).is_dir():
+                shutil.rmtree(final / entry.name)
+            os.replace(entry, final / entry.name)
+        tmp.rmdir()
+        return
+    if final.is_dir():
+        shutil.rmtree(final)  # a kill from here to the rename leaves no final: a rerun rebuilds
+    os.replace(tmp, final)

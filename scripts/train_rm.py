@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sys
 
+import minihf.utils.script_start  # noqa: F401 - first: Ctrl-C and a dead launcher during the imports below
 from minihf.config import load_config, split_cli_args
 from minihf.controller import run_script
 from minihf.trainer.rm import RMConfig, run_rm

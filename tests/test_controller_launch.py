@@ -241,10 +241,21 @@ launch(driver, {"slow": Slow})
 """
 
 
-def test_workers_exit_when_torchrun_is_killed(tmp_path):
-    """SIGKILL of the launcher (torchrun) takes its workers down with it, at once."""
+IMPORTING = """
+import minihf.utils.script_start  # as the scripts do, first
+import os, sys, time
+open(f"{sys.argv[1]}/pid{os.environ['RANK']}", "w").write(str(os.getpid()))
+time.sleep(120)  # still importing torch: no process group, no job yet
+"""
+
+
+@pytest.mark.parametrize("when", ["running", "importing"])
+def test_workers_exit_when_torchrun_is_killed(tmp_path, when):
+    """SIGKILL of the launcher (torchrun) takes its workers down with it, at once: in a
+    job, and in a script's first seconds, while its imports run (those ranks waited for a
+    rendezvous that could not come, up to controller.timeout_s)."""
     script = tmp_path / "long_job.py"
-    script.write_text(textwrap.dedent(LONG_JOB))
+    script.write_text(textwrap.dedent(LONG_JOB if when == "running" else IMPORTING))
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen(TORCHRUN + [str(script), str(tmp_path)], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -343,3 +354,29 @@ def test_scripts_print_help_and_start_nothing(script, tmp_path, monkeypatch, cap
     if script == "train_ppo.py":
         job = _run(TORCHRUN + [str(path), "-h"], timeout=120)
         assert job.returncode == 0 and job.stdout.count(first) == 1, job.log
+
+
+CTRL_C_WHILE_IMPORTING = """
+import os, signal, time
+import minihf.utils.script_start  # as the scripts do, first
+os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while the imports below would run
+time.sleep(30)
+"""
+
+
+def test_ctrl_c_while_a_script_imports_is_one_line():
+    """A script's first seconds import torch: Ctrl-C there is one line, not an import
+    traceback per rank; once the job starts (run_script), Ctrl-C is Python's again."""
+    res = subprocess.run([sys.executable, "-c", CTRL_C_WHILE_IMPORTING], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 130 and res.stderr == "[minihf] interrupted (SIGINT) while starting; nothing was written\n"
+    from minihf.controller.launch import run_script
+    from minihf.utils import script_start
+
+    previous = signal.signal(signal.SIGINT, script_start._quit)
+    try:
+        run_script(lambda argv: None, [])
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    for script in ("train_ppo.py", "train_sft.py", "train_rm.py"):
+        assert "import minihf.utils.script_start" in (ROOT / "scripts" / script).read_text().split("from minihf")[0]

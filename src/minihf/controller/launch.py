@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from minihf.controller.config import ControllerConfig, resolve_placement
 from minihf.controller.layout import DEFAULT_LAYOUT, RoleLayout
-from minihf.controller.ranks import die_with_launcher, kill_lost_rank, rank_processes
+from minihf.controller.ranks import kill_lost_rank, rank_processes
 from minihf.controller.driver import Driver, run_driver
 from minihf.controller.errors import ControllerAborted, ControllerError, RemoteError
 from minihf.controller.group import WorkerGroup
@@ -52,6 +52,7 @@ from minihf.controller.serve import serve
 from minihf.controller.transport import Channel
 from minihf.controller.worker import ParallelInfo, Worker, WorkerContext, create_worker
 from minihf.utils.process_exit import skip_final_gc
+from minihf.utils import script_start
 from minihf.utils.locks import release_all
 
 
@@ -315,6 +316,7 @@ def run_script(main: Callable[[list[str]], Any], argv: list[str]) -> None:
 
     ``-h``/``--help`` prints the script's docstring and where every key is explained, and
     exits 0 (rank 0 prints under torchrun); it starts nothing."""
+    script_start.restore()  # the script's imports are done: Ctrl-C is the job's to report from here
     if any(a in ("-h", "--help") for a in argv):
         if int(os.environ.get("RANK", "0")) == 0:
             doc = (sys.modules[main.__module__].__doc__ or "").strip()
@@ -340,7 +342,7 @@ def launch_job(job: Callable[[torch.device], Any], config: ControllerConfig | No
     on any rank prints the error and exits the process with status 1 (rank 0 first stops a
     lost rank still running on its host, see ``kill_lost_rank``)."""
     config = config or ControllerConfig()
-    die_with_launcher()
+    script_start.die_with_launcher()  # again: a job not started by one of the scripts
     skip_final_gc()  # a torchrun job ends when its slowest rank has exited
     rank, device = _init_from_env(config)
     processes = rank_processes()

@@ -1,7 +1,8 @@
 """The job's rank processes as the operating system sees them.
 
-Two ways a job could outlive its failure, closed here: a worker whose torchrun launcher was
-SIGKILLed (it would train on as an orphan; ``die_with_launcher``), and a rank frozen by
+Two ways a job could outlive its failure, closed here and in ``minihf.utils.script_start``: a
+worker whose torchrun launcher was SIGKILLed (it would train on as an orphan;
+``script_start.die_with_launcher``, from the script's first import), and a rank frozen by
 SIGSTOP or stuck in the kernel, which cannot act on torchrun's SIGTERM (``kill_lost_rank``,
 from the ``(host, pid, start time)`` every rank reports at start-up, ``rank_processes``).
 Used by ``launch.launch_job``.
@@ -12,26 +13,10 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import sys
 
 import torch.distributed as dist
 
 from minihf.controller.errors import RankLostError
-
-
-def die_with_launcher() -> None:
-    """Under torchrun, have Linux SIGKILL this worker when its launcher dies (a SIGKILLed
-    torchrun cannot stop its workers, which would otherwise train on as orphans)."""
-    if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in os.environ:
-        return
-    import ctypes
-
-    parent = os.getppid()
-    pr_set_pdeathsig = 1
-    if ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL) != 0:
-        return  # best effort: the controller's timeouts still end the job
-    if os.getppid() != parent:  # the launcher died before the request was in place
-        os._exit(1)
 
 
 def start_time(pid: int) -> str | None:

@@ -25,9 +25,9 @@ import torch.distributed as dist
 from minihf.config import ConfigError
 from minihf.controller.errors import ControllerAborted
 from minihf.trainer.common import check_run_dir, hold_artefact, run_dir, run_dir_lock
+from minihf.trainer.ppo_config import PPOConfig
 from minihf.utils.files import staged_dir
 from minihf.utils.locks import acquire, release
-from minihf.trainer.ppo_config import PPOConfig
 
 DEFAULT_RECIPE = "grpo"  # what `scripts/train_ppo.py` and `minihf train` run without a recipe
 

@@ -116,7 +116,7 @@ def acquire(path: str | Path, what: str, fix: str, log=print) -> None:
         log(f"[minihf] {what}: took over the lock {lock} of a job that ended without "
             f"releasing it ({_holder_text(stale)})")
     me = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(),
-          "command": " ".join(Path(sys.argv[0]).name.split() + sys.argv[1:])[:160]}
+          "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])[:80]}
     os.ftruncate(fd, 0)
     os.lseek(fd, 0, os.SEEK_SET)
     os.write(fd, (json.dumps(me) + "\n").encode())

@@ -170,6 +170,8 @@ def main() -> None:
         bad, note = [], ""
         if code == 0:  # it ended on its own: the signal came as it finished, or torchrun lost it starting
             note = " (the killed job still ended normally)"
+        elif "_get_module_details" in err and "[minihf" not in err:  # torchrun's own `-m` import
+            note = " (torchrun itself was importing torch: its own traceback, no rank had started)"
         elif sig == signal.SIGINT and not done_early:
             if "interrupted (SIGINT)" not in err:
                 bad.append(f"no interrupt line: {err.strip().splitlines()[-1:]}")

@@ -80,6 +80,48 @@ def test_defaults_recipe_overrides_precedence(recipes):
     assert load_config(RootConfig, recipes / "demo" / "config.yaml").name == "demo"
 
 
+def test_a_recipe_builds_on_a_base_and_says_where_each_value_came_from(recipes, tmp_path, monkeypatch):
+    from minihf.config import load_config_sources, recipe_layers
+    from minihf.config_help import show
+
+    (recipes / "child").mkdir()
+    (recipes / "child" / "config.yaml").write_text("base: demo\nactor:\n  use_kl: false\n  clip: 0.1\n")
+    (recipes / "grandchild").mkdir()
+    (recipes / "grandchild" / "config.yaml").write_text("base: child\nextra:\n  c: 3\n")
+    cfg, sources = load_config_sources(RootConfig, "grandchild", ["actor.optim.lr=5e-6"], recipes_dir=recipes)
+    assert cfg.name == "demo" and cfg.critic_optim.lr == 1e-3            # from the base's base
+    assert cfg.actor.use_kl is False and cfg.actor.clip == 0.1           # the child's changes win
+    assert cfg.extra == {"a": 1, "b": 2, "c": 3}                         # dicts merge through the chain
+    assert cfg.actor.optim.lr == 5e-6
+    assert [label for label, _ in recipe_layers("grandchild", recipes)] == ["demo", "child", "grandchild"]
+    assert sources["name"] == "demo" and sources["actor.clip"] == "child"
+    assert sources["extra.c"] == "grandchild" and sources["actor.optim.lr"] == "command line"
+    text = show(cfg, sources)
+    assert "name: demo" in text and "(changed in demo)" in text.split("name: demo")[1].splitlines()[0]
+    assert "(changed on the command line)" in text.split("lr: 5.0e-06")[1].splitlines()[0]
+    assert "(set in child)" in text.split("use_kl: false")[1].splitlines()[0]  # equals the default
+    # a base beside the recipe wins over ./recipes of the working directory
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "recipes" / "demo" / "config.yaml").write_text("name: local\n")  # recipes == ./recipes here
+    assert load_config(RootConfig, "child", recipes_dir=recipes).name == "local"
+    other = tmp_path / "elsewhere" / "x"
+    other.mkdir(parents=True)
+    (other / "config.yaml").write_text("base: ../../recipes/child\nname: x\n")   # a path to a base
+    assert load_config(RootConfig, other).actor.clip == 0.1
+
+
+@pytest.mark.parametrize("text, message", [
+    ("base: nowhere\n", r"base 'nowhere': recipe 'nowhere' not found"),
+    ("base: [demo]\n", r"base=\['demo'\] must name a recipe \(e.g. base: grpo\)"),
+    ("base: loop\n", r"recipe bases loop: .*loop/config.yaml -> .*loop/config.yaml; one of them"),
+])
+def test_bad_recipe_bases_are_one_line(recipes, text, message):
+    (recipes / "loop").mkdir()
+    (recipes / "loop" / "config.yaml").write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_config(RootConfig, "loop", recipes_dir=recipes)
+
+
 def test_yaml_scalar_typing():
     assert parse_value("1e-6") == 1e-6 and isinstance(parse_value("3E5"), float)
     assert parse_value("true") is True and parse_value("null") is None

@@ -63,7 +63,7 @@ def test_config_show():
     res = runner.invoke(app, ["config", "show", "grpo", "actor_rollout_ref.rollout.n=4"])
     assert res.exit_code == 0, res.output
     line = next(x for x in res.output.splitlines() if x.strip().startswith("n: 4"))
-    assert "default 1 (changed); samples per prompt" in line
+    assert "default 1 (changed on the command line); samples per prompt" in line
     assert "ppo_epochs: 4" in res.output and "lr: 0.0003" in res.output
     sft = runner.invoke(app, ["config", "show", "sft_sort"])
     assert sft.exit_code == 0 and "max_length:" in sft.output

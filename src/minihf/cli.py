@@ -342,7 +342,7 @@ def config_show(
 
     `minihf config show grpo actor_rollout_ref.rollout.n=4`; `--kind rm` for a reward-model
     recipe (`minihf config show rm_sort --kind rm`)."""
-    from minihf.config import ConfigError, load_config
+    from minihf.config import ConfigError, load_config_sources
     from minihf.config_help import show
     from minihf.trainer.ppo_job import PPOJobConfig
     from minihf.trainer.rm import RMConfig
@@ -358,7 +358,7 @@ def config_show(
         errors = []
         for k in order:
             try:
-                cfg = load_config(kinds[k][0], recipe, overrides)
+                cfg, sources = load_config_sources(kinds[k][0], recipe, overrides)
                 break
             except ConfigError as exc:
                 errors.append(exc)
@@ -368,7 +368,7 @@ def config_show(
         raise typer.BadParameter(str(exc)) from exc
     others = ", ".join(f"--kind {o}" for o in kinds if o != k)
     typer.echo(f"# the {k.upper()} config of `{kinds[k][1]}` ({others} for another trainer's)")
-    typer.echo(show(cfg), nl=False)
+    typer.echo(show(cfg, sources), nl=False)
 
 
 @config_app.command("doc")

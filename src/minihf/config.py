@@ -5,7 +5,8 @@ that uses it (``ControllerConfig`` in ``controller/config.py``, the trainer's se
 ``trainer/``) and a job
 composes them as fields of one root dataclass. ``load_config(Root, recipe, overrides)``
 layers, in increasing precedence: the dataclass defaults, the recipe file
-(``recipes/<name>/config.yaml``), and ``key.sub.key=value`` overrides whose values are
+(``recipes/<name>/config.yaml``, over the recipes it names as ``base:``, see
+``recipe_layers``), and ``key.sub.key=value`` overrides whose values are
 parsed as YAML scalars (``1e-6``, ``true``, ``[1, 2]``, ``null``); ``~key.sub`` deletes an
 entry of a dict-typed field. Dicts are merged key by key at every level; lists are replaced.
 File references in a recipe's YAML (``reward.py``, ``algo.py:my_estimator``) that exist
@@ -25,13 +26,16 @@ import difflib
 import re
 import types
 import typing
+from importlib import resources
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union
 
 import yaml
 
 T = TypeVar("T")
-DEFAULT_RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
+# minihf's own recipes: package data (``src/minihf/recipes``; ``recipes/`` in a checkout is a
+# link to it), so an installed wheel has them too
+DEFAULT_RECIPES_DIR = Path(str(resources.files("minihf") / "recipes"))
 
 
 class ConfigError(ValueError):
@@ -283,12 +287,19 @@ def find_recipe(recipe: str | Path, recipes_dir: str | Path | None = None) -> Pa
                       f"{', '.join(names) or 'none'}")
 
 
-def load_config(cls: type[T], recipe: str | Path | None = None, overrides: list[str] = (),
-                recipes_dir: str | Path | None = None) -> T:
-    """Defaults of ``cls`` <- recipe YAML <- dotted overrides, validated into ``cls``."""
-    data = _defaults(cls)
-    if recipe is not None:
-        path = find_recipe(recipe, recipes_dir)
+def recipe_layers(recipe: str | Path, recipes_dir: str | Path | None = None) -> list[tuple[str, dict]]:
+    """``(label, values)`` of a recipe and of the recipes it builds on, the furthest base
+    first. A recipe names its base with a top-level ``base: NAME``, found in a folder
+    beside its own first (so minihf's zoo builds on minihf's grpo), then as ``recipe=NAME``
+    is; or ``base: ../path/to/recipe``, from its own folder. File references are made
+    absolute per layer, from that layer's folder."""
+    layers, seen = [], []
+    path = find_recipe(recipe, recipes_dir)
+    while True:
+        if path.resolve() in seen:
+            chain = " -> ".join(str(p) for p in [*seen, path.resolve()])
+            raise ConfigError(f"recipe bases loop: {chain}; one of them must not name a base")
+        seen.append(path.resolve())
         try:
             loaded = yaml.load(path.read_text(), Loader=_Loader) or {}
         except yaml.YAMLError as e:
@@ -296,10 +307,50 @@ def load_config(cls: type[T], recipe: str | Path | None = None, overrides: list[
         if not isinstance(loaded, dict):
             raise ConfigError(f"recipe {path} must be a mapping of keys, "
                               f"got {type(loaded).__name__}")
-        data = _merge(data, _recipe_relative(loaded, path.parent))
+        base = loaded.pop("base", None)
+        label = path.parent.name if path.name == "config.yaml" else str(path)
+        layers.insert(0, (label, _recipe_relative(loaded, path.parent)))
+        if base is None:
+            return layers
+        if not isinstance(base, str) or not base:
+            raise ConfigError(f"recipe {path}: base={base!r} must name a recipe (e.g. base: grpo)")
+        sibling = path.parent.parent / base / "config.yaml"
+        try:
+            if "/" in base or base.endswith((".yaml", ".yml")):  # a path, from this recipe's folder
+                path = find_recipe(path.parent / base)
+            else:
+                path = sibling if sibling.is_file() else find_recipe(base, recipes_dir)
+        except ConfigError as exc:
+            raise ConfigError(f"recipe {path}: base {base!r}: {exc}") from None
+
+
+def load_config_sources(cls: type[T], recipe: str | Path | None = None, overrides: list[str] = (),
+                        recipes_dir: str | Path | None = None) -> tuple[T, dict[str, str]]:
+    """``load_config`` and where each value set by a recipe or an override came from:
+    dotted key -> the recipe's name (its base's, for a value it inherits) or ``command line``."""
+    data, sources = _defaults(cls), {}
+    layers = recipe_layers(recipe, recipes_dir) if recipe is not None else []
+    for label, values in layers:
+        data = _merge(data, values)
+        sources.update(dict.fromkeys(_leaves(values), label))
     for override in overrides:
         apply_override(data, override)
-    return from_dict(cls, data)
+        sources[override.lstrip("~").partition("=")[0]] = "command line"
+    return from_dict(cls, data), sources
+
+
+def _leaves(values: dict, prefix: str = "") -> list[str]:
+    out = []
+    for k, v in values.items():
+        out += _leaves(v, f"{prefix}{k}.") if isinstance(v, dict) and v else [f"{prefix}{k}"]
+    return out
+
+
+def load_config(cls: type[T], recipe: str | Path | None = None, overrides: list[str] = (),
+                recipes_dir: str | Path | None = None) -> T:
+    """Defaults of ``cls`` <- the recipe's bases <- the recipe YAML <- dotted overrides,
+    validated into ``cls``."""
+    return load_config_sources(cls, recipe, overrides, recipes_dir)[0]
 
 
 _CODE_FILE = re.compile(r"(?P<path>[^:]+\.py)(?P<name>:[A-Za-z_]\w*)?")

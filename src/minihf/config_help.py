@@ -93,10 +93,17 @@ def _scalar(value: Any) -> str:
     return yaml.safe_dump(value, default_flow_style=True, width=10**6).strip().removesuffix("...").strip()
 
 
-def show(cfg: Any) -> str:
-    """The resolved config ``cfg`` as YAML, each leaf followed by ``# default ...; help``
-    (and ``(changed)`` where the value differs from the default)."""
+def show(cfg: Any, sources: dict[str, str] | None = None) -> str:
+    """The resolved config ``cfg`` as YAML, each leaf followed by ``# default ...; help``,
+    and where the value came from: ``(changed in grpo)``, ``(set in grpo)`` when it equals
+    the default, ``(changed on the command line)``; ``sources``: dotted key -> recipe name or
+    ``command line`` (``load_config_sources``)."""
     entries = {e.key: e for e in reference(type(cfg))}
+    sources = sources or {}
+
+    def origin(key: str) -> str | None:  # the last layer that set the key, or a key below it
+        found = [src for k, src in sources.items() if k == key or k.startswith(key + ".")]
+        return found[-1] if found else None
     lines: list[str] = []
 
     def walk(node: dict, prefix: str, depth: int) -> None:
@@ -109,7 +116,11 @@ def show(cfg: Any) -> str:
             e = entries.get(key)
             text = f"{pad}{k}: {_scalar(v)}"
             if e is not None:
-                note = f"default {_scalar(e.default)}" + (" (changed)" if v != e.default else "")
+                src = origin(key)
+                where = "" if src is None else (" on the command line" if src == "command line"
+                                                else f" in {src}")
+                note = f"default {_scalar(e.default)}" + (f" (changed{where})" if v != e.default
+                                                          else f" (set{where})" if src else "")
                 text = f"{text:<48} # {note}" + (f"; {e.help}" if e.help else "")
             lines.append(text)
     walk(to_dict(cfg), "", 0)

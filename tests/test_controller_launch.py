@@ -370,9 +370,9 @@ def test_ctrl_c_while_a_script_imports_is_one_line():
     res = subprocess.run([sys.executable, "-c", CTRL_C_WHILE_IMPORTING], capture_output=True, text=True, timeout=60)
     assert res.returncode == 130 and res.stderr == "[minihf] interrupted (SIGINT) while starting; nothing was written\n"
     from minihf.controller.launch import run_script
-    from minihf.utils import script_start
+    from minihf.utils import process_exit
 
-    previous = signal.signal(signal.SIGINT, script_start._quit)
+    previous = signal.signal(signal.SIGINT, process_exit._quit)
     try:
         run_script(lambda argv: None, [])
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -6,3 +6,14 @@ Ray). See DESIGN.md in the repository for the map.
 """
 
 __version__ = "0.1.0"
+
+__all__ = ["train", "train_sft", "train_rm", "TrainResult"]
+
+
+def __getattr__(name: str):
+    # the entry points import torch: only when used, so `import minihf` stays instant
+    if name in __all__:
+        from minihf import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'minihf' has no attribute {name!r}")

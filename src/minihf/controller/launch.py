@@ -51,8 +51,7 @@ from minihf.controller.group import WorkerGroup
 from minihf.controller.serve import serve
 from minihf.controller.transport import Channel
 from minihf.controller.worker import ParallelInfo, Worker, WorkerContext, create_worker
-from minihf.utils.process_exit import skip_final_gc
-from minihf.utils import script_start
+from minihf.utils.process_exit import die_with_launcher, restore_ctrl_c, skip_final_gc
 from minihf.utils.locks import release_all
 
 
@@ -316,7 +315,7 @@ def run_script(main: Callable[[list[str]], Any], argv: list[str]) -> None:
 
     ``-h``/``--help`` prints the script's docstring and where every key is explained, and
     exits 0 (rank 0 prints under torchrun); it starts nothing."""
-    script_start.restore()  # the script's imports are done: Ctrl-C is the job's to report from here
+    restore_ctrl_c()  # the script's imports are done: Ctrl-C is the job's to report from here
     if any(a in ("-h", "--help") for a in argv):
         if int(os.environ.get("RANK", "0")) == 0:
             doc = (sys.modules[main.__module__].__doc__ or "").strip()
@@ -335,14 +334,21 @@ def run_script(main: Callable[[list[str]], Any], argv: list[str]) -> None:
         sys.exit(1)
 
 
-def launch_job(job: Callable[[torch.device], Any], config: ControllerConfig | None = None) -> Any:
+def launch_job(job: Callable[[torch.device], Any], config: ControllerConfig | None = None,
+               *, in_process: bool = False) -> Any:
     """Like ``launch``, for a job of several controller runs: ``job(device)`` runs on every
     rank inside the initialised default group and calls ``run`` as often as it needs (e.g.
     an SFT warm start, then RL). Returns its result on rank 0, ``None`` elsewhere; any error
     on any rank prints the error and exits the process with status 1 (rank 0 first stops a
-    lost rank still running on its host, see ``kill_lost_rank``)."""
+    lost rank still running on its host, see ``kill_lost_rank``).
+
+    ``in_process``: the Python entry points (``minihf.train``): one rank in the calling
+    process, which the job leaves as it found it: an error is raised, not an exit, and
+    nothing process-wide is installed (no parent-death signal, no ``gc.freeze`` at exit)."""
     config = config or ControllerConfig()
-    script_start.die_with_launcher()  # again: a job not started by one of the scripts
+    if in_process:
+        return _job_in_process(job, config)
+    die_with_launcher()  # again: a job not started by one of the scripts
     skip_final_gc()  # a torchrun job ends when its slowest rank has exited
     rank, device = _init_from_env(config)
     processes = rank_processes()
@@ -359,6 +365,21 @@ def launch_job(job: Callable[[torch.device], Any], config: ControllerConfig | No
         os._exit(130 if isinstance(e, KeyboardInterrupt) else 1)
     dist.destroy_process_group()
     return result if rank == 0 else None
+
+
+def _job_in_process(job: Callable[[torch.device], Any], config: ControllerConfig) -> Any:
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        raise RuntimeError("the Python entry points run the job in this one process; under torchrun, "
+                           "run scripts/train_ppo.py (train_sft.py, train_rm.py) instead")
+    if dist.is_initialized():
+        raise RuntimeError("this process already has a torch.distributed process group; the Python "
+                           "entry points need a process without one (destroy it first)")
+    _, device = _init_from_env(config)
+    try:
+        return job(device)
+    finally:
+        release_all()
+        dist.destroy_process_group()
 
 
 def launch(driver_fn: DriverFn, roles: Mapping[str, Role | type[Worker]],

@@ -2,7 +2,7 @@
 
 Two ways a job could outlive its failure, closed here and in ``minihf.utils.script_start``: a
 worker whose torchrun launcher was SIGKILLed (it would train on as an orphan;
-``script_start.die_with_launcher``, from the script's first import), and a rank frozen by
+``process_exit.die_with_launcher``, from the script's first import), and a rank frozen by
 SIGSTOP or stuck in the kernel, which cannot act on torchrun's SIGTERM (``kill_lost_rank``,
 from the ``(host, pid, start time)`` every rank reports at start-up, ``rank_processes``).
 Used by ``launch.launch_job``.

@@ -242,9 +242,9 @@ def sft_config(cfg: PPOJobConfig):
     return sft
 
 
-def run_ppo(cfg: PPOJobConfig, trainer=None):
+def run_ppo(cfg: PPOJobConfig, trainer=None, in_process: bool = False):
     """The whole job (prepare, warm start, RL) as one ``torchrun`` job; history on rank 0.
-    ``trainer``: as in :func:`ppo_driver`."""
+    ``trainer``: as in :func:`ppo_driver`; ``in_process``: see ``launch_job`` (``minihf.train``)."""
     from minihf.controller import launch_job, run
     from minihf.trainer.rm import rm_driver, rm_roles
     from minihf.trainer.sft import check_paths as check_sft_paths, sft_driver, sft_roles
@@ -280,4 +280,4 @@ def run_ppo(cfg: PPOJobConfig, trainer=None):
         check_paths(cfg)
         return run(ppo_driver(cfg, trainer=trainer), ppo_roles(cfg), cfg.controller, device=device)
 
-    return launch_job(job, cfg.controller)
+    return launch_job(job, cfg.controller, in_process=in_process)

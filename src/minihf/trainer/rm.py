@@ -104,9 +104,12 @@ def rm_roles(cfg: RMConfig) -> dict:
                                        d.max_tokens_per_micro_batch))}
 
 
-def run_rm(cfg: RMConfig) -> list[dict] | None:
-    """Run reward-model training as a controller job (``python`` or ``torchrun``)."""
-    from minihf.controller import launch
+def run_rm(cfg: RMConfig, in_process: bool = False) -> list[dict] | None:
+    """Run reward-model training as a controller job (``python`` or ``torchrun``).
+    ``in_process``: see ``launch_job`` (``minihf.train_rm``)."""
+    from minihf.controller import run
+    from minihf.controller.launch import launch_job
 
     check_paths(cfg)
-    return launch(rm_driver(cfg), rm_roles(cfg), cfg.controller)
+    return launch_job(lambda device: run(rm_driver(cfg), rm_roles(cfg), cfg.controller, device=device),
+                      cfg.controller, in_process=in_process)

@@ -226,9 +226,12 @@ def check_paths(cfg: SFTConfig) -> None:
     check_run_dir(run_dir(cfg.trainer), "trainer.default_local_dir")
 
 
-def run_sft(cfg: SFTConfig) -> list[dict] | None:
-    """Run SFT as a controller job (``python`` or ``torchrun``); the metrics on rank 0."""
-    from minihf.controller import launch
+def run_sft(cfg: SFTConfig, in_process: bool = False) -> list[dict] | None:
+    """Run SFT as a controller job (``python`` or ``torchrun``); the metrics on rank 0.
+    ``in_process``: see ``launch_job`` (``minihf.train_sft``)."""
+    from minihf.controller import run
+    from minihf.controller.launch import launch_job
 
     check_paths(cfg)
-    return launch(sft_driver(cfg), sft_roles(cfg), cfg.controller)
+    return launch_job(lambda device: run(sft_driver(cfg), sft_roles(cfg), cfg.controller, device=device),
+                      cfg.controller, in_process=in_process)

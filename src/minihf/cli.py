@@ -147,61 +147,59 @@ def _recipe_and_overrides(args: list[str]) -> tuple[str, list[str]]:
     return recipe or DEFAULT_RECIPE, overrides
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def train(ctx: typer.Context) -> None:
+JOB = {"allow_extra_args": True, "ignore_unknown_options": True}
+NPROC = typer.Option(1, "--nproc-per-node", help="Ranks on this node; > 1 launches them (as torchrun would) after checking the config.")
+NNODES = typer.Option(1, "--nnodes", help="Nodes (one launcher per node, same --rdzv-endpoint).")
+NODE_RANK = typer.Option(0, "--node-rank", help="This node's rank, 0 .. nnodes-1.")
+ENDPOINT = typer.Option(None, "--rdzv-endpoint", help="HOST:PORT of node 0 (several nodes).")
+
+
+def _job(kind: str, ctx: typer.Context, nproc: int, nnodes: int, node_rank: int, endpoint: str | None) -> None:
+    """Check the whole config here (a bad key or value: one line, exit 2), then run the job
+    in this process, or launch its ranks (``minihf.launcher``)."""
+    from minihf import launcher
+
+    try:
+        cfg = launcher.load(kind, ctx.args)
+    except ValueError as exc:  # ConfigError, and the SFT/RM missing-file checks
+        typer.echo(f"[minihf] {exc}", err=True)
+        raise typer.Exit(2) from None
+    if nproc == 1 and nnodes == 1:
+        return launcher.run(kind, cfg)
+    try:
+        code = launcher.launch_ranks(kind, list(ctx.args), nproc, nnodes, node_rank, endpoint)
+    except ValueError as exc:
+        typer.echo(f"[minihf] {exc}", err=True)
+        raise typer.Exit(2) from None
+    raise typer.Exit(code)
+
+
+@app.command(context_settings=JOB)
+def train(ctx: typer.Context, nproc_per_node: int = NPROC, nnodes: int = NNODES, node_rank: int = NODE_RANK,
+          rdzv_endpoint: str = ENDPOINT) -> None:
     """RL training (the main job); arguments: an optional recipe name, then config overrides.
 
     `minihf train` runs the default recipe (grpo), `minihf train ppo actor_rollout_ref.rollout.n=4`
-    another one. Runs in this process; use `torchrun --nproc_per_node=N scripts/train_ppo.py ...`
-    for several ranks."""
-    from minihf.config import ConfigError, load_config
-    from minihf.trainer.ppo_job import PPOJobConfig, run_ppo
-
-    try:
-        recipe, overrides = _recipe_and_overrides(ctx.args)
-        cfg = load_config(PPOJobConfig, recipe, overrides)
-    except ConfigError as exc:
-        raise typer.BadParameter(str(exc)) from exc
-    run_ppo(cfg)
+    another one, `minihf train --nproc-per-node 2` on two ranks."""
+    _job("train", ctx, nproc_per_node, nnodes, node_rank, rdzv_endpoint)
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def sft(ctx: typer.Context) -> None:
-    """Supervised fine-tuning; arguments are config overrides (recipe=NAME key=value ...).
-
-    Runs in this process; use `torchrun --nproc_per_node=N scripts/train_sft.py ...` for
-    several ranks."""
-    from minihf.config import ConfigError, load_config, split_cli_args
-    from minihf.trainer.sft import SFTConfig, check_paths, run_sft
-
-    try:
-        recipe, overrides = split_cli_args(list(ctx.args))
-        cfg = load_config(SFTConfig, recipe, overrides)
-        check_paths(cfg)
-    except ConfigError as exc:
-        raise typer.BadParameter(str(exc)) from exc
-    run_sft(cfg)
+@app.command(context_settings=JOB)
+def sft(ctx: typer.Context, nproc_per_node: int = NPROC, nnodes: int = NNODES, node_rank: int = NODE_RANK,
+        rdzv_endpoint: str = ENDPOINT) -> None:
+    """Supervised fine-tuning; arguments: an optional recipe name, then config overrides."""
+    _job("sft", ctx, nproc_per_node, nnodes, node_rank, rdzv_endpoint)
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def rm(ctx: typer.Context) -> None:
+@app.command(context_settings=JOB)
+def rm(ctx: typer.Context, nproc_per_node: int = NPROC, nnodes: int = NNODES, node_rank: int = NODE_RANK,
+       rdzv_endpoint: str = ENDPOINT) -> None:
     """Reward-model training on preference pairs (Bradley-Terry).
 
-    Arguments are config overrides (recipe=NAME key=value ...), e.g. `minihf rm model.path=M
+    Arguments: an optional recipe name, then config overrides, e.g. `minihf rm model.path=M
     data.train_files=D/train.parquet data.val_files=D/test.parquet`. Pairs from a synthetic
-    task: `minihf make-data sort D --pairs`. Use torchrun with scripts/train_rm.py for
-    several ranks."""
-    from minihf.config import ConfigError, load_config, split_cli_args
-    from minihf.trainer.rm import RMConfig, run_rm
-    from minihf.trainer.sft import check_paths
-
-    try:
-        recipe, overrides = split_cli_args(list(ctx.args))
-        cfg = load_config(RMConfig, recipe, overrides)
-        check_paths(cfg)
-    except ConfigError as exc:
-        raise typer.BadParameter(str(exc)) from exc
-    run_rm(cfg)
+    task: `minihf make-data sort D --pairs`."""
+    _job("rm", ctx, nproc_per_node, nnodes, node_rank, rdzv_endpoint)
 
 
 @app.command()

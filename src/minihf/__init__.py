@@ -2,7 +2,7 @@
 
 One ``torchrun`` job; rank 0 is the single controller that runs the algorithm as a plain
 program and sends commands to role worker groups over torch.distributed (HybridFlow without
-Ray). See DESIGN.md in the repository for the map.
+Ray). The map: docs/architecture.md in the repository.
 """
 
 __version__ = "0.1.0"

@@ -1,4 +1,4 @@
-"""minihf.hybrid: the 3D-HybridEngine for FSDP (DESIGN.md, "Resharding").
+"""minihf.hybrid: the 3D-HybridEngine for FSDP (docs/hybrid-engine.md).
 
 ``plan`` (pure: which tensor is gathered over which ranks, in which bucket), ``reshard``
 (executing it: FSDP2 shards -> the engine's TP shards, in place) and ``engine``

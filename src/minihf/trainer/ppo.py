@@ -1,5 +1,5 @@
-"""The RL driver: one loop for PPO, GRPO, RLOO, REINFORCE++, ReMax (DESIGN.md, "The driver
-loop"), run on rank 0 over the role worker groups.
+"""The RL driver: one loop for PPO, GRPO, RLOO, REINFORCE++, ReMax (docs/architecture.md, "One RL
+step"), run on rank 0 over the role worker groups.
 
 One step, as named phases (each timed as ``timing_s/<phase>``):
 

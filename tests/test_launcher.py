@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from minihf.utils.spawn import free_port
 
 from test_controller_launch import ROOT
@@ -55,6 +57,12 @@ def test_two_ranks_run_and_a_failed_job_is_one_line_per_rank(tmp_path):
     assert not [line for line in err.splitlines() if line.startswith(("W1", "E1", "I1"))], err  # no launcher log
 
 
+def test_several_nodes_need_an_endpoint(tmp_path):
+    code, _, err = finish(minihf("train", "--nnodes", "2", "trainer.total_training_steps=1"))
+    assert code == 2 and "--nnodes 2 needs --rdzv-endpoint HOST:PORT" in err, err
+
+
+@pytest.mark.slow  # ~12 s; test_controller_launch.py::test_train_ppo_two_simulated_nodes runs torchrun's in CI
 def test_two_launchers_on_loopback_are_a_two_node_job(tmp_path):
     args = job_args(tmp_path, tmp_path / "run")
     endpoint = f"127.0.0.1:{free_port()}"
@@ -64,5 +72,3 @@ def test_two_launchers_on_loopback_are_a_two_node_job(tmp_path):
     assert [r[0] for r in results] == [0, 0], results
     assert "step=2" in results[0][1]                    # rank 0, the driver, is on node 0
     assert (tmp_path / "run" / "global_step_2").is_dir()
-    code, _, err = finish(minihf("train", "--nnodes", "2", *args))
-    assert code == 2 and "--nnodes 2 needs --rdzv-endpoint HOST:PORT" in err, err

@@ -17,17 +17,8 @@ from __future__ import annotations
 import sys
 
 import minihf.utils.script_start  # noqa: F401 - first: Ctrl-C and a dead launcher during the imports below
-from minihf.config import load_config, split_cli_args
 from minihf.controller import run_script
-from minihf.trainer.ppo_job import DEFAULT_RECIPE, PPOJobConfig, run_ppo
-
-
-def main(argv: list[str]) -> None:
-    recipe, overrides = split_cli_args(argv)
-    recipe = recipe or DEFAULT_RECIPE
-    cfg = load_config(PPOJobConfig, recipe, overrides)
-    run_ppo(cfg)
-
+from minihf.launcher import main
 
 if __name__ == "__main__":
-    run_script(main, sys.argv[1:])
+    run_script(lambda argv: main("train", argv), sys.argv[1:])

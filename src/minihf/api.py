@@ -23,7 +23,7 @@ from typing import Any, Sequence
 @dataclass
 class TrainResult:
     """What a job returns: every logged row (``history``), the last row's metrics merged
-    over the run (``metrics``: each key's latest value) and the run dir."""
+    over the run (``metrics``: each key's latest value) and the run dir (absolute)."""
     history: list[dict]
     metrics: dict[str, Any]
     run_dir: Path
@@ -47,7 +47,7 @@ def _result(history: list[dict] | None, trainer) -> TrainResult:
     metrics: dict[str, Any] = {}
     for row in history:
         metrics.update(row)
-    return TrainResult(history, metrics, run_dir(trainer))
+    return TrainResult(history, metrics, run_dir(trainer).resolve())
 
 
 def train(recipe: Any = None, overrides: Sequence[str] = ()) -> TrainResult:

@@ -134,19 +134,6 @@ def generate(
             typer.echo(f"{text!r} -> {c!r}" + ("" if finish == "stop" else f"  [{finish}]"))
 
 
-def _recipe_and_overrides(args: list[str]) -> tuple[str, list[str]]:
-    """``[RECIPE] key=value ...`` (or ``recipe=NAME``) -> (recipe, overrides); the default
-    RL recipe when none is named."""
-    from minihf.config import split_cli_args
-    from minihf.trainer.ppo_job import DEFAULT_RECIPE
-
-    args = list(args)
-    if args and "=" not in args[0]:
-        args[0] = f"recipe={args[0]}"
-    recipe, overrides = split_cli_args(args)
-    return recipe or DEFAULT_RECIPE, overrides
-
-
 JOB = {"allow_extra_args": True, "ignore_unknown_options": True}
 NPROC = typer.Option(1, "--nproc-per-node", help="Ranks on this node; > 1 launches them (as torchrun would) after checking the config.")
 NNODES = typer.Option(1, "--nnodes", help="Nodes (one launcher per node, same --rdzv-endpoint).")
@@ -352,7 +339,11 @@ def config_show(
         raise typer.BadParameter(f"--kind {kind!r}: use auto, rl, sft or rm")
     order = ["rl", "sft"] if kind == "auto" else [kind]
     try:
-        recipe, overrides = _recipe_and_overrides(ctx.args)
+        from minihf.launcher import recipe_and_overrides
+        from minihf.trainer.ppo_job import DEFAULT_RECIPE
+
+        recipe, overrides = recipe_and_overrides(ctx.args)
+        recipe = recipe or DEFAULT_RECIPE
         errors = []
         for k in order:
             try:

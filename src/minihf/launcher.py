@@ -24,14 +24,21 @@ import sys
 KINDS = ("train", "sft", "rm")
 
 
-def load(kind: str, args: list[str]):
-    """The validated config of a ``minihf KIND`` command line (``[RECIPE] key=value ...``)."""
-    from minihf.config import load_config, split_cli_args
+def recipe_and_overrides(args: list[str]) -> tuple[str | None, list[str]]:
+    """``[RECIPE] key=value ...`` (or ``recipe=NAME``) -> (recipe or None, overrides)."""
+    from minihf.config import split_cli_args
 
     args = list(args)
     if args and "=" not in args[0]:
         args[0] = f"recipe={args[0]}"
-    recipe, overrides = split_cli_args(args)
+    return split_cli_args(args)
+
+
+def load(kind: str, args: list[str]):
+    """The validated config of a ``minihf KIND`` command line (``[RECIPE] key=value ...``)."""
+    from minihf.config import load_config
+
+    recipe, overrides = recipe_and_overrides(args)
     if kind == "train":
         from minihf.trainer.ppo_job import DEFAULT_RECIPE, PPOJobConfig
 
@@ -100,12 +107,12 @@ def launch_ranks(kind: str, args: list[str], nproc_per_node: int, nnodes: int = 
     return 0
 
 
-def _rank_main(argv: list[str]) -> None:
-    kind, *args = argv
+def main(kind: str, args: list[str]) -> None:
+    """A rank's job (``scripts/train_*.py`` and the launched ranks): load, then run."""
     run(kind, load(kind, args))
 
 
 if __name__ == "__main__":
     from minihf.controller import run_script
 
-    run_script(_rank_main, sys.argv[1:])
+    run_script(lambda argv: main(argv[0], argv[1:]), sys.argv[1:])

@@ -109,7 +109,7 @@ def _rank(rank, world, names, repeats):
 
 
 def main() -> None:
-    from minihf.utils.spawn import spawn_ranks
+    from minihf.testing import spawn_ranks
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--ranks", default="2,4", help="comma-separated N")

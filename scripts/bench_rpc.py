@@ -189,7 +189,7 @@ def main(argv: list[str]) -> None:
         launch(lambda groups: driver(groups, args), ROLES,
                ControllerConfig(timeout_s=300, placement=PLACEMENT))
     else:
-        from minihf.utils.spawn import spawn_ranks
+        from minihf.testing import spawn_ranks
         spawn_ranks(_spawned, 2, args, timeout_s=900, threads=1)
 
 

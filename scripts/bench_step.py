@@ -214,7 +214,8 @@ def process_counts(device: str) -> tuple[int, ...]:
 
 
 def report(args) -> None:
-    from minihf.data import init_model, make_task_data
+    from minihf.data import make_task_data
+    from minihf.hub import init_model
 
     work = Path(args.workdir)
     data = work / "data"

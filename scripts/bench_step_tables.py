@@ -9,7 +9,7 @@ from pathlib import Path
 
 from bench_step_workers import has_flash_attn
 
-from minihf.utils.doctor import cpu_name
+from minihf.cli.doctor import cpu_name
 
 
 def compare_row(label: str, forced: bool, out: dict, params: int, peak: float, samples: int) -> str:

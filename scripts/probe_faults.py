@@ -70,7 +70,7 @@ def params(run: Path):
     import torch
 
     from minihf.models import load_hf
-    from minihf.utils.checkpoint import export_hf
+    from minihf.hub import export_hf
 
     with tempfile.TemporaryDirectory() as scratch:
         model = load_hf(export_hf(run / "global_step_6", Path(scratch) / "hf"))

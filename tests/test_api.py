@@ -55,7 +55,8 @@ def test_train_in_process_returns_raises_and_runs_again(tmp_path, monkeypatch, n
 
 
 def test_train_sft_and_rm_in_process(tmp_path, monkeypatch, no_process_wide_effects):
-    from minihf.data import init_model, make_task_data
+    from minihf.data import make_task_data
+    from minihf.hub import init_model
 
     monkeypatch.chdir(tmp_path)
     init_model("model", size="tiny", task="sort")

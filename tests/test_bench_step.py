@@ -178,7 +178,7 @@ def test_trl_accepts_the_device_settings(tmp_path):
 
 
 def test_cpu_name_reads_the_first_processor(monkeypatch):
-    from minihf.utils.doctor import cpu_name
+    from minihf.cli.doctor import cpu_name
 
     assert bench_step_tables.cpu_name is cpu_name  # the report's Machine line names it so
     info = ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\n"

@@ -110,7 +110,7 @@ def minihf_logits(model, ids):
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory, smollm2_tokenizer_dir):
     pytest.importorskip("gguf")
-    from minihf.models.gguf import convert_gguf
+    from minihf.hub.gguf import convert_gguf
 
     root = tmp_path_factory.mktemp("gguf")
     write_tiny_gguf(root / "tiny.gguf", smollm2_tokenizer_dir)
@@ -150,7 +150,7 @@ def test_convert_gguf_loads_the_same_in_minihf_and_transformers(converted, smoll
 
 
 def test_convert_gguf_errors(converted, tmp_path):
-    from minihf.models.gguf import convert_gguf, gguf_architecture, resolve_gguf
+    from minihf.hub.gguf import convert_gguf, gguf_architecture, resolve_gguf
 
     with pytest.raises(FileExistsError, match="--overwrite"):
         convert_gguf(converted / "tiny.gguf", converted / "hf")
@@ -193,7 +193,7 @@ def gguf_header(kvs, order="<") -> bytes:
 def test_gguf_architecture_reads_the_header_up_to_its_key(tmp_path, order):
     import struct
 
-    from minihf.models.gguf import gguf_architecture
+    from minihf.hub.gguf import gguf_architecture
 
     def s(b):
         return struct.pack(order + "Q", len(b)) + b
@@ -218,7 +218,8 @@ def test_gguf_architecture_reads_the_header_up_to_its_key(tmp_path, order):
 
 @pytest.fixture(scope="module")
 def bpe_job(tmp_path_factory, smollm2_tokenizer_dir):
-    from minihf.data import init_model, make_task_data
+    from minihf.data import make_task_data
+    from minihf.hub import init_model
 
     root = tmp_path_factory.mktemp("bpe")
     init_model(root / "model", arch="llama", size="tiny", tokenizer=smollm2_tokenizer_dir)
@@ -298,7 +299,7 @@ def _grpo_step(rank, world, model, data, tmp):
 
 
 def test_grpo_step_with_bpe_on_two_processes(bpe_job, tmp_path, monkeypatch):
-    from minihf.utils.spawn import spawn_ranks
+    from minihf.testing import spawn_ranks
 
     (tmp_path / "reward.py").write_text(REWARD)
     monkeypatch.setenv("BPE_LOG", str(tmp_path / "texts.jsonl"))
@@ -374,7 +375,7 @@ def test_gguf_special_tokens_follow_the_header(smollm2_tokenizer_dir):
     # while the header's eos id is <|im_end|>'s; the converter trusts the header's ids
     from transformers import AutoTokenizer
 
-    from minihf.models.gguf import align_special_tokens
+    from minihf.hub.gguf import align_special_tokens
 
     tok = AutoTokenizer.from_pretrained(str(smollm2_tokenizer_dir))
     im_start, im_end = tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])

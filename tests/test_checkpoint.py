@@ -11,7 +11,8 @@ from typer.testing import CliRunner
 from minihf.cli import app
 from minihf.models import ModelArgs, build_model, init_weights
 from minihf.workers.optim import OptimConfig, build_lr_scheduler, build_optimizer
-from minihf.utils.checkpoint import (capture_rng_state, export_hf, load_checkpoint,
+from minihf.hub import export_hf
+from minihf.utils.checkpoint import (capture_rng_state, load_checkpoint,
                                      restore_rng_state, save_checkpoint)
 
 from test_fsdp import ARGS

@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from minihf import __version__
 from minihf.cli import app
-from minihf.utils.doctor import _version_of, report
+from minihf.cli.doctor import _version_of, report
 
 
 def test_version_and_help():
@@ -56,7 +56,7 @@ def test_command_summaries_are_one_line():
 
 def test_doctor_names_the_library_of_the_cpu_linears(monkeypatch):
     import minihf.models.linear as linear
-    from minihf.utils.doctor import cpu_linears
+    from minihf.cli.doctor import cpu_linears
 
     monkeypatch.setattr(linear, "use_onednn", lambda: False)
     assert cpu_linears() == "MKL (torch.mm)"

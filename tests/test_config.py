@@ -82,7 +82,7 @@ def test_defaults_recipe_overrides_precedence(recipes):
 
 def test_a_recipe_builds_on_a_base_and_says_where_each_value_came_from(recipes, tmp_path, monkeypatch):
     from minihf.config import load_config_sources, recipe_layers
-    from minihf.config_help import show
+    from minihf.cli.config_help import show
 
     (recipes / "child").mkdir()
     (recipes / "child" / "config.yaml").write_text("base: demo\nactor:\n  use_kl: false\n  clip: 0.1\n")

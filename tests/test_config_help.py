@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from minihf.cli import app
 from minihf.config import to_dict
-from minihf.config_help import doc_roots, field_help, markdown, reference
+from minihf.cli.config_help import doc_roots, field_help, markdown, reference
 from minihf.trainer.rm import RMConfig
 from minihf.trainer.sft import SFTConfig
 

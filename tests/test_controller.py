@@ -17,7 +17,7 @@ from minihf.controller import (
     register, run,
 )
 from minihf.protocol import Batch
-from minihf.utils.spawn import SpawnError, spawn_ranks
+from minihf.testing import SpawnError, spawn_ranks
 
 
 def _fail_on_load(text):

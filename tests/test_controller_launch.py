@@ -62,7 +62,8 @@ def _run(cmd, timeout=300) -> Job:
 def tiny_rl(tmp_path_factory):
     """A tiny model and digits data, and the overrides that make the grpo recipe use them
     for a 2-step run."""
-    from minihf.data import init_model, make_task_data
+    from minihf.data import make_task_data
+    from minihf.hub import init_model
 
     root = tmp_path_factory.mktemp("main_job")
     init_model(root / "model", size="tiny", task="digits")
@@ -87,7 +88,7 @@ def test_train_ppo_one_process(tiny_rl, tmp_path):
 def test_train_ppo_two_simulated_nodes(tiny_rl, tmp_path):
     """Two torchrun launchers (--nnodes=2, one process each) rendezvous on 127.0.0.1 and run
     2 steps of grpo: nothing in minihf assumes one node."""
-    from minihf.utils.spawn import free_port
+    from minihf.testing import free_port
 
     root, overrides = tiny_rl
     port = free_port()

@@ -8,7 +8,7 @@ import torch
 from typer.testing import CliRunner
 
 from minihf.cli import app
-from minihf.data.factory import ARCHS, SIZES, model_config
+from minihf.hub.factory import ARCHS, SIZES, model_config
 from minihf.data.rl_dataset import RLDataset
 from minihf.data.tokenizer import encode_chat, load_tokenizer
 from minihf.models import ModelArgs, build_model, init_weights, load_args, load_hf

@@ -36,7 +36,8 @@ def merge(base: dict, extra: dict) -> dict:
 
 
 def test_writing_a_recipe_runs_as_written(tmp_path):
-    from minihf.data import init_model, make_task_data
+    from minihf.data import make_task_data
+    from minihf.hub import init_model
 
     init_model(tmp_path / "m", size="tiny", task="sort")
     make_task_data("sort", tmp_path / "d", 16, 4)
@@ -193,7 +194,8 @@ def test_every_doc_command_is_run_somewhere():
 def setup_sandbox(tmp: Path) -> None:
     """What the docs assume exists: the tiny RL model and data of TINY, and the main job's SFT
     warm start (the README's reward-model example starts from it)."""
-    from minihf.data import init_model, make_task_data
+    from minihf.data import make_task_data
+    from minihf.hub import init_model
 
     init_model(tmp / "rl" / "model", size="tiny", task="sort")
     make_task_data("sort", tmp / "rl" / "data", 16, 4)

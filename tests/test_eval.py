@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from minihf.trainer.evaluate import EvalConfig, evaluate, pass_at_k, ks_for, summarize
-from minihf.utils.spawn import spawn_ranks
+from minihf.testing import spawn_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,7 +40,8 @@ def test_summarize_by_hand():
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     """A 2-step SFT checkpoint of a tiny digits model, its export, and test prompts."""
-    from minihf.data import init_model, make_task_data
+    from minihf.data import make_task_data
+    from minihf.hub import init_model
 
     root = tmp_path_factory.mktemp("eval")
     init_model(root / "model", size="tiny", task="digits")
@@ -59,7 +60,7 @@ def _eval_rank(rank, world, model, data, reward):
 
 
 def test_checkpoint_and_ranks_give_the_same_metrics(ckpt, tmp_path):
-    from minihf.utils.checkpoint import export_hf
+    from minihf.hub import export_hf
 
     data = str(ckpt / "data" / "test.parquet")
     hf = export_hf(ckpt / "run" / "global_step_2", tmp_path / "hf")

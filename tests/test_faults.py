@@ -36,7 +36,8 @@ def boom(*args, **kwargs):
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    from minihf.data import init_model, make_task_data
+    from minihf.data import make_task_data
+    from minihf.hub import init_model
 
     root = tmp_path_factory.mktemp("faults")
     init_model(root / "model", size="tiny", task="sort")
@@ -67,7 +68,7 @@ def _metrics(run_dir):
 
 def _params(ckpt):
     from minihf.models import load_hf
-    from minihf.utils.checkpoint import export_hf
+    from minihf.hub import export_hf
 
     export_hf(ckpt, ckpt.parent / "export")
     return load_hf(ckpt.parent / "export").state_dict()

@@ -14,7 +14,7 @@ from minihf.models import ModelArgs, build_model, init_weights
 from minihf.parallel.fsdp import apply_fsdp, default_mixed_precision, fsdp_mesh
 from minihf.parallel.placement import fsdp_dim as shard_dim
 from minihf.workers.optim import OptimConfig, build_lr_scheduler, build_optimizer
-from minihf.utils.spawn import spawn_ranks
+from minihf.testing import spawn_ranks
 from minihf.workers.forward import forward_log_probs
 from minihf.workers.train_step import global_normalizer, take_rows, train_minibatch
 

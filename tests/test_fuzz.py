@@ -53,7 +53,8 @@ def write(path, rows, rng):
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
-    from minihf.data import init_model, load_tokenizer
+    from minihf.data import load_tokenizer
+    from minihf.hub import init_model
 
     root = tmp_path_factory.mktemp("fuzz")
     init_model(root / "m", size="tiny", task="sort")

@@ -149,7 +149,7 @@ def _fsdp_rank(rank, world, path):
 
 
 def test_fsdp2_world_size_one_on_nccl(tiny):
-    from minihf.utils.spawn import spawn_ranks
+    from minihf.testing import spawn_ranks
 
     err = spawn_ranks(_fsdp_rank, 1, tiny, backend="nccl", timeout_s=300)[0]
     print(f"FSDP2 (1 rank, NCCL) vs plain after one AdamW step: max param diff {err:.3e}")
@@ -168,7 +168,7 @@ def _gather_rank(rank, world):
 
 
 def test_in_place_reshard_gather_into_cuda_memory():
-    from minihf.utils.spawn import spawn_ranks
+    from minihf.testing import spawn_ranks
 
     got = spawn_ranks(_gather_rank, 2, backend="gloo", timeout_s=300)
     want = torch.cat([torch.arange(6.0), torch.arange(6.0) + 10]).view(3, 4).tolist()
@@ -220,7 +220,7 @@ def _offload_rank(rank, world, path):
 
 
 def test_optimizer_offload_during_generation(tiny):
-    from minihf.utils.spawn import spawn_ranks
+    from minihf.testing import spawn_ranks
 
     where, diff = spawn_ranks(_offload_rank, 1, tiny, backend="nccl", timeout_s=600)[0]
     print(f"AdamW moments during generation -> after: offload {where[True]}, none {where[False]}; "

@@ -20,7 +20,7 @@ from minihf.controller import Dispatch, Role, register, run
 from minihf.controller.config import ControllerConfig
 from minihf.protocol import Batch
 from minihf.workers.optim import OptimConfig
-from minihf.utils.spawn import spawn_ranks
+from minihf.testing import spawn_ranks
 from minihf.workers.actor import ActorRolloutRefWorker
 from minihf.workers.config import (ActorConfig, ActorRolloutRefConfig, RLModelConfig,
                                    RolloutConfig)

@@ -8,7 +8,7 @@ tokens; the engine sleeps (no weights) between calls."""
 import pytest
 import torch
 
-from minihf.utils.spawn import spawn_ranks
+from minihf.testing import spawn_ranks
 
 from test_rollout_engine import build_tiny
 

@@ -34,7 +34,8 @@ def test_staged_dir_is_complete_or_absent(tmp_path):
 
 def test_interrupted_model_and_data_builds_leave_nothing(tmp_path, monkeypatch):
     import minihf.models
-    from minihf.data import init_model, make_task_data
+    from minihf.data import make_task_data
+    from minihf.hub import init_model
     from minihf.data.files import read_many
 
     with monkeypatch.context() as m:
@@ -63,7 +64,8 @@ def test_interrupted_model_and_data_builds_leave_nothing(tmp_path, monkeypatch):
 
 def test_prepare_redoes_data_it_finds_incomplete(tmp_path, monkeypatch):
     from minihf.config import load_config
-    from minihf.trainer.ppo_job import PPOJobConfig, prepare_files
+    from minihf.trainer.ppo_job import PPOJobConfig
+    from minihf.trainer.prepare import prepare_files
 
     monkeypatch.chdir(tmp_path)
     cfg = load_config(PPOJobConfig, "grpo", ["prepare.num_train=8", "prepare.num_test=2", "prepare.size=tiny"])
@@ -80,7 +82,8 @@ def test_prepare_redoes_data_it_finds_incomplete(tmp_path, monkeypatch):
 
 def test_ctrl_c_while_loading_shards_is_an_interrupt(tmp_path, monkeypatch):
     from minihf.utils import safe_load
-    from minihf.utils.checkpoint import export_hf, load_checkpoint, save_checkpoint
+    from minihf.hub import export_hf
+    from minihf.utils.checkpoint import load_checkpoint, save_checkpoint
 
     from test_reliability import small
 
@@ -93,23 +96,23 @@ def test_ctrl_c_while_loading_shards_is_an_interrupt(tmp_path, monkeypatch):
 
 
 def _sft_export_interrupted_then_rerun(rank, world, cfg):
-    import minihf.models
+    import minihf.hub.export
     from minihf.controller import run
     from minihf.trainer.sft import SFTDriver, sft_roles
 
-    logs, real = [], minihf.models.save_hf
+    logs, real = [], minihf.hub.export.save_hf
 
     def drive(groups):
         driver = SFTDriver(cfg, groups["sft"])
         driver.log = logs.append
         return driver.fit()
-    minihf.models.save_hf = interrupt
+    minihf.hub.export.save_hf = interrupt
     try:
         run(drive, sft_roles(cfg), cfg.controller)
         outcome = "no interrupt"
     except KeyboardInterrupt:
         outcome = "interrupted"
-    minihf.models.save_hf = real
+    minihf.hub.export.save_hf = real
     run(drive, sft_roles(cfg), cfg.controller)
     return outcome, logs
 
@@ -118,9 +121,10 @@ def test_sft_interrupted_while_exporting_exports_on_the_rerun(tmp_path):
     """Ctrl-C after the SFT's last checkpoint, while it exports: nothing at hf/, and the rerun
     (which has no step left) exports instead of saying "nothing to train" and leaving the
     RL job a model dir without config.json."""
-    from minihf.data import init_model, make_task_data
+    from minihf.data import make_task_data
+    from minihf.hub import init_model
     from minihf.models import load_hf
-    from minihf.utils.spawn import spawn_ranks
+    from minihf.testing import spawn_ranks
 
     from test_sft import config
 

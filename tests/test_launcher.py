@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from minihf.utils.spawn import free_port
+from minihf.testing import free_port
 
 from test_controller_launch import ROOT
 from test_locks import _args
@@ -27,7 +27,8 @@ def finish(proc, timeout=300):
 
 
 def job_args(tmp_path, run_dir, steps=2):
-    from minihf.data import init_model, make_task_data
+    from minihf.data import make_task_data
+    from minihf.hub import init_model
 
     if not (tmp_path / "model").exists():
         init_model(tmp_path / "model", size="tiny", task="sort")

@@ -94,7 +94,8 @@ def test_two_rl_jobs_in_one_run_dir(tmp_path):
     """The second job started in a busy run dir is refused at once, in one line naming the
     first; after the first is killed (its lock left behind), the next job takes it over,
     saying so, and runs (it wrote every step twice, and replaced the first's checkpoints)."""
-    from minihf.data import init_model, make_task_data
+    from minihf.data import make_task_data
+    from minihf.hub import init_model
 
     init_model(tmp_path / "model", size="tiny", task="sort")
     make_task_data("sort", tmp_path / "data", 16, 4, seed=0)

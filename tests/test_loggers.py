@@ -8,7 +8,7 @@ import math
 import pytest
 
 from minihf.config import ConfigError, load_config
-from minihf.utils.spawn import spawn_ranks
+from minihf.testing import spawn_ranks
 
 
 def _run(rank, world, model, data, out, loggers):
@@ -51,7 +51,8 @@ def test_wandb_offline_and_tensorboard_get_every_metric(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from minihf.data import init_model, make_task_data
+    from minihf.data import make_task_data
+    from minihf.hub import init_model
 
     init_model(tmp_path / "m", size="tiny", task="sort")
     make_task_data("sort", tmp_path / "d", 16, 4)

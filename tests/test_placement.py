@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from minihf.utils.spawn import spawn_ranks
+from minihf.testing import spawn_ranks
 
 from test_ppo import job_config
 
@@ -55,7 +55,8 @@ def overlaps(log, a, b):
 
 
 def test_split_placement_matches_colocated_and_overlaps(tmp_path):
-    from minihf.data import init_model, make_task_data
+    from minihf.data import make_task_data
+    from minihf.hub import init_model
 
     init_model(tmp_path / "model", size="tiny", task="digits")
     make_task_data("digits", tmp_path / "data", 32, 8, seed=0)

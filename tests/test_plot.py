@@ -5,7 +5,7 @@ import json
 from typer.testing import CliRunner
 
 from minihf.cli import app
-from minihf.utils.plot import read_run
+from minihf.cli.plot import read_run
 
 
 def fake_run(path, scale, steps=12):

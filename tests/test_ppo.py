@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from minihf.config import ConfigError, load_config
-from minihf.utils.spawn import spawn_ranks
+from minihf.testing import spawn_ranks
 
 STEPS = 3
 
@@ -35,7 +35,7 @@ def job_config(model, data, out, recipe, **extra):
 
 
 def final_params(out, step):
-    from minihf.utils.checkpoint import export_hf
+    from minihf.hub import export_hf
     from minihf.models import load_hf
 
     export_hf(f"{out}/global_step_{step}/actor", f"{out}/export")
@@ -82,7 +82,8 @@ def check_metrics(hist, with_critic):
 
 @pytest.fixture(scope="module")
 def tiny_job(tmp_path_factory):
-    from minihf.data import init_model, make_task_data
+    from minihf.data import make_task_data
+    from minihf.hub import init_model
 
     root = tmp_path_factory.mktemp("ppo")
     init_model(root / "model", size="tiny", task="digits")

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from minihf.trainer.sampling import dynamic_rollout
-from minihf.utils.spawn import spawn_ranks
+from minihf.testing import spawn_ranks
 
 RECIPES = Path(__file__).parent.parent / "recipes"
 ZOO = ["dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "gspo", "dapo"]
@@ -52,7 +52,8 @@ def _run_recipes(rank, world, model, data, tmp, names):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from minihf.data import init_model, make_task_data
+    from minihf.data import make_task_data
+    from minihf.hub import init_model
 
     root = tmp_path_factory.mktemp("zoo")
     init_model(root / "model", size="tiny", task="sort")

@@ -17,7 +17,7 @@ from test_fsdp import ARGS
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from minihf.data import init_model
+    from minihf.hub import init_model
 
     root = tmp_path_factory.mktemp("rel")
     init_model(root / "m", size="tiny", task="sort")
@@ -42,7 +42,7 @@ def broken_copy(model_dir, tmp_path, name, mutate):
 ])
 def test_broken_model_dirs_name_the_file(model_dir, tmp_path, name, mutate, message):
     from minihf.models import load_hf
-    from minihf.rollout.text import generate_text
+    from minihf.cli.generate import generate_text
     from minihf.rollout import SamplingParams
 
     bad = broken_copy(model_dir, tmp_path, name, mutate)
@@ -207,7 +207,7 @@ def _blow_up(rank, world, model, data, out):
 
 def test_rl_run_with_exploding_weights_stops_naming_the_phase(model_dir, tmp_path):
     from minihf.data import make_task_data
-    from minihf.utils.spawn import spawn_ranks
+    from minihf.testing import spawn_ranks
 
     make_task_data("sort", tmp_path / "d", 16, 2)
     with pytest.raises(Exception, match=r"steps in a row had a NaN/Inf loss or gradient in update_actor"):
@@ -351,7 +351,8 @@ def test_a_full_disk_during_an_rl_run_keeps_the_last_checkpoint(tmp_path):
     """The save of step 2 fails as on a full disk: the job ends with one line from the rank
     that wrote, the pointer still names step 1, and the same command, once there is space,
     resumes from step 1 and finishes."""
-    from minihf.data import init_model, make_task_data
+    from minihf.data import make_task_data
+    from minihf.hub import init_model
 
     from test_controller_launch import _run
     from test_locks import _args

@@ -21,12 +21,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from minihf.utils.spawn import spawn_ranks
+from minihf.testing import spawn_ranks
 
 
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory):
-    from minihf.data import init_model, make_task_data
+    from minihf.data import make_task_data
+    from minihf.hub import init_model
 
     root = tmp_path_factory.mktemp("rm")
     init_model(root / "model", size="tiny", task="sort")

@@ -158,7 +158,8 @@ def test_the_driver_hands_weights_and_the_rejection_mask_to_the_update(tmp_path)
     """Scripted actor (tests/test_ppo.py): old log-probs -1.0, the engine's -1.2 on every
     token, so log_ratio = 0.2 and token IS weights e^0.2; a token_k1 window [0.9, 1.1] on
     pi_rollout / pi_old = e^-0.2 = 0.82 rejects every token, [0.8, 1.2] none."""
-    from minihf.data import init_model, make_task_data
+    from minihf.data import make_task_data
+    from minihf.hub import init_model
     from minihf.trainer.ppo import PPOTrainer
     from test_ppo import ScriptedActor, job_config
 

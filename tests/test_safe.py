@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from minihf.config import ConfigError, load_config
-from minihf.utils.spawn import spawn_ranks
+from minihf.testing import spawn_ranks
 
 
 def flat(result) -> str:
@@ -95,7 +95,8 @@ def test_make_data_pairs_by_and_overwrite(tmp_path):
 def test_sign_labeled_pairs_and_cost_model_loss(tmp_path):
     import torch.nn.functional as F
 
-    from minihf.data import PairDataset, init_model, load_tokenizer
+    from minihf.data import PairDataset, load_tokenizer
+    from minihf.hub import init_model
     from minihf.data.files import DataFileError, write_rows
     from minihf.workers.rm_worker import pair_loss
 
@@ -129,7 +130,8 @@ def test_sign_labeled_pairs_and_cost_model_loss(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from minihf.data import init_model, make_task_data
+    from minihf.data import make_task_data
+    from minihf.hub import init_model
 
     root = tmp_path_factory.mktemp("safe")
     init_model(root / "model", size="tiny", task="sort")
@@ -214,7 +216,8 @@ def test_safe_config_errors(tiny):
 
 
 def test_recipes_train_their_score_models_first(tmp_path, monkeypatch):
-    from minihf.trainer.ppo_job import PPOJobConfig, check_paths, score_model_jobs
+    from minihf.trainer.ppo_job import PPOJobConfig, check_paths
+    from minihf.trainer.prepare import score_model_jobs
 
     monkeypatch.chdir(tmp_path)                               # no outputs/: every model is due
     jobs = score_model_jobs(load_config(PPOJobConfig, "safe_rlhf"))
@@ -227,7 +230,7 @@ def test_recipes_train_their_score_models_first(tmp_path, monkeypatch):
         score_model_jobs(cfg)
     cfg.prepare.reward_model_recipe = None
     cfg.actor_rollout_ref.model.path = str(tmp_path / "m")
-    from minihf.data import init_model
+    from minihf.hub import init_model
     init_model(tmp_path / "m", size="tiny", task="sort")
     with pytest.raises(ConfigError, match="reward_model.model.path='elsewhere' has no config.json"):
         check_paths(cfg)
@@ -237,7 +240,7 @@ def test_sampled_pairs_rank_a_models_own_answers(tmp_path):
     from typer.testing import CliRunner
 
     from minihf.cli import app
-    from minihf.data import init_model
+    from minihf.hub import init_model
     from minihf.data.tasks import get_task
     from minihf.data.files import read_many
 

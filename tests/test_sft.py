@@ -8,7 +8,7 @@ import torch
 from minihf.controller import run
 from minihf.workers.optim import OptimConfig
 from minihf.trainer.sft import SFTConfig, SFTDataConfig, SFTDriver, SFTTrainerConfig, sft_roles
-from minihf.utils.spawn import spawn_ranks
+from minihf.testing import spawn_ranks
 from minihf.workers.config import ModelConfig
 
 
@@ -39,7 +39,8 @@ def _job(rank, world, cfgs):
 def test_sft_two_ranks_loss_decreases_resume_matches_export_loads(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from minihf.data import init_model, make_task_data
+    from minihf.data import make_task_data
+    from minihf.hub import init_model
     from minihf.models import load_hf
 
     model = str(init_model(tmp_path / "model", task="digits"))
@@ -116,7 +117,7 @@ def test_sft_cli_names_missing_model_and_data(tmp_path):
     from typer.testing import CliRunner
 
     from minihf.cli import app
-    from minihf.data import init_model
+    from minihf.hub import init_model
 
     def run(*args):
         res = CliRunner().invoke(app, ["sft", *args])

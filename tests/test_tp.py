@@ -12,7 +12,7 @@ import torch
 
 from minihf.parallel.placement import tp_dim
 from minihf.parallel.tp import shard_tensor
-from minihf.utils.spawn import spawn_ranks
+from minihf.testing import spawn_ranks
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [3], [5, 6, 7]]
 

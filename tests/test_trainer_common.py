@@ -43,10 +43,10 @@ def test_verl_schedule():
 
 def test_interrupted_export_is_redone(tmp_path, monkeypatch):
     """An export killed half way leaves no model at the target; the next one writes it."""
-    import minihf.utils.checkpoint as ckpt
-    from minihf.data import init_model
+    import minihf.hub as ckpt
+    from minihf.hub import init_model
     from minihf.models import load_hf, save_hf
-    from minihf.utils.spawn import spawn_ranks
+    from minihf.testing import spawn_ranks
 
     model_dir = init_model(tmp_path / "m", task="digits")
     spawn_ranks(_save, 1, str(model_dir), str(tmp_path / "ck"), timeout_s=120)
@@ -54,11 +54,11 @@ def test_interrupted_export_is_redone(tmp_path, monkeypatch):
     def dies(model, out):
         raise KeyboardInterrupt  # as if killed while writing
 
-    monkeypatch.setattr("minihf.models.save_hf", dies)
+    monkeypatch.setattr("minihf.hub.export.save_hf", dies)
     with pytest.raises(KeyboardInterrupt):
         ckpt.export_hf(tmp_path / "ck", tmp_path / "hf")
     assert not (tmp_path / "hf" / "config.json").exists()
-    monkeypatch.setattr("minihf.models.save_hf", save_hf)
+    monkeypatch.setattr("minihf.hub.export.save_hf", save_hf)
     ckpt.export_hf(tmp_path / "ck", tmp_path / "hf")
     assert load_hf(tmp_path / "hf") is not None
 

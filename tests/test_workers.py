@@ -12,8 +12,8 @@ from minihf.controller import (Dispatch, Role, RoleLayout, WorkerContext, create
 from minihf.models import ModelArgs, build_model, init_weights, load_hf, save_hf
 from minihf.protocol import Batch
 from minihf.workers.optim import OptimConfig
-from minihf.utils.checkpoint import export_hf
-from minihf.utils.spawn import spawn_ranks
+from minihf.hub import export_hf
+from minihf.testing import spawn_ranks
 from minihf.workers.actor import ActorRolloutRefWorker
 from minihf.workers.config import (ActorConfig, ActorRolloutRefConfig, CriticConfig, FSDPConfig,
                                    RefConfig, RewardModelConfig, RLModelConfig)

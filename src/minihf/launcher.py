@@ -75,7 +75,7 @@ def launch_ranks(kind: str, args: list[str], nproc_per_node: int, nnodes: int = 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from minihf.utils.spawn import free_port
+    from minihf.controller.ranks import free_port
 
     if nproc_per_node < 1 or nnodes < 1 or not 0 <= node_rank < nnodes:
         raise ValueError(f"--nproc-per-node {nproc_per_node}, --nnodes {nnodes}, --node-rank {node_rank}: "

@@ -52,3 +52,10 @@ def kill_lost_rank(error: BaseException, processes: list) -> None:
         os.kill(pid, signal.SIGKILL)
     except OSError:
         pass
+
+
+def free_port() -> int:
+    """A TCP port on the loopback interface that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

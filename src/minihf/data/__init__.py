@@ -1,4 +1,4 @@
-"""minihf.data: tokenizers, prompt/SFT datasets, synthetic tasks, rewards, tiny-model factory.
+"""minihf.data: tokenizers, prompt/SFT datasets, synthetic tasks, rewards.
 
 * ``load_tokenizer(model_dir)`` -- every tokenizer is loaded through it (see tokenizer.py).
 * ``RLDataset`` + ``PromptLoader`` -- verl-format prompt files -> left-padded ``Batch``es
@@ -6,10 +6,8 @@
 * ``make_task_data`` / ``TASKS`` -- the ``digits``, ``arith`` and ``countdown`` tasks.
 * ``default_reward_fn``, ``default_cost_fn``, ``load_reward_fn``, ``compute_score`` -- rule
   rewards and costs.
-* ``init_model`` -- a random-init model dir with a task tokenizer, for offline use.
 """
 
-from minihf.data.factory import init_model
 from minihf.data.rewards import (RewardError, compute_score, default_cost_fn, default_reward_fn,
                                  load_reward_fn)
 from minihf.data.rl_dataset import PromptLoader, RLDataset
@@ -19,7 +17,7 @@ from minihf.data.tasks import TASKS, make_task_data
 from minihf.data.tokenizer import build_char_tokenizer, load_tokenizer, save_tokenizer
 
 __all__ = [
-    "init_model", "RewardError", "compute_score", "default_cost_fn", "default_reward_fn", "load_reward_fn", "PromptLoader",
+    "RewardError", "compute_score", "default_cost_fn", "default_reward_fn", "load_reward_fn", "PromptLoader",
     "RLDataset", "ResumableSampler", "PairDataset", "SFTDataset", "TASKS", "make_task_data", "build_char_tokenizer",
     "load_tokenizer", "save_tokenizer",
 ]

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from minihf.protocol import Batch
-from minihf.utils.checkpoint import model_dir_of
+from minihf.hub import model_dir_of
 
 
 @dataclass

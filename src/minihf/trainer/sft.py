@@ -185,7 +185,7 @@ class SFTDriver:
             if (t.save_freq and step % t.save_freq == 0) or step == self.total_steps:
                 last = self.save(step)
         if t.export_hf and last is not None:
-            from minihf.utils.checkpoint import export_hf
+            from minihf.hub import export_hf
             self.log(f"exported {export_hf(last, self.out / 'hf')}")
         return self.history
 

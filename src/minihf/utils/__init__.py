@@ -1,2 +1,3 @@
-"""Small shared utilities: local process spawning (tests, benchmarks), sharded checkpoints,
-a quick process exit (no final GC pass), the ``minihf doctor`` report."""
+"""minihf.utils: the bottom layer, importing no other minihf package. Files (atomic writes,
+``staged_dir``, broken-file errors), locks on run dirs and artefacts, sharded checkpoints
+(DCP) and their safe loading, recipe-code imports, process start and exit."""

@@ -10,22 +10,16 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import queue
-import socket
 import time
 import traceback
 from datetime import timedelta
 from typing import Any, Callable
 
+from minihf.controller.ranks import free_port  # noqa: F401  (tests and benchmarks import it from here)
+
 
 class SpawnError(RuntimeError):
     """A spawned rank raised, died, or did not finish before the deadline."""
-
-
-def free_port() -> int:
-    """A TCP port on the loopback interface that is free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _child(fn, rank, world_size, port, backend, threads, pg_timeout_s, args, results):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .args import ARCH_PREFIX
+from minihf.models.args import ARCH_PREFIX
 
 # general.architecture in the GGUF header -> the transformers model_type minihf runs.
 GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral"}
@@ -139,8 +139,7 @@ def convert_gguf(gguf_file: str | Path, out_dir: str | Path, dtype: str = "float
     from minihf.data.tokenizer import save_tokenizer
     from minihf.utils.files import staged_dir
 
-    from .hf_io import load_args, save_hf
-    from .model import build_model, materialize
+    from minihf.models import build_model, load_args, materialize, save_hf
 
     out = Path(out_dir)
     if dtype not in DTYPES:

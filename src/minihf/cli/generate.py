@@ -10,9 +10,8 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from .llm import LLM, eos_ids_from_dir
-from .sampling import SamplingParams
-
+from minihf.rollout.llm import LLM, eos_ids_from_dir
+from minihf.rollout.sampling import SamplingParams
 from minihf.utils.files import MODEL_FIX, read_json
 
 
@@ -37,7 +36,7 @@ def generate_text(model_dir: str | Path, prompts: list[str], params: SamplingPar
     prompt with characters outside the vocabulary (they would silently become the unknown
     token) is refused, listing them, unless ``allow_unk``.
     """
-    from minihf.utils.checkpoint import model_dir_of
+    from minihf.hub import model_dir_of
 
     for i, p in enumerate(prompts):  # a non-UTF-8 argument arrives with surrogate escapes
         try:

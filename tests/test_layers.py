@@ -38,6 +38,8 @@ LAYERS = [
     ["cli"],
 ]
 LEVEL = {pkg: i for i, line in enumerate(LAYERS) for pkg in line}
+# extras (pyproject.toml) and what only a benchmark uses: imported by the feature that needs them
+OPTIONAL = ["wandb", "tensorboard", "matplotlib", "gguf", "accelerate", "flash_attn", "trl", "datasets"]
 
 
 def _module_name(path: Path) -> str:
@@ -111,6 +113,7 @@ _ISOLATION = r"""
 import os, pickle, pkgutil, sys
 import importlib
 levels = pickle.loads(bytes.fromhex(sys.argv[1]))
+OPTIONAL = pickle.loads(bytes.fromhex(sys.argv[2]))
 
 
 def import_all(pkg):
@@ -138,12 +141,13 @@ data = b""
 while chunk := os.read(r, 65536):
     data += chunk
 os.waitpid(pid, 0)
-for name in pickle.loads(data):
+third_party = pickle.loads(data)
+out = {"optional packages": sorted({m.split(".")[0] for m in third_party} & set(OPTIONAL))}
+for name in third_party:
     try:
         importlib.import_module(name)
     except BaseException:
         pass
-out = {}
 for pkg in levels:
     r, w = os.pipe()
     pid = os.fork()
@@ -169,12 +173,15 @@ print(pickle.dumps(out).hex())
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="uses fork to import each package in a fresh child")
 def test_each_package_imports_alone():
     """Each package, with all its modules, imports in a process where no other minihf
-    package was imported first, and what that loads lies at or below its layer."""
-    proc = subprocess.run([sys.executable, "-c", _ISOLATION, pickle.dumps(list(LEVEL)).hex()],
+    package was imported first, and what that loads lies at or below its layer; importing
+    all of minihf imports none of the optional packages."""
+    proc = subprocess.run([sys.executable, "-c", _ISOLATION, pickle.dumps(list(LEVEL)).hex(),
+                           pickle.dumps(OPTIONAL).hex()],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = pickle.loads(bytes.fromhex(proc.stdout.strip().splitlines()[-1]))
-    problems = []
+    optional = results.pop("optional packages")
+    problems = [f"importing minihf imports the optional {p}: import it where it is used" for p in optional]
     for pkg, (status, value) in results.items():
         if status != "ok":
             problems.append(f"minihf.{pkg} does not import alone: {value}")

@@ -21,7 +21,7 @@ CHAT = [{"role": "system", "content": "1 2"}, {"role": "user", "content": "3,4:1
 def tok_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tok")
     save_tokenizer(build_char_tokenizer(ALPHABET), path)
-    # The hazard from DESIGN.md: a generic tokenizer next to a Qwen2 config.json.
+    # The hazard: a generic tokenizer next to a Qwen2 config.json.
     Qwen2Config(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                 num_key_value_heads=1, intermediate_size=64).save_pretrained(str(path))
     return path

@@ -10,15 +10,18 @@ every trained role), ``optim`` (AdamW, LR schedule, global grad clipping), ``tra
 here imports ``minihf.trainer``: drivers sit above workers.
 """
 
-from minihf.workers.actor import ActorRolloutRefWorker
-from minihf.workers.config import (ActorConfig, ActorRolloutRefConfig, CriticConfig, FSDPConfig,
-                                   ModelConfig, PolicyLossConfig, RefConfig, RewardModelConfig,
-                                   RLModelConfig, RolloutConfig, ValKwargs)
-from minihf.workers.critic import CriticWorker
-from minihf.workers.reward_model import RewardModelWorker
+import importlib
 
-__all__ = [
-    "ActorConfig", "ActorRolloutRefConfig", "ActorRolloutRefWorker", "CriticConfig",
-    "CriticWorker", "FSDPConfig", "ModelConfig", "PolicyLossConfig", "RefConfig",
-    "RewardModelConfig", "RewardModelWorker", "RLModelConfig", "RolloutConfig", "ValKwargs",
-]
+# Imported on first use, so that a config check (``minihf.workers.config``, which the
+# launcher's parent process reads) does not import the FSDP and engine stack.
+_HOMES = {"ActorRolloutRefWorker": "actor", "CriticWorker": "critic", "RewardModelWorker": "reward_model",
+          **{name: "config" for name in ("ActorConfig", "ActorRolloutRefConfig", "CriticConfig", "FSDPConfig",
+                                          "ModelConfig", "PolicyLossConfig", "RefConfig", "RewardModelConfig",
+                                          "RLModelConfig", "RolloutConfig", "ValKwargs")}}
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str):
+    if name in _HOMES:
+        return getattr(importlib.import_module(f"minihf.workers.{_HOMES[name]}"), name)
+    raise AttributeError(f"module 'minihf.workers' has no attribute {name!r}")

@@ -22,7 +22,6 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 
 @dataclass
@@ -91,6 +90,8 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig) -> to
 
 def _grads(parameters: Iterable[torch.nn.Parameter]) -> tuple[dict, list[torch.Tensor]]:
     """The gradients as local tensors: DTensor shards by mesh, plain ones apart."""
+    from torch.distributed.tensor import DTensor  # here: the config check (OptimConfig) needs no DTensor
+
     sharded: dict[object, list[torch.Tensor]] = {}
     plain: list[torch.Tensor] = []
     for p in parameters:

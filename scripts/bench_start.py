@@ -74,6 +74,7 @@ def main() -> None:
     p.add_argument("--nproc", type=int, default=2)
     args = p.parse_args()
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # each way's own thread choice
+    env["PYTHONUNBUFFERED"] = "1"  # a line reaches the pipe when printed, not when the process exits
     ways = commands(args.nproc)
     scratch = Path(tempfile.mkdtemp(prefix="minihf-bench-start-"))
     try:

@@ -194,7 +194,7 @@ def test_every_doc_command_is_run_somewhere():
 
 def setup_sandbox(tmp: Path) -> None:
     """What the docs assume exists: the tiny RL model and data of TINY, and the main job's SFT
-    warm start (the README's reward-model example starts from it)."""
+    warm start (docs/training.md's reward-model example starts from it)."""
     from minihf.data import make_task_data
     from minihf.hub import init_model
 

@@ -82,7 +82,7 @@ def save_checkpoint(path: str | Path, model: torch.nn.Module, optimizer=None, lr
 
     ``extra`` is this rank's own picklable state (sampler position, step, ...), returned by
     :func:`load_checkpoint`. ``hf_source``: a model dir whose tokenizer files are copied
-    into ``hf/`` so :func:`export_hf` writes a complete model dir.
+    into ``hf/`` so ``minihf.hub.export_hf`` writes a complete model dir.
     """
     path = Path(path)
     try:

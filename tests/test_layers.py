@@ -35,6 +35,7 @@ LAYERS = [
     ["workers"],
     ["trainer"],
     ["api", "launcher", "testing"],
+    ["planner"],
     ["cli"],
 ]
 LEVEL = {pkg: i for i, line in enumerate(LAYERS) for pkg in line}

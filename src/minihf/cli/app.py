@@ -314,6 +314,9 @@ def plot(
 
 
 config_app = typer.Typer(no_args_is_help=True, help="Inspect configs: resolved values, defaults, help.")
+from minihf.cli.plan import plan as _plan  # noqa: E402 - the command lives beside the app
+
+app.command("plan")(_plan)
 app.add_typer(config_app, name="config")
 
 

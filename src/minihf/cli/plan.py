@@ -1,0 +1,101 @@
+"""``minihf plan``: rank the placements of an RL job on a cluster (``minihf.planner``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+import yaml
+
+PHASES = ("gen", "reshard", "reward", "old_log_prob", "ref", "values", "update_actor", "update_critic")
+
+
+def _nested(flat: dict) -> dict:
+    out: dict = {}
+    for key, value in flat.items():
+        node = out
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return out
+
+
+def write_plan(path: Path, recipe: str, overrides: list[str], plan_keys: dict) -> Path:
+    """A recipe file: ``base:`` the planned recipe, the command line's overrides, the plan's
+    keys; ``train_ppo.py recipe=PATH`` runs it as it is."""
+    from minihf.config import find_recipe
+
+    found = find_recipe(recipe)
+    base = recipe if "/" not in recipe and not Path(recipe).exists() else str(found.resolve())
+    given = {k: yaml.safe_load(v) for k, v in (o.split("=", 1) for o in overrides)}
+    body = {"base": base, **_nested({**given, **plan_keys})}
+    path.write_text("# written by `minihf plan`; run with: torchrun ... scripts/train_ppo.py recipe="
+                    f"{path}\n" + yaml.safe_dump(body, sort_keys=False))
+    return path
+
+
+def plan(
+    args: list[str] = typer.Argument(None, help="[RECIPE] key=value ... as train_ppo.py takes them"),
+    devices: int = typer.Option(None, "--devices", help="devices (ranks) in all"),
+    nodes: int = typer.Option(1, "--nodes", help="nodes; the devices are split evenly over them"),
+    profile: str = typer.Option(None, "--profile", help="A100-80GB | H100 | H200, or a file from --measure"),
+    model: list[str] = typer.Option([], "--model", help="ROLE=DIR|NAME (e.g. all=llama-7b): a role's model "
+                                    "instead of its model.path"),
+    top: int = typer.Option(10, "--top", help="plans to show"),
+    out: Path = typer.Option(None, "--out", help="write the best plan as a recipe file train_ppo.py runs"),
+    measure: bool = typer.Option(False, "--measure", help="measure this machine and write --profile-out"),
+    profile_out: Path = typer.Option(Path("profile.yaml"), "--profile-out", help="where --measure writes"),
+) -> None:
+    """Rank the placements of an RL job on a cluster by predicted seconds per step."""
+    from minihf.config import ConfigError
+    from minihf.launcher import recipe_and_overrides
+    from minihf.planner import describe, load_profile, measure as measure_machine, plan_overrides, search, workload
+    from minihf.planner.profiles import save_profile
+
+    if measure:
+        prof = measure_machine(world=devices or 2)
+        typer.echo(f"wrote {save_profile(prof, profile_out)}: {prof.flops / 1e9:.1f} GFLOP/s, "
+                   f"{prof.memory_bandwidth / 1e9:.1f} GB/s memory, {prof.intra_node_bandwidth / 1e9:.2f} GB/s "
+                   "all-gather per rank")
+        if not args:
+            return
+    if devices is None or profile is None:
+        raise typer.BadParameter("give --devices N and --profile NAME|FILE")
+    if nodes < 1 or devices % nodes:
+        raise typer.BadParameter(f"--devices {devices} must split evenly over --nodes {nodes}")
+    from dataclasses import replace
+
+    from minihf.trainer.ppo_job import DEFAULT_RECIPE, PPOJobConfig
+
+    recipe, overrides = recipe_and_overrides(list(args or []))
+    recipe = recipe or DEFAULT_RECIPE
+    try:
+        from minihf.config import load_config
+
+        cfg = load_config(PPOJobConfig, recipe, overrides)
+        specs = dict(m.split("=", 1) for m in model)
+        prof = replace(load_profile(profile), devices_per_node=devices // nodes)
+        w = workload(cfg, specs)
+    except (ConfigError, ValueError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    result = search(w, devices, prof)
+    typer.echo(f"job: {recipe}; {w.prompts} prompts x {w.sequences // w.prompts} samples, "
+               f"{w.prompt_len}+{w.response_len} tokens; roles: "
+               + ", ".join(f"{r.name} {r.model.params / 1e6:.1f}M" for r in w.roles))
+    typer.echo(f"cluster: {devices} x {prof.name} on {nodes} node(s)  ({prof.source})")
+    typer.echo(f"candidates: {result.considered} considered, {result.refused} refused by the batch sizes, "
+               f"{result.infeasible} over memory, {len(result.ranked)} feasible")
+    if not result.ranked:
+        typer.echo("no plan fits: use more devices, smaller micro-batches or activation checkpointing", err=True)
+        raise typer.Exit(1)
+    typer.echo("| # | plan | s/step | " + " | ".join(PHASES) + " | peak GB/device |")
+    typer.echo("|---|---|---|" + "---|" * len(PHASES) + "---|")
+    for i, e in enumerate(result.ranked[:top], 1):
+        peaks = ", ".join(f"{p / 1e9:.1f}" for p in e.peak_bytes.values())
+        typer.echo(f"| {i} | {describe(e.plan)} | {e.step_seconds:.3g} | "
+                   + " | ".join(f"{e.phases[p]:.3g}" for p in PHASES) + f" | {peaks} |")
+    if out is not None:
+        keys = plan_overrides(result.ranked[0].plan, devices)
+        typer.echo(f"wrote {write_plan(out, recipe, overrides, keys)}")

@@ -1,0 +1,229 @@
+"""The planner's cost and memory model: one RL step of a placement, phase by phase.
+
+Notation, per role: ``P`` parameters, ``b`` bytes per element in the compute dtype (the
+profile's ``bytes_per_param``), ``g`` the devices of the role's group (FSDP over all of
+them), ``F`` the profile's achieved matmul FLOP/s, ``M`` its memory bandwidth, ``W`` the
+collective bandwidth of the group (inside a node, or across nodes when the group spans
+them). The step has ``S`` sequences (prompts x n) of ``Tp`` prompt and ``Tr`` response
+tokens; a forward over the batch computes ``K`` tokens (``S (Tp + Tr)``, or with shared
+prompts ``S/n Tp + S Tr``). Attention's own FLOPs (the ``T^2`` term) are left out: at the
+lengths RL uses they are a few percent of ``2 P`` per token.
+
+Phases (as the driver names them):
+- ``gen``: generation replicas of TP ``t`` (``r = g_actor / t``), ``q = S / r`` sequences
+  each. Prefill is compute-bound: ``2 P q Tp / (t F)``. Each of the ``Tr`` decode steps is
+  bound by the slower of compute ``2 P q / (t F)`` and memory: the weights ``P b / t`` plus
+  the KV cache read for ``q`` sequences at the mean context ``Tp + Tr/2``
+  (``2 L d_kv b`` bytes per token, ``/ t``), over ``M``; TP adds two all-reduces of
+  ``q h b`` per layer and step (``2 (t-1)/t`` of it received) over ``W``. When the KV cache
+  of ``q`` full-length sequences does not fit beside everything else on the device, decode
+  runs in waves of what fits.
+- ``reshard``: the bytes one rank receives in ``hybrid/plan.py``'s plan (``traffic``) over ``W``.
+- forwards (``old_log_prob``, ``ref``, ``values``, reward-model ``reward``):
+  ``max(2 P K / (g F), m b P (g-1)/g / W)``: FSDP all-gathers each micro-batch's weights
+  (``m`` micro-batches per rank) while computing; prefetching overlaps the two.
+- updates (``update_actor``, ``update_critic``): per epoch ``max(c P K / (g F), m (2b + 4)
+  P (g-1)/g / W)`` with ``c = 6`` (8 with activation checkpointing: the forward again) and
+  per micro-batch two all-gathers and one fp32 reduce-scatter; plus per optimizer step the
+  AdamW update, memory-bound: ``32 P / g`` bytes (read parameter, gradient and both
+  moments, write parameter and moments, fp32) over ``M``.
+- ``reward`` by a rule, and ``adv``: on the driver, taken as 0.
+
+The step adds the phases up, except where the driver overlaps them: when every trained
+role's group is disjoint from the others', ``ref`` runs with ``values`` and the updates
+run together (``trainer/ppo.py``'s ``overlap``), so those pairs cost their maximum.
+
+Memory per device of a group: resident, each trained role's fp32 shards ``16 P / g``
+(parameter, gradient, two AdamW moments) and each frozen role's ``4 P / g`` (the actor's
+reference too); plus, at the phase's peak, the largest of: generation's engine weights
+``P b / t`` and KV cache; a training micro-batch's gathered FSDP unit (two in flight, with
+fp32 gradients), activations (``b (8 h + 3 ffn)`` per token and layer; ``b h`` with
+activation checkpointing, plus one layer's full set) and the LM head's logits in fp32
+(``12 V`` bytes per token: logits, log-softmax and its gradient); a forward micro-batch's
+unit and logits.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from minihf.planner.job import ModelShape, Role, Workload
+from minihf.planner.profiles import DeviceProfile
+
+
+@dataclass(frozen=True)
+class Group:
+    roles: tuple[str, ...]
+    first_rank: int
+    devices: int
+
+    @property
+    def ranks(self) -> list[int]:
+        return list(range(self.first_rank, self.first_rank + self.devices))
+
+
+@dataclass(frozen=True)
+class Plan:
+    groups: tuple[Group, ...]            # groups[0] holds the actor (with its rollout and reference)
+    rollout_tp: int
+    micro_batches: tuple[tuple[str, int], ...]  # (role, rows per forward/backward per device)
+
+    def group_of(self, role: str) -> Group:
+        return next(g for g in self.groups if role in g.roles)
+
+    def micro(self, role: str) -> int:
+        return dict(self.micro_batches)[role]
+
+
+def link_bandwidth(group: Group, profile: DeviceProfile) -> float:
+    """A group inside one node uses the node's links; one spanning nodes, the network."""
+    per = profile.devices_per_node
+    same_node = group.first_rank // per == (group.first_rank + group.devices - 1) // per
+    return profile.intra_node_bandwidth if same_node else profile.inter_node_bandwidth
+
+
+def gathered(params: int, g: int, itemsize: float) -> float:
+    """Bytes one rank receives when ``g`` ranks all-gather ``params`` elements."""
+    return params * itemsize * (g - 1) / g
+
+
+def forward_seconds(model: ModelShape, tokens: int, rows: int, micro: int, g: int, link: float,
+                    profile: DeviceProfile) -> float:
+    compute = 2 * model.params * tokens / (g * profile.flops)
+    steps = math.ceil(rows / g / micro)
+    return max(compute, steps * gathered(model.params, g, profile.bytes_per_param) / link)
+
+
+def update_seconds(role: Role, micro: int, w: Workload, g: int, link: float, profile: DeviceProfile) -> float:
+    p, b = role.model.params, profile.bytes_per_param
+    compute = (8 if role.activation_checkpointing else 6) * p * w.forward_tokens / (g * profile.flops)
+    comm = math.ceil(w.sequences / g / micro) * gathered(p, g, 2 * b + 4) / link
+    adamw = math.ceil(w.sequences / role.mini_batch) * 32 * p / g / profile.memory_bandwidth
+    return role.epochs * (max(compute, comm) + adamw)
+
+
+def resident_bytes(w: Workload, group: Group) -> float:
+    """Bytes each device of ``group`` holds between phases (fp32 shards)."""
+    total = 0.0
+    for name in group.roles:
+        role = w.role(name)
+        total += (16 if role.trains else 4) * role.model.params / group.devices
+        if name == "actor" and w.use_ref:
+            total += 4 * role.model.params / group.devices
+    return total
+
+
+def _unit(model: ModelShape, wrap_blocks: bool) -> int:
+    return model.largest_block if wrap_blocks else model.params
+
+
+def micro_batch_bytes(role: Role, micro: int, w: Workload, b: int, train: bool) -> float:
+    """Transient bytes of one micro-batch of ``role`` (forward, or forward + backward)."""
+    m = role.model
+    tokens = micro * (w.prompt_len + w.response_len)
+    unit = _unit(m, role.wrap_blocks)
+    logits = tokens * m.vocab * 12 if role.name == "actor" else 0  # value and score heads: one output
+    if not train:
+        return 2 * unit * b + tokens * m.hidden * b * 4 + logits / 3
+    per_layer = b * (8 * m.hidden + 3 * m.ffn)
+    acts = (tokens * m.layers * b * m.hidden + tokens * per_layer if role.activation_checkpointing
+            else tokens * m.layers * per_layer)
+    return 2 * unit * b + 4 * unit + acts + logits
+
+
+
+def kv_capacity(w: Workload, plan: Plan, profile: DeviceProfile, resident: float) -> int:
+    """Sequences of full length whose KV cache fits on one device of the actor's group
+    beside the resident shards and the engine's weights."""
+    m, t = w.role("actor").model, plan.rollout_tp
+    free = profile.memory_bytes - resident - m.params * profile.bytes_per_param / t
+    per_seq = (w.prompt_len + w.response_len) * m.kv_bytes_per_token(profile.bytes_per_param) / t
+    return max(0, int(free // per_seq))
+
+
+def generation_seconds(w: Workload, plan: Plan, profile: DeviceProfile) -> tuple[float, float]:
+    """(seconds, peak transient bytes per device) of the ``gen`` phase."""
+    group = plan.group_of("actor")
+    m, t, b = w.role("actor").model, plan.rollout_tp, profile.bytes_per_param
+    replicas = group.devices // t
+    q = math.ceil(w.sequences / replicas)
+    cap = kv_capacity(w, plan, profile, resident_bytes(w, group))
+    if cap == 0:
+        return math.inf, math.inf
+    wave = min(q, cap)
+    waves = math.ceil(q / wave)
+    prefill = 2 * m.params * q * w.prompt_len / (t * profile.flops)
+    kv_read = wave * (w.prompt_len + w.response_len / 2) * m.kv_bytes_per_token(b) / t
+    memory = (m.params * b / t + kv_read) / profile.memory_bandwidth
+    compute = 2 * m.params * wave / (t * profile.flops)
+    tp_comm = 0.0 if t == 1 else 2 * m.layers * wave * m.hidden * b * 2 * (t - 1) / t / link_bandwidth(group, profile)
+    decode = waves * w.response_len * (max(memory, compute) + tp_comm)
+    peak = m.params * b / t + wave * (w.prompt_len + w.response_len) * m.kv_bytes_per_token(b) / t
+    return prefill + decode, peak
+
+
+def reshard_seconds(w: Workload, plan: Plan, profile: DeviceProfile) -> float:
+    from minihf.hybrid.plan import plan_reshard, traffic
+
+    group, m = plan.group_of("actor"), w.role("actor").model
+    if group.devices == 1:
+        return 0.0
+    buckets = plan_reshard(dict(m.shapes), group.devices, plan.rollout_tp, tied_lm_head=m.tied,
+                           itemsize=profile.bytes_per_param)
+    moved = traffic(buckets, group.devices, plan.rollout_tp, profile.bytes_per_param)["bytes_received"]
+    return moved / link_bandwidth(group, profile)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    plan: Plan
+    phases: dict                         # phase -> seconds
+    step_seconds: float
+    peak_bytes: dict                     # group index -> peak bytes per device
+    fits: bool
+
+
+def estimate(w: Workload, plan: Plan, profile: DeviceProfile) -> Estimate:
+    """Predicted seconds per phase and per step, and peak memory per device of each group."""
+    b = profile.bytes_per_param
+    actor_group = plan.group_of("actor")
+    link = {g.roles: link_bandwidth(g, profile) for g in plan.groups}
+    phases: dict[str, float] = {}
+    gen, gen_peak = generation_seconds(w, plan, profile)
+    phases["gen"] = gen
+    phases["reshard"] = reshard_seconds(w, plan, profile)
+
+    def forward(role_name: str, model: ModelShape | None = None, micro: int | None = None) -> float:
+        g = plan.group_of(role_name)
+        role = w.role(role_name)
+        return forward_seconds(model or role.model, w.forward_tokens, w.sequences, micro or plan.micro(role_name),
+                               g.devices, link[g.roles], profile)
+
+    phases["reward"] = sum(forward(r) for r in ("reward_model", "cost_model") if _has(w, r))
+    phases["old_log_prob"] = forward("actor") if w.recompute_old_log_prob else 0.0
+    ref = forward("actor") if w.use_ref else 0.0
+    values = [forward(r) for r in ("critic", "cost_critic") if _has(w, r)]
+    updates = [update_seconds(w.role(r), plan.micro(r), w, plan.group_of(r).devices, link[plan.group_of(r).roles],
+                              profile) for r in ("actor", "critic", "cost_critic") if _has(w, r)]
+    trained = [plan.group_of(r) for r in ("actor", "critic", "cost_critic") if _has(w, r)]
+    overlap = len(trained) > 1 and len({g.first_rank for g in trained}) == len(trained)
+    phases["ref"], phases["values"] = ref, sum(values)
+    phases["update_actor"], phases["update_critic"] = updates[0], sum(updates[1:])
+    step = phases["gen"] + phases["reshard"] + phases["reward"] + phases["old_log_prob"]
+    step += max([ref, *values]) if overlap else ref + sum(values)
+    step += max(updates) if overlap else sum(updates)
+
+    peaks = {}
+    for i, g in enumerate(plan.groups):
+        transient = [gen_peak] if g is actor_group else []
+        for name in g.roles:
+            role = w.role(name)
+            transient.append(micro_batch_bytes(role, plan.micro(name), w, b, role.trains))
+        peaks[i] = resident_bytes(w, g) + max(transient)
+    fits = all(p <= profile.memory_bytes for p in peaks.values()) and math.isfinite(step)
+    return Estimate(plan, phases, step, peaks, fits)
+
+
+def _has(w: Workload, name: str) -> bool:
+    return any(r.name == name for r in w.roles)

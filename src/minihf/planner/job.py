@@ -1,0 +1,148 @@
+"""The RL job as the planner sees it: each role's model shape and the step's workload.
+
+Read from a ``PPOJobConfig`` (recipe + overrides, as ``train_ppo.py`` takes them): which
+roles exist, their model dirs (``config.json``; or a named shape such as ``llama-7b`` for a
+model that is not on this machine), batch sizes, lengths, n, epochs and micro-batch sizes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+# Llama-2 shapes (7B, 13B, 70B) and CodeLlama-34B's, the models of the HybridFlow paper's
+# experiments (vocab 32000, context 4096; 34B and 70B use 8 KV heads).
+NAMED_SHAPES = {
+    "llama-7b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                     intermediate_size=11008),
+    "llama-13b": dict(hidden_size=5120, num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=40,
+                      intermediate_size=13824),
+    "llama-34b": dict(hidden_size=8192, num_hidden_layers=48, num_attention_heads=64, num_key_value_heads=8,
+                      intermediate_size=22016),
+    "llama-70b": dict(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                      intermediate_size=28672),
+}
+ROLE_HEADS = {"actor": "lm", "critic": "value", "reward_model": "score", "cost_model": "score",
+              "cost_critic": "value"}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the cost model needs of one role's model."""
+    params: int                          # all parameters (exact, from the built model)
+    layers: int
+    hidden: int
+    kv_dim: int                          # num_key_value_heads x head_dim
+    heads: int
+    kv_heads: int
+    vocab: int
+    ffn: int                             # MLP intermediate size
+    largest_block: int                   # parameters of the largest FSDP unit but the root
+    shapes: tuple[tuple[str, tuple[int, ...]], ...]  # (name, shape) of every parameter, in order
+    tied: bool
+
+    def kv_bytes_per_token(self, itemsize: int) -> int:
+        """K and V of one token over all layers."""
+        return 2 * self.layers * self.kv_dim * itemsize
+
+
+@lru_cache(maxsize=32)
+def model_shape(spec: str, head: str = "lm") -> ModelShape:
+    """The shape of ``spec`` (a model dir, or a name in ``NAMED_SHAPES``) with ``head``."""
+    from minihf.models import ModelArgs, build_model, load_args
+
+    if spec in NAMED_SHAPES:
+        args = ModelArgs(arch="llama", vocab_size=32000, head_dim=NAMED_SHAPES[spec]["hidden_size"]
+                         // NAMED_SHAPES[spec]["num_attention_heads"], max_position_embeddings=4096,
+                         **NAMED_SHAPES[spec])
+    elif Path(spec, "config.json").is_file():
+        args = load_args(spec)
+    else:
+        raise ValueError(f"model {spec!r}: no config.json there, and not a named shape "
+                         f"({', '.join(NAMED_SHAPES)}); pass a model dir or a name")
+    model = build_model(args, head, device="meta")
+    shapes = tuple((n, tuple(p.shape)) for n, p in model.named_parameters())
+    block = max(sum(p.numel() for p in layer.parameters()) for layer in model.model.layers)
+    return ModelShape(sum(math.prod(s) for _, s in shapes), args.num_hidden_layers, args.hidden_size,
+                      args.num_key_value_heads * args.head_dim, args.num_attention_heads,
+                      args.num_key_value_heads, args.vocab_size, args.intermediate_size, block, shapes,
+                      args.tie_word_embeddings)
+
+
+@dataclass(frozen=True)
+class Role:
+    name: str
+    model: ModelShape
+    trains: bool                         # has gradients and AdamW state
+    epochs: int = 1
+    mini_batch: int = 0                  # sequences per optimizer step (trained roles)
+    micro_batch: int = 1                 # rows per forward(/backward) per rank
+    activation_checkpointing: bool = False
+    wrap_blocks: bool = True
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One RL step: ``sequences`` = prompts x n rows of ``prompt_len + response_len`` tokens."""
+    prompts: int
+    n: int
+    prompt_len: int
+    response_len: int
+    share_prompt: bool                   # packed forwards run each prompt once per n responses
+    recompute_old_log_prob: bool
+    use_ref: bool
+    reward_model: bool
+    roles: tuple[Role, ...]
+
+    @property
+    def sequences(self) -> int:
+        return self.prompts * self.n
+
+    @property
+    def forward_tokens(self) -> int:
+        """Tokens one forward over the step's batch computes."""
+        prompt_rows = self.prompts if self.share_prompt else self.sequences
+        return prompt_rows * self.prompt_len + self.sequences * self.response_len
+
+    def role(self, name: str) -> Role:
+        return next(r for r in self.roles if r.name == name)
+
+
+def workload(cfg, models: dict[str, str] | None = None) -> Workload:
+    """The workload of ``cfg`` (a ``PPOJobConfig``); ``models`` maps a role (or ``all``) to a
+    model spec that replaces its ``model.path``."""
+    models = dict(models or {})
+    unknown = sorted(set(models) - set(ROLE_HEADS) - {"all"})
+    if unknown:
+        raise ValueError(f"--model {unknown[0]}=...: roles are {', '.join(['all', *ROLE_HEADS])}")
+    a, c, d = cfg.actor_rollout_ref, cfg.critic, cfg.data
+
+    def shape(name: str, path: str) -> ModelShape:
+        return model_shape(models.get(name, models.get("all", path)), ROLE_HEADS[name])
+
+    def micro(value, fallback=4):
+        return value or fallback
+
+    roles = [Role("actor", shape("actor", a.model.path), True, a.actor.ppo_epochs, a.actor.ppo_mini_batch_size,
+                  micro(a.actor.ppo_micro_batch_size_per_gpu), a.actor.fsdp.activation_checkpointing,
+                  a.actor.fsdp.wrap_blocks)]
+    if c.enable:
+        roles.append(Role("critic", shape("critic", c.model.path), True, c.ppo_epochs, c.ppo_mini_batch_size,
+                          micro(c.ppo_micro_batch_size_per_gpu), c.fsdp.activation_checkpointing,
+                          c.fsdp.wrap_blocks))
+    if cfg.cost_critic.enable:
+        cc = cfg.cost_critic
+        roles.append(Role("cost_critic", shape("cost_critic", cc.model.path), True, cc.ppo_epochs,
+                          cc.ppo_mini_batch_size, micro(cc.ppo_micro_batch_size_per_gpu),
+                          cc.fsdp.activation_checkpointing, cc.fsdp.wrap_blocks))
+    for name in ("reward_model", "cost_model"):
+        section = getattr(cfg, name)
+        if section.enable:
+            roles.append(Role(name, shape(name, section.model.path), False,
+                              micro_batch=micro(section.micro_batch_size_per_gpu, 8)))
+    # the driver's own rule (and the log-prob check adds the pass too)
+    old = cfg.old_log_prob_source == "recompute" or a.rollout.check_log_probs != "off"
+    return Workload(d.train_batch_size, a.rollout.n, d.max_prompt_length, d.max_response_length,
+                    a.model.shares_prompt, old, cfg.use_ref, cfg.reward_model.enable, tuple(roles))

@@ -1,0 +1,156 @@
+"""Enumerate placements of an RL job on N devices, estimate each, rank them.
+
+The candidates (HybridFlow's Algorithm 1, over minihf's knobs):
+1. role groups: the actor, its rollout and its reference are one hybrid group; every other
+   role (critic, reward model, cost model, cost critic) joins it or another group: every
+   set partition of the roles (Bell(k) of them for k roles);
+2. devices per group: every way to give the groups N devices, each at least one (the
+   groups get contiguous ranks, the actor's group first);
+3. per group: FSDP over all its devices; for the actor's group each rollout TP size that
+   divides its devices and the model's query and KV heads; per trained role the largest
+   power-of-two micro-batch (rows per device) up to its share of the batch that fits in
+   memory (1 if none does; such a plan is then infeasible).
+Each candidate is estimated with ``cost.estimate``; those whose predicted peak memory
+exceeds a device are counted as infeasible and dropped.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Iterator
+
+from minihf.planner.cost import Estimate, Group, Plan, estimate
+from minihf.planner.job import Workload
+from minihf.planner.profiles import DeviceProfile
+
+
+def set_partitions(items: list) -> Iterator[list[list]]:
+    """Every partition of ``items`` into non-empty blocks (Bell(len(items)) of them)."""
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for part in set_partitions(rest):
+        for i in range(len(part)):
+            yield part[:i] + [[first] + part[i]] + part[i + 1:]
+        yield [[first]] + part
+
+
+def compositions(total: int, parts: int) -> Iterator[tuple[int, ...]]:
+    """Every ``parts``-tuple of positive integers summing to ``total`` (C(total-1, parts-1))."""
+    if parts == 1:
+        if total >= 1:
+            yield (total,)
+        return
+    for first in range(1, total - parts + 2):
+        for rest in compositions(total - first, parts - 1):
+            yield (first,) + rest
+
+
+def tp_options(devices: int, heads: int, kv_heads: int) -> list[int]:
+    return [t for t in range(1, devices + 1) if devices % t == 0 and heads % t == 0 and kv_heads % t == 0]
+
+
+def _micro_options(rows_per_device: int) -> list[int]:
+    """Powers of two up to ``rows_per_device``, largest first."""
+    top = max(1, rows_per_device)
+    return [1 << k for k in range(int(math.log2(top)), -1, -1)]
+
+
+def groupings(w: Workload) -> Iterator[list[tuple[str, ...]]]:
+    """Role groups, the actor's first."""
+    others = [r.name for r in w.roles if r.name != "actor"]
+    for part in set_partitions(others):
+        for i in range(len(part) + 1):  # the block (if any) that joins the actor
+            if i == len(part):
+                yield [("actor",)] + [tuple(b) for b in part]
+            else:
+                yield [("actor", *part[i])] + [tuple(b) for j, b in enumerate(part) if j != i]
+
+
+@dataclass
+class SearchResult:
+    ranked: list[Estimate]               # feasible plans, fastest first
+    considered: int
+    infeasible: int                      # predicted peak memory above a device's
+    refused: int                         # a trained role's ppo_mini_batch_size does not split over its devices
+
+
+def search(w: Workload, devices: int, profile: DeviceProfile) -> SearchResult:
+    if devices < 1:
+        raise ValueError(f"--devices {devices}: need at least 1")
+    actor = w.role("actor").model
+    seen: set = set()
+    ranked, considered, infeasible, refused = [], 0, 0, 0
+    for grouping in groupings(w):
+        if len(grouping) > devices:
+            continue
+        for counts in compositions(devices, len(grouping)):
+            first, groups = 0, []
+            for roles, n in zip(grouping, counts):
+                groups.append(Group(roles, first, n))
+                first += n
+            for t in tp_options(groups[0].devices, actor.heads, actor.kv_heads):
+                plan = Plan(tuple(groups), t, ())
+                key = (tuple((g.roles, g.devices) for g in groups), t)
+                if key in seen:
+                    continue
+                seen.add(key)
+                considered += 1
+                if any(r.trains and r.mini_batch % plan.group_of(r.name).devices for r in w.roles):
+                    refused += 1  # the job would refuse it (PPOConfig.check_sizes)
+                    continue
+                best = _fit_micro_batches(w, plan, profile)
+                if best is None:
+                    infeasible += 1
+                else:
+                    ranked.append(best)
+    ranked.sort(key=lambda e: e.step_seconds)
+    return SearchResult(ranked, considered, infeasible, refused)
+
+
+def _fit_micro_batches(w: Workload, plan: Plan, profile: DeviceProfile) -> Estimate | None:
+    """The plan with each role's largest micro-batch that fits (roles are sized in turn,
+    the others at 1 row while one is sized), or None when even 1 row each does not fit."""
+    micro = {r.name: 1 for r in w.roles}
+    low = estimate(w, replace(plan, micro_batches=tuple(micro.items())), profile)
+    if not low.fits:
+        return None
+    for role in w.roles:
+        rows = math.ceil(w.sequences / plan.group_of(role.name).devices)
+        for m in _micro_options(rows):
+            trial = replace(plan, micro_batches=tuple({**micro, role.name: m}.items()))
+            if estimate(w, trial, profile).fits:
+                micro[role.name] = m
+                break
+    return estimate(w, replace(plan, micro_batches=tuple(micro.items())), profile)
+
+
+MICRO_KEYS = {"actor": ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+                        "actor_rollout_ref.actor.log_prob_micro_batch_size_per_gpu",
+                        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"],
+              "critic": ["critic.ppo_micro_batch_size_per_gpu", "critic.forward_micro_batch_size_per_gpu"],
+              "cost_critic": ["cost_critic.ppo_micro_batch_size_per_gpu",
+                              "cost_critic.forward_micro_batch_size_per_gpu"],
+              "reward_model": ["reward_model.micro_batch_size_per_gpu"],
+              "cost_model": ["cost_model.micro_batch_size_per_gpu"]}
+
+
+def plan_overrides(plan: Plan, devices: int) -> dict:
+    """The plan as config keys ``train_ppo.py`` takes: placement, rollout TP, micro-batches."""
+    out: dict = {"actor_rollout_ref.rollout.tensor_model_parallel_size": plan.rollout_tp}
+    for g in plan.groups:
+        for role in g.roles:
+            out[f"controller.placement.{role}.ranks"] = "all" if g.devices == devices else g.ranks
+    for role, m in plan.micro_batches:
+        for key in MICRO_KEYS[role]:
+            out[key] = m
+    return out
+
+
+def describe(plan: Plan) -> str:
+    """e.g. ``[actor,reward_model]x2 tp2 | [critic]x2``."""
+    parts = [f"[{','.join(g.roles)}]x{g.devices}" + (f" tp{plan.rollout_tp}" if i == 0 else "")
+             for i, g in enumerate(plan.groups)]
+    return " | ".join(parts)

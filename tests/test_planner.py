@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BELL = [1, 1, 2, 5, 15, 52]
 # round numbers, so every formula's value can be worked out by hand
 PROFILE = DeviceProfile("test", memory_bytes=100e9, flops=1e12, memory_bandwidth=1e11, intra_node_bandwidth=1e10,
-                        inter_node_bandwidth=1e9, devices_per_node=4, bytes_per_param=2)
+                        inter_node_bandwidth=1e9, devices_per_node=4, bytes_per_param=2, collective_latency=1e-8)
 
 
 def test_candidate_counts():
@@ -70,15 +70,18 @@ def test_groupings_are_the_partitions_of_all_roles():
 def test_forward_update_and_generation_formulas_by_hand():
     m = _Shape(params=1000, layers=2, hidden=10, kv_dim=4, vocab=50, ffn=20)
     # forward of K = 8 x 16 = 128 tokens on g = 2: compute 2*1000*128/(2*1e12) = 1.28e-7 s; FSDP:
-    # ceil(8/2/1) = 4 micro-batches x 1000*2*(1/2) bytes / 1e10 = 4e-7 s -> the larger
-    assert forward_seconds(m, 128, 8, 1, 2, 1e10, PROFILE) == pytest.approx(4e-7)
+    # ceil(8/2/1) = 4 micro-batches x (1000*2*(1/2) bytes / 1e10 + 1 unit x 1e-8 s) = 4.4e-7 s -> the larger
+    assert forward_seconds(m, 128, 8, 1, 2, 1e10, PROFILE) == pytest.approx(4.4e-7)
     assert forward_seconds(m, 128, 8, 1, 1, 1e10, PROFILE) == pytest.approx(2.56e-7)  # one device: compute only
+    cpu = replace(PROFILE, comm_overlaps_compute=False)  # gloo: the collectives take the cores' time too
+    assert forward_seconds(m, 128, 8, 1, 2, 1e10, cpu) == pytest.approx(1.28e-7 + 4.4e-7)
     role = Role("actor", m, True, epochs=2, mini_batch=4, micro_batch=1)
     w = work([role])
     assert w.sequences == 8 and w.forward_tokens == 128
-    # per epoch: max(6*1000*128/(2e12) = 3.84e-7, 4 x 1000*(2*2+4)/2/1e10 = 1.6e-6) + 2 AdamW steps
-    # x 32*1000/2/1e11 = 3.2e-7 each; two epochs
-    assert update_seconds(role, 1, w, 2, 1e10, PROFILE) == pytest.approx(2 * (1.6e-6 + 2 * 1.6e-7))
+    # per epoch: max(6*1000*128/(2e12) = 3.84e-7, 4 micro-batches x (1000*(2*2+4)/2/1e10 = 4e-7 + 3
+    # collectives x 3 units (2 blocks + root) x 1e-8 = 9e-8)) = 1.96e-6, + 2 AdamW steps x 32*1000/2/1e11
+    # = 1.6e-7 each; two epochs
+    assert update_seconds(role, 1, w, 2, 1e10, PROFILE) == pytest.approx(2 * (1.96e-6 + 2 * 1.6e-7))
     assert work([role], share_prompt=True).forward_tokens == 4 * 10 + 8 * 6
     # generation on 2 devices at TP 1: 2 replicas of q = 4 sequences; prefill 2*1000*4*10/1e12 = 8e-8;
     # KV: 2 (K, V) x 2 layers x 4 x 2 bytes = 32 bytes a token; each of 6 decode steps reads the weights
@@ -186,12 +189,16 @@ def test_cli_ranks_plans_and_refuses_bad_input(tmp_path):
     res = run(app, ["plan", "ppo", *over, "--devices", "4", "--profile", "H100", "--top", "3"])
     assert res.exit_code == 0, res.output
     assert "candidates: 6 considered, 2 refused by the batch sizes, 0 over memory, 4 feasible" in res.output
-    assert "| 1 | [actor,critic]x4" in res.output
+    ranked = [line.split(" | ") for line in res.output.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [r[0] for r in ranked] == ["| 1", "| 2", "| 3"]
+    assert [float(r[2]) for r in ranked] == sorted(float(r[2]) for r in ranked)  # fastest first
     for args, want in [(["--devices", "2", "--profile", "B200"], "neither a built-in profile"),
                        (["--devices", "2", "--profile", "H100", "--model", "coach=llama-7b"], "roles are"),
                        (["--devices", "2", "--profile", "H100", "--model", "all=nope"], "not a named shape"),
                        (["--profile", "H100"], "--devices"),
-                       (["--devices", "3", "--nodes", "2", "--profile", "H100"], "split evenly")]:
+                       (["--devices", "3", "--nodes", "2", "--profile", "H100"], "split evenly"),
+                       (["--devices", "0", "--profile", "H100"], "must be >= 1"),
+                       (["--devices", "2", "--profile", "H100", "--model", "llama-7b"], "give ROLE=DIR|NAME")]:
         res = run(app, ["plan", "ppo", *over, *args])
         assert res.exit_code != 0 and want in res.output, (args, res.output)
 

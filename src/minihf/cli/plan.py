@@ -35,6 +35,11 @@ def write_plan(path: Path, recipe: str, overrides: list[str], plan_keys: dict) -
     return path
 
 
+def _figures(p) -> str:
+    return (f"{p.flops / 1e9:.1f} GFLOP/s, {p.memory_bandwidth / 1e9:.1f} GB/s memory, "
+            f"{p.intra_node_bandwidth / 1e9:.2f} GB/s and {p.collective_latency * 1e6:.0f} us a collective")
+
+
 def plan(
     args: list[str] = typer.Argument(None, help="[RECIPE] key=value ... as train_ppo.py takes them"),
     devices: int = typer.Option(None, "--devices", help="devices (ranks) in all"),
@@ -44,7 +49,8 @@ def plan(
                                     "instead of its model.path"),
     top: int = typer.Option(10, "--top", help="plans to show"),
     out: Path = typer.Option(None, "--out", help="write the best plan as a recipe file train_ppo.py runs"),
-    measure: bool = typer.Option(False, "--measure", help="measure this machine and write --profile-out"),
+    measure: bool = typer.Option(False, "--measure", help="measure this machine (matmuls at the recipe's "
+                                 "shapes when one is given), write --profile-out and plan with it"),
     profile_out: Path = typer.Option(Path("profile.yaml"), "--profile-out", help="where --measure writes"),
 ) -> None:
     """Rank the placements of an RL job on a cluster by predicted seconds per step."""
@@ -53,17 +59,17 @@ def plan(
     from minihf.planner import describe, load_profile, measure as measure_machine, plan_overrides, search, workload
     from minihf.planner.profiles import save_profile
 
-    if measure:
-        prof = measure_machine(world=devices or 2)
-        typer.echo(f"wrote {save_profile(prof, profile_out)}: {prof.flops / 1e9:.1f} GFLOP/s, "
-                   f"{prof.memory_bandwidth / 1e9:.1f} GB/s memory, {prof.intra_node_bandwidth / 1e9:.2f} GB/s "
-                   "all-gather per rank")
-        if not args:
-            return
-    if devices is None or profile is None:
-        raise typer.BadParameter("give --devices N and --profile NAME|FILE")
-    if nodes < 1 or devices % nodes:
-        raise typer.BadParameter(f"--devices {devices} must split evenly over --nodes {nodes}")
+    if devices is None or (profile is None and not measure):
+        raise typer.BadParameter("give --devices N and --profile NAME|FILE (or --measure)")
+    if devices < 1 or nodes < 1 or devices % nodes:
+        raise typer.BadParameter(f"--devices {devices} must be >= 1 and split evenly over --nodes {nodes}")
+    bad = [m for m in model if "=" not in m]
+    if bad:
+        raise typer.BadParameter(f"--model {bad[0]!r}: give ROLE=DIR|NAME, e.g. all=llama-7b")
+    if measure and not args:  # this machine alone: matmuls at a square size
+        prof = measure_machine(world=devices)
+        typer.echo(f"wrote {save_profile(prof, profile_out)}: {_figures(prof)}")
+        return
     from dataclasses import replace
 
     from minihf.trainer.ppo_job import DEFAULT_RECIPE, PPOJobConfig
@@ -74,9 +80,14 @@ def plan(
         from minihf.config import load_config
 
         cfg = load_config(PPOJobConfig, recipe, overrides)
-        specs = dict(m.split("=", 1) for m in model)
-        prof = replace(load_profile(profile), devices_per_node=devices // nodes)
-        w = workload(cfg, specs)
+        w = workload(cfg, dict(m.split("=", 1) for m in model))
+        if measure:  # this machine, its matmuls at the actor's MLP shape
+            actor = w.role("actor").model
+            prof = measure_machine(world=devices, linear=(4096, actor.hidden, actor.ffn))
+            typer.echo(f"wrote {save_profile(prof, profile_out)}: {_figures(prof)}")
+        else:
+            prof = load_profile(profile)
+        prof = replace(prof, devices_per_node=devices // nodes)
     except (ConfigError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
@@ -97,5 +108,5 @@ def plan(
         typer.echo(f"| {i} | {describe(e.plan)} | {e.step_seconds:.3g} | "
                    + " | ".join(f"{e.phases[p]:.3g}" for p in PHASES) + f" | {peaks} |")
     if out is not None:
-        keys = plan_overrides(result.ranked[0].plan, devices)
+        keys = plan_overrides(result.ranked[0].plan, devices, w)
         typer.echo(f"wrote {write_plan(out, recipe, overrides, keys)}")

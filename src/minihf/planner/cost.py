@@ -15,16 +15,21 @@ Phases (as the driver names them):
   bound by the slower of compute ``2 P q / (t F)`` and memory: the weights ``P b / t`` plus
   the KV cache read for ``q`` sequences at the mean context ``Tp + Tr/2``
   (``2 L d_kv b`` bytes per token, ``/ t``), over ``M``; TP adds two all-reduces of
-  ``q h b`` per layer and step (``2 (t-1)/t`` of it received) over ``W``. When the KV cache
+  ``q h b`` per layer and step (``2 (t-1)/t`` of it received over ``W``, plus ``l`` each). When the KV cache
   of ``q`` full-length sequences does not fit beside everything else on the device, decode
   runs in waves of what fits.
-- ``reshard``: the bytes one rank receives in ``hybrid/plan.py``'s plan (``traffic``) over ``W``.
+- ``reshard``: the bytes one rank receives in ``hybrid/plan.py``'s plan (``traffic``) over ``W``,
+  plus ``l`` per collective of the plan.
 - forwards (``old_log_prob``, ``ref``, ``values``, reward-model ``reward``):
-  ``max(2 P K / (g F), m b P (g-1)/g / W)``: FSDP all-gathers each micro-batch's weights
-  (``m`` micro-batches per rank) while computing; prefetching overlaps the two.
-- updates (``update_actor``, ``update_critic``): per epoch ``max(c P K / (g F), m (2b + 4)
-  P (g-1)/g / W)`` with ``c = 6`` (8 with activation checkpointing: the forward again) and
-  per micro-batch two all-gathers and one fp32 reduce-scatter; plus per optimizer step the
+  ``max(2 P K / (g F), m (b P (g-1)/g / W + u l))``: FSDP all-gathers each micro-batch's
+  weights (``m`` micro-batches per rank, ``u`` FSDP units: one per block and the root, or
+  one) while computing; prefetching overlaps the two on a GPU, while on a CPU profile
+  (``comm_overlaps_compute: false``: gloo's collectives run on the cores that compute) the
+  two add up instead of taking the max, here and in the updates. ``l`` is the profile's
+  latency of one collective.
+- updates (``update_actor``, ``update_critic``): per epoch ``max(c P K / (g F), m ((2b + 4)
+  P (g-1)/g / W + 3 u l))`` with ``c = 6`` (8 with activation checkpointing: the forward
+  again) and per micro-batch two all-gathers and one fp32 reduce-scatter of every unit; plus per optimizer step the
   AdamW update, memory-bound: ``32 P / g`` bytes (read parameter, gradient and both
   moments, write parameter and moments, fp32) over ``M``.
 - ``reward`` by a rule, and ``adv``: on the driver, taken as 0.
@@ -88,19 +93,36 @@ def gathered(params: int, g: int, itemsize: float) -> float:
     return params * itemsize * (g - 1) / g
 
 
+def units(role: Role) -> int:
+    """FSDP units of a role's model: one per block and the root, or one."""
+    return role.model.layers + 1 if role.wrap_blocks else 1
+
+
 def forward_seconds(model: ModelShape, tokens: int, rows: int, micro: int, g: int, link: float,
-                    profile: DeviceProfile) -> float:
+                    profile: DeviceProfile, fsdp_units: int = 1) -> float:
     compute = 2 * model.params * tokens / (g * profile.flops)
+    if g == 1:
+        return compute
     steps = math.ceil(rows / g / micro)
-    return max(compute, steps * gathered(model.params, g, profile.bytes_per_param) / link)
+    comm = steps * (gathered(model.params, g, profile.bytes_per_param) / link + fsdp_units * profile.collective_latency)
+    return _together(compute, comm, profile)
+
+
+def _together(compute: float, comm: float, profile: DeviceProfile) -> float:
+    """Seconds of a phase that computes and communicates: overlapped (prefetching FSDP on a
+    GPU), or one after the other (gloo's collectives run on the CPU cores that compute)."""
+    return max(compute, comm) if profile.comm_overlaps_compute else compute + comm
 
 
 def update_seconds(role: Role, micro: int, w: Workload, g: int, link: float, profile: DeviceProfile) -> float:
     p, b = role.model.params, profile.bytes_per_param
     compute = (8 if role.activation_checkpointing else 6) * p * w.forward_tokens / (g * profile.flops)
-    comm = math.ceil(w.sequences / g / micro) * gathered(p, g, 2 * b + 4) / link
+    comm = 0.0
+    if g > 1:  # per micro-batch: two all-gathers and a reduce-scatter of every unit
+        comm = math.ceil(w.sequences / g / micro) * (gathered(p, g, 2 * b + 4) / link
+                                                     + 3 * units(role) * profile.collective_latency)
     adamw = math.ceil(w.sequences / role.mini_batch) * 32 * p / g / profile.memory_bandwidth
-    return role.epochs * (max(compute, comm) + adamw)
+    return role.epochs * (_together(compute, comm, profile) + adamw)
 
 
 def resident_bytes(w: Workload, group: Group) -> float:
@@ -157,7 +179,8 @@ def generation_seconds(w: Workload, plan: Plan, profile: DeviceProfile) -> tuple
     kv_read = wave * (w.prompt_len + w.response_len / 2) * m.kv_bytes_per_token(b) / t
     memory = (m.params * b / t + kv_read) / profile.memory_bandwidth
     compute = 2 * m.params * wave / (t * profile.flops)
-    tp_comm = 0.0 if t == 1 else 2 * m.layers * wave * m.hidden * b * 2 * (t - 1) / t / link_bandwidth(group, profile)
+    tp_comm = 0.0 if t == 1 else 2 * m.layers * (wave * m.hidden * b * 2 * (t - 1) / t / link_bandwidth(group, profile)
+                                                  + profile.collective_latency)
     decode = waves * w.response_len * (max(memory, compute) + tp_comm)
     peak = m.params * b / t + wave * (w.prompt_len + w.response_len) * m.kv_bytes_per_token(b) / t
     return prefill + decode, peak
@@ -171,8 +194,8 @@ def reshard_seconds(w: Workload, plan: Plan, profile: DeviceProfile) -> float:
         return 0.0
     buckets = plan_reshard(dict(m.shapes), group.devices, plan.rollout_tp, tied_lm_head=m.tied,
                            itemsize=profile.bytes_per_param)
-    moved = traffic(buckets, group.devices, plan.rollout_tp, profile.bytes_per_param)["bytes_received"]
-    return moved / link_bandwidth(group, profile)
+    moved = traffic(buckets, group.devices, plan.rollout_tp, profile.bytes_per_param)
+    return moved["bytes_received"] / link_bandwidth(group, profile) + moved["collectives"] * profile.collective_latency
 
 
 @dataclass(frozen=True)
@@ -198,7 +221,7 @@ def estimate(w: Workload, plan: Plan, profile: DeviceProfile) -> Estimate:
         g = plan.group_of(role_name)
         role = w.role(role_name)
         return forward_seconds(model or role.model, w.forward_tokens, w.sequences, micro or plan.micro(role_name),
-                               g.devices, link[g.roles], profile)
+                               g.devices, link[g.roles], profile, units(role))
 
     phases["reward"] = sum(forward(r) for r in ("reward_model", "cost_model") if _has(w, r))
     phases["old_log_prob"] = forward("actor") if w.recompute_old_log_prob else 0.0

@@ -81,6 +81,7 @@ class Role:
     micro_batch: int = 1                 # rows per forward(/backward) per rank
     activation_checkpointing: bool = False
     wrap_blocks: bool = True
+    token_budget: bool = False           # the config cuts micro-batches by tokens (max_tokens_per_micro_batch)
 
 
 @dataclass(frozen=True)
@@ -125,23 +126,23 @@ def workload(cfg, models: dict[str, str] | None = None) -> Workload:
     def micro(value, fallback=4):
         return value or fallback
 
-    roles = [Role("actor", shape("actor", a.model.path), True, a.actor.ppo_epochs, a.actor.ppo_mini_batch_size,
-                  micro(a.actor.ppo_micro_batch_size_per_gpu), a.actor.fsdp.activation_checkpointing,
-                  a.actor.fsdp.wrap_blocks)]
+    def trained(name, section, fsdp, model_path):
+        return Role(name, shape(name, model_path), True, section.ppo_epochs, section.ppo_mini_batch_size,
+                    micro(section.ppo_micro_batch_size_per_gpu), fsdp.activation_checkpointing, fsdp.wrap_blocks,
+                    section.max_tokens_per_micro_batch is not None)
+
+    roles = [trained("actor", a.actor, a.actor.fsdp, a.model.path)]
     if c.enable:
-        roles.append(Role("critic", shape("critic", c.model.path), True, c.ppo_epochs, c.ppo_mini_batch_size,
-                          micro(c.ppo_micro_batch_size_per_gpu), c.fsdp.activation_checkpointing,
-                          c.fsdp.wrap_blocks))
+        roles.append(trained("critic", c, c.fsdp, c.model.path))
     if cfg.cost_critic.enable:
         cc = cfg.cost_critic
-        roles.append(Role("cost_critic", shape("cost_critic", cc.model.path), True, cc.ppo_epochs,
-                          cc.ppo_mini_batch_size, micro(cc.ppo_micro_batch_size_per_gpu),
-                          cc.fsdp.activation_checkpointing, cc.fsdp.wrap_blocks))
+        roles.append(trained("cost_critic", cc, cc.fsdp, cc.model.path))
     for name in ("reward_model", "cost_model"):
         section = getattr(cfg, name)
         if section.enable:
             roles.append(Role(name, shape(name, section.model.path), False,
-                              micro_batch=micro(section.micro_batch_size_per_gpu, 8)))
+                              micro_batch=micro(section.micro_batch_size_per_gpu, 8),
+                              token_budget=section.max_tokens_per_micro_batch is not None))
     # the driver's own rule (and the log-prob check adds the pass too)
     old = cfg.old_log_prob_source == "recompute" or a.rollout.check_log_probs != "off"
     return Workload(d.train_batch_size, a.rollout.n, d.max_prompt_length, d.max_response_length,

@@ -30,12 +30,16 @@ class DeviceProfile:
     inter_node_bandwidth: float  # bytes/s one rank receives in a collective spanning nodes
     devices_per_node: int = 8
     bytes_per_param: int = 2     # compute dtype: bf16 on GPUs, fp32 on CPU
+    collective_latency: float = 20e-6  # seconds a collective costs besides its bytes
+    comm_overlaps_compute: bool = True  # GPUs: NCCL on its own stream; CPU: gloo uses the cores that compute
     source: str = ""
 
     def __post_init__(self):
         for f in ("memory_bytes", "flops", "memory_bandwidth", "intra_node_bandwidth", "inter_node_bandwidth"):
             if not getattr(self, f) > 0:
                 raise ValueError(f"profile {self.name!r}: {f} must be > 0, got {getattr(self, f)!r}")
+        if not self.collective_latency >= 0:
+            raise ValueError(f"profile {self.name!r}: collective_latency must be >= 0, got {self.collective_latency!r}")
         if self.devices_per_node < 1 or self.bytes_per_param not in (2, 4):
             raise ValueError(f"profile {self.name!r}: devices_per_node >= 1 and bytes_per_param 2 or 4")
 
@@ -43,7 +47,9 @@ class DeviceProfile:
 # Efficiencies applied to datasheet peaks: 50% of dense bf16 peak for large training and
 # prefill matmuls (what Megatron-style trainers report at scale), 80% of HBM bandwidth for
 # streaming reads, 80% of NVLink's per-direction bandwidth and 80% of one 200 Gb/s
-# InfiniBand NIC per GPU (DGX/HGX nodes have one NIC per GPU).
+# InfiniBand NIC per GPU (DGX/HGX nodes have one NIC per GPU). The 20 us a collective costs
+# besides its bytes is an assumed order of magnitude for NCCL's small messages, not a
+# datasheet figure.
 MATMUL_EFFICIENCY, STREAM_EFFICIENCY, LINK_EFFICIENCY = 0.5, 0.8, 0.8
 
 BUILTIN = {
@@ -100,13 +106,23 @@ def _best_seconds(fn, repeats: int) -> float:
     return best
 
 
-def measure_compute(size: int = 1024, repeats: int = 5) -> tuple[float, float]:
-    """This process's fp32 matmul FLOP/s (``size``-square, the fastest of ``repeats``) and
-    its memory bandwidth (a 256 MB copy: bytes read + written per second)."""
+def measure_compute(size: int = 1024, repeats: int = 5, linear: tuple[int, int, int] | None = None
+                    ) -> tuple[float, float]:
+    """This process's fp32 matmul FLOP/s and its memory bandwidth (a 256 MB copy: bytes read
+    + written per second). The matmul is ``size``-square, or with ``linear = (tokens, in,
+    out)`` minihf's linear at the job's own shape (small layers run far below the square
+    peak); the fastest of ``repeats``."""
     import torch
 
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    flops = 2 * size ** 3 / _best_seconds(lambda: torch.mm(a, b), repeats)
+    from minihf.models.linear import linear as minihf_linear
+
+    if linear is None:
+        a, b = torch.randn(size, size), torch.randn(size, size)
+        flops = 2 * size ** 3 / _best_seconds(lambda: torch.mm(a, b), repeats)
+    else:
+        tokens, n_in, n_out = linear
+        x, w = torch.randn(tokens, n_in), torch.randn(n_out, n_in)
+        flops = 2 * tokens * n_in * n_out / _best_seconds(lambda: minihf_linear(x, w), repeats)
     src = torch.empty(64 << 20, dtype=torch.float32).fill_(1.0)
     dst = torch.empty_like(src)
     bandwidth = 2 * src.numel() * 4 / _best_seconds(lambda: dst.copy_(src), repeats)
@@ -114,39 +130,51 @@ def measure_compute(size: int = 1024, repeats: int = 5) -> tuple[float, float]:
 
 
 def _allgather_rank(rank, world, nbytes, repeats):
+    import statistics
+
     import torch
     import torch.distributed as dist
 
     shard = torch.ones(nbytes // 4 // world)
     out = [torch.empty_like(shard) for _ in range(world)]
+    seconds = _best_seconds(lambda: dist.all_gather(out, shard), repeats)
+    tiny, tiny_out = torch.ones(1), [torch.empty(1) for _ in range(world)]
+    times = []
+    for _ in range(50):
+        t0 = time.perf_counter()
+        dist.all_gather(tiny_out, tiny)
+        times.append(time.perf_counter() - t0)
+    # bytes this rank received per second, and the cost of a call with (almost) no bytes
+    return (world - 1) * shard.numel() * 4 / seconds, statistics.median(times)
 
-    def gather():
-        dist.all_gather(out, shard)
-    seconds = _best_seconds(gather, repeats)
-    return (world - 1) * shard.numel() * 4 / seconds  # bytes this rank received per second
 
-
-def measure_collective(world: int = 2, nbytes: int = 64 << 20, repeats: int = 3) -> float:
-    """Bytes/s one rank receives in an all-gather of ``nbytes`` over ``world`` local processes
-    (the backend a job here would use: gloo on CPU)."""
+def measure_collective(world: int = 2, nbytes: int = 64 << 20, repeats: int = 3) -> tuple[float, float]:
+    """(bytes/s one rank receives in an all-gather of ``nbytes``, seconds of a 4-byte
+    all-gather) over ``world`` local processes, with the backend a job here would use (gloo
+    on CPU)."""
     from minihf.testing import spawn_ranks
 
-    return min(spawn_ranks(_allgather_rank, world, nbytes, repeats, timeout_s=300))
+    results = spawn_ranks(_allgather_rank, world, nbytes, repeats, timeout_s=300)
+    return min(r[0] for r in results), max(r[1] for r in results)
 
 
-def measure(name: str = "this-machine", world: int = 2) -> DeviceProfile:
-    """A profile of this machine with ``world`` ranks sharing it: matmul FLOP/s and copy
+def measure(name: str = "this-machine", world: int = 2, linear: tuple[int, int, int] | None = None) -> DeviceProfile:
+    """A profile of this machine with ``world`` ranks sharing it: matmul FLOP/s (at the
+    job's own linear shape when ``linear`` is given, see ``measure_compute``) and copy
     bandwidth measured with each rank's share of the cores (``cores / world`` threads, one
     process measuring at a time, so a bandwidth the ranks would share is counted in full),
-    memory divided by ``world``, and the local all-gather bandwidth for both link kinds."""
+    memory divided by ``world``, and the local all-gather bandwidth and latency for both
+    link kinds."""
     import os
 
     import torch
 
     threads = max(1, (os.cpu_count() or 1) // world)
     torch.set_num_threads(threads)
-    flops, bandwidth = measure_compute()
-    link = measure_collective(world)
+    flops, bandwidth = measure_compute(linear=linear)
+    link, latency = measure_collective(world)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / world
+    shape = f", matmuls at {linear[0]} x {linear[1]} -> {linear[2]}" if linear else ""
     return DeviceProfile(name, memory, flops, bandwidth, link, link, devices_per_node=world, bytes_per_param=4,
-                         source=f"measured by `minihf plan --measure` with {world} ranks x {threads} threads")
+                         collective_latency=latency, comm_overlaps_compute=False,
+                         source=f"measured by `minihf plan --measure` with {world} ranks x {threads} threads{shape}")

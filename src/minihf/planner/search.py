@@ -8,7 +8,7 @@ The candidates (HybridFlow's Algorithm 1, over minihf's knobs):
    groups get contiguous ranks, the actor's group first);
 3. per group: FSDP over all its devices; for the actor's group each rollout TP size that
    divides its devices and the model's query and KV heads; per trained role the largest
-   power-of-two micro-batch (rows per device) up to its share of the batch that fits in
+   power-of-two micro-batch (rows per device) up to its share of a mini-batch that fits in
    memory (1 if none does; such a plan is then infeasible).
 Each candidate is estimated with ``cost.estimate``; those whose predicted peak memory
 exceeds a device are counted as infeasible and dropped.
@@ -118,7 +118,8 @@ def _fit_micro_batches(w: Workload, plan: Plan, profile: DeviceProfile) -> Estim
     if not low.fits:
         return None
     for role in w.roles:
-        rows = math.ceil(w.sequences / plan.group_of(role.name).devices)
+        devices = plan.group_of(role.name).devices  # a micro-batch is cut from one device's mini-batch rows
+        rows = math.ceil((role.mini_batch if role.trains else w.sequences) / devices)
         for m in _micro_options(rows):
             trial = replace(plan, micro_batches=tuple({**micro, role.name: m}.items()))
             if estimate(w, trial, profile).fits:
@@ -135,22 +136,33 @@ MICRO_KEYS = {"actor": ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
                               "cost_critic.forward_micro_batch_size_per_gpu"],
               "reward_model": ["reward_model.micro_batch_size_per_gpu"],
               "cost_model": ["cost_model.micro_batch_size_per_gpu"]}
+TOKEN_KEYS = {"actor": ["actor_rollout_ref.actor.max_tokens_per_micro_batch",
+                        "actor_rollout_ref.ref.max_tokens_per_micro_batch"],
+              "critic": ["critic.max_tokens_per_micro_batch"], "cost_critic": ["cost_critic.max_tokens_per_micro_batch"],
+              "reward_model": ["reward_model.max_tokens_per_micro_batch"],
+              "cost_model": ["cost_model.max_tokens_per_micro_batch"]}
 
 
-def plan_overrides(plan: Plan, devices: int) -> dict:
-    """The plan as config keys ``train_ppo.py`` takes: placement, rollout TP, micro-batches."""
+def plan_overrides(plan: Plan, devices: int, w: Workload | None = None) -> dict:
+    """The plan as config keys ``train_ppo.py`` takes: placement, rollout TP, micro-batches
+    (rows; or, for a role whose config cuts micro-batches by tokens, a token budget of
+    that many full-length rows)."""
     out: dict = {"actor_rollout_ref.rollout.tensor_model_parallel_size": plan.rollout_tp}
     for g in plan.groups:
         for role in g.roles:
             out[f"controller.placement.{role}.ranks"] = "all" if g.devices == devices else g.ranks
     for role, m in plan.micro_batches:
-        for key in MICRO_KEYS[role]:
-            out[key] = m
+        if w is not None and w.role(role).token_budget:
+            for key in TOKEN_KEYS[role]:
+                out[key] = m * (w.prompt_len + w.response_len)
+        else:
+            for key in MICRO_KEYS[role]:
+                out[key] = m
     return out
 
 
 def describe(plan: Plan) -> str:
-    """e.g. ``[actor,reward_model]x2 tp2 | [critic]x2``."""
+    """e.g. ``[actor,reward_model]x2 tp2 + [critic]x2``."""
     parts = [f"[{','.join(g.roles)}]x{g.devices}" + (f" tp{plan.rollout_tp}" if i == 0 else "")
              for i, g in enumerate(plan.groups)]
-    return " | ".join(parts)
+    return " + ".join(parts)

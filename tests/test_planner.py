@@ -259,3 +259,13 @@ def test_measured_profile_is_written_and_read(tmp_path):
     (tmp_path / "neg.yaml").write_text(out.read_text().replace(f"flops: {prof['flops']}", "flops: -1"))
     with pytest.raises(ValueError, match="flops must be > 0"):
         load_profile(str(tmp_path / "neg.yaml"))
+
+
+def test_ranks_sharing_a_host_take_turns():
+    from minihf.planner.cost import contended
+
+    host = replace(PROFILE, host_cores=2, threads_per_rank=1)
+    assert contended(host, 2) == host                               # one core each: as measured
+    assert contended(host, 4).flops == PROFILE.flops / 2            # 4 busy ranks on 2 cores
+    assert contended(host, 4).memory_bandwidth == PROFILE.memory_bandwidth / 2
+    assert contended(PROFILE, 64) == PROFILE                        # devices of their own

@@ -36,7 +36,10 @@ Phases (as the driver names them):
 
 The step adds the phases up, except where the driver overlaps them: when every trained
 role's group is disjoint from the others', ``ref`` runs with ``values`` and the updates
-run together (``trainer/ppo.py``'s ``overlap``), so those pairs cost their maximum.
+run together (``trainer/ppo.py``'s ``overlap``), so those pairs cost their maximum. Ranks
+that share one host's cores (a measured CPU profile: ``host_cores``) are slowed by
+``busy ranks x threads / cores`` when more threads than cores are busy in a phase: the
+group's ranks, or both groups' in an overlapped phase.
 
 Memory per device of a group: resident, each trained role's fp32 shards ``16 P / g``
 (parameter, gradient, two AdamW moments) and each frozen role's ``4 P / g`` (the actor's
@@ -51,7 +54,7 @@ unit and logits.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from minihf.planner.job import ModelShape, Role, Workload
 from minihf.planner.profiles import DeviceProfile
@@ -207,30 +210,45 @@ class Estimate:
     fits: bool
 
 
+def contended(profile: DeviceProfile, busy: int) -> DeviceProfile:
+    """The profile as seen by ``busy`` ranks computing at once on a shared host: with more
+    threads than cores they take turns, so each gets ``cores / (busy x threads)`` of its
+    FLOP/s and memory bandwidth. Devices of their own (``host_cores = 0``) are not slowed."""
+    if not profile.host_cores:
+        return profile
+    slow = max(1.0, busy * profile.threads_per_rank / profile.host_cores)
+    return replace(profile, flops=profile.flops / slow, memory_bandwidth=profile.memory_bandwidth / slow)
+
+
 def estimate(w: Workload, plan: Plan, profile: DeviceProfile) -> Estimate:
     """Predicted seconds per phase and per step, and peak memory per device of each group."""
     b = profile.bytes_per_param
     actor_group = plan.group_of("actor")
     link = {g.roles: link_bandwidth(g, profile) for g in plan.groups}
+    trained = [r for r in ("actor", "critic", "cost_critic") if _has(w, r)]
+    groups = [plan.group_of(r) for r in trained]
+    overlap = len(groups) > 1 and len({g.first_rank for g in groups}) == len(groups)
+    together = sum(g.devices for g in groups) if overlap else None  # ranks busy in an overlapped phase
+
+    def seen(role: str, overlapped: bool = False) -> DeviceProfile:
+        return contended(profile, together if overlapped and together else plan.group_of(role).devices)
+
     phases: dict[str, float] = {}
-    gen, gen_peak = generation_seconds(w, plan, profile)
+    gen, gen_peak = generation_seconds(w, plan, seen("actor"))
     phases["gen"] = gen
     phases["reshard"] = reshard_seconds(w, plan, profile)
 
-    def forward(role_name: str, model: ModelShape | None = None, micro: int | None = None) -> float:
-        g = plan.group_of(role_name)
-        role = w.role(role_name)
-        return forward_seconds(model or role.model, w.forward_tokens, w.sequences, micro or plan.micro(role_name),
-                               g.devices, link[g.roles], profile, units(role))
+    def forward(role_name: str, overlapped: bool = False) -> float:
+        g, role = plan.group_of(role_name), w.role(role_name)
+        return forward_seconds(role.model, w.forward_tokens, w.sequences, plan.micro(role_name), g.devices,
+                               link[g.roles], seen(role_name, overlapped), units(role))
 
     phases["reward"] = sum(forward(r) for r in ("reward_model", "cost_model") if _has(w, r))
     phases["old_log_prob"] = forward("actor") if w.recompute_old_log_prob else 0.0
-    ref = forward("actor") if w.use_ref else 0.0
-    values = [forward(r) for r in ("critic", "cost_critic") if _has(w, r)]
+    ref = forward("actor", overlapped=True) if w.use_ref else 0.0
+    values = [forward(r, overlapped=True) for r in ("critic", "cost_critic") if _has(w, r)]
     updates = [update_seconds(w.role(r), plan.micro(r), w, plan.group_of(r).devices, link[plan.group_of(r).roles],
-                              profile) for r in ("actor", "critic", "cost_critic") if _has(w, r)]
-    trained = [plan.group_of(r) for r in ("actor", "critic", "cost_critic") if _has(w, r)]
-    overlap = len(trained) > 1 and len({g.first_rank for g in trained}) == len(trained)
+                              seen(r, overlapped=True)) for r in trained]
     phases["ref"], phases["values"] = ref, sum(values)
     phases["update_actor"], phases["update_critic"] = updates[0], sum(updates[1:])
     step = phases["gen"] + phases["reshard"] + phases["reward"] + phases["old_log_prob"]

@@ -32,6 +32,8 @@ class DeviceProfile:
     bytes_per_param: int = 2     # compute dtype: bf16 on GPUs, fp32 on CPU
     collective_latency: float = 20e-6  # seconds a collective costs besides its bytes
     comm_overlaps_compute: bool = True  # GPUs: NCCL on its own stream; CPU: gloo uses the cores that compute
+    host_cores: int = 0          # ranks sharing one host's cores (CPU); 0: each device is its own
+    threads_per_rank: int = 1
     source: str = ""
 
     def __post_init__(self):
@@ -162,19 +164,23 @@ def measure(name: str = "this-machine", world: int = 2, linear: tuple[int, int, 
     """A profile of this machine with ``world`` ranks sharing it: matmul FLOP/s (at the
     job's own linear shape when ``linear`` is given, see ``measure_compute``) and copy
     bandwidth measured with each rank's share of the cores (``cores / world`` threads, one
-    process measuring at a time, so a bandwidth the ranks would share is counted in full),
+    process measuring at a time, so a bandwidth the ranks would share is counted in full;
+    the cost model slows a phase down when its busy ranks want more threads than the host
+    has cores: ``host_cores``),
     memory divided by ``world``, and the local all-gather bandwidth and latency for both
     link kinds."""
     import os
 
     import torch
 
-    threads = max(1, (os.cpu_count() or 1) // world)
+    cores = os.cpu_count() or 1
+    threads = max(1, cores // world)
     torch.set_num_threads(threads)
     flops, bandwidth = measure_compute(linear=linear)
     link, latency = measure_collective(world)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / world
     shape = f", matmuls at {linear[0]} x {linear[1]} -> {linear[2]}" if linear else ""
     return DeviceProfile(name, memory, flops, bandwidth, link, link, devices_per_node=world, bytes_per_param=4,
-                         collective_latency=latency, comm_overlaps_compute=False,
+                         collective_latency=latency, comm_overlaps_compute=False, host_cores=cores,
+                         threads_per_rank=threads,
                          source=f"measured by `minihf plan --measure` with {world} ranks x {threads} threads{shape}")

@@ -136,24 +136,42 @@ def import_all(pkg):
             importlib.import_module(name)
 
 
-# the third-party modules minihf uses (torch, transformers, ...) are imported once, here,
-# before the forks; they are learnt from a first child that imports all of minihf
-r, w = os.pipe()
-if (pid := os.fork()) == 0:
-    os.close(r)
+def in_child(fn):  # fn()'s result, computed in a forked child (what it imports stays there)
+    r, w = os.pipe()
+    if (pid := os.fork()) == 0:
+        os.close(r)
+        try:
+            os.write(w, pickle.dumps(fn()))
+        finally:
+            os._exit(0)
+    os.close(w)
+    data = b""
+    while chunk := os.read(r, 65536):
+        data += chunk
+    os.waitpid(pid, 0)
+    return pickle.loads(data)
+
+
+def third_party_of_all():
     for pkg in levels:
         try:
             import_all(pkg)
         except BaseException:
             pass  # its own child below reports it
-    os.write(w, pickle.dumps(sorted(m for m in sys.modules if m.split(".")[0] != "minihf")))
-    os._exit(0)
-os.close(w)
-data = b""
-while chunk := os.read(r, 65536):
-    data += chunk
-os.waitpid(pid, 0)
-third_party = pickle.loads(data)
+    return sorted(m for m in sys.modules if m.split(".")[0] != "minihf")
+
+
+def alone(pkg):
+    try:
+        import_all(pkg)
+        return "ok", sorted({m.split(".")[1] for m in sys.modules if m.startswith("minihf.")})
+    except BaseException as e:
+        return "error", f"{type(e).__name__}: {e}"
+
+
+# the third-party modules minihf uses (torch, transformers, ...) are imported once, here,
+# before the forks; they are learnt from a first child that imports all of minihf
+third_party = in_child(third_party_of_all)
 out = {"optional packages": sorted({m.split(".")[0] for m in third_party} & set(OPTIONAL))}
 for name in third_party:
     try:
@@ -161,23 +179,7 @@ for name in third_party:
     except BaseException:
         pass
 for pkg in levels:
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(r)
-        try:
-            import_all(pkg)
-            loaded = sorted({m.split(".")[1] for m in sys.modules if m.startswith("minihf.")})
-            os.write(w, pickle.dumps(("ok", loaded)))
-        except BaseException as e:
-            os.write(w, pickle.dumps(("error", f"{type(e).__name__}: {e}")))
-        os._exit(0)
-    os.close(w)
-    data = b""
-    while chunk := os.read(r, 65536):
-        data += chunk
-    os.waitpid(pid, 0)
-    out[pkg] = pickle.loads(data)
+    out[pkg] = in_child(lambda: alone(pkg))
 print(pickle.dumps(out).hex())
 """
 

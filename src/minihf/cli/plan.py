@@ -28,6 +28,10 @@ def write_plan(path: Path, recipe: str, overrides: list[str], plan_keys: dict) -
 
     found = find_recipe(recipe)
     base = recipe if "/" not in recipe and not Path(recipe).exists() else str(found.resolve())
+    deletions = [o for o in overrides if "=" not in o]
+    if deletions:  # a recipe file has no way to delete a key its base sets
+        raise typer.BadParameter(f"--out cannot carry {deletions[0]!r} (a deletion); pass it to train_ppo.py "
+                                 "with the written recipe instead")
     given = {k: yaml.safe_load(v) for k, v in (o.split("=", 1) for o in overrides)}
     body = {"base": base, **_nested({**given, **plan_keys})}
     path.write_text("# written by `minihf plan`; run with: torchrun ... scripts/train_ppo.py recipe="

@@ -53,7 +53,7 @@ class _Shape:
 
 def work(roles, **kw):
     base = dict(prompts=4, n=2, prompt_len=10, response_len=6, share_prompt=False, recompute_old_log_prob=True,
-                use_ref=True, reward_model=False)
+                use_ref=True)
     base.update(kw)
     return Workload(roles=tuple(roles), **base)
 
@@ -75,7 +75,7 @@ def test_forward_update_and_generation_formulas_by_hand():
     assert forward_seconds(m, 128, 8, 1, 1, 1e10, PROFILE) == pytest.approx(2.56e-7)  # one device: compute only
     cpu = replace(PROFILE, comm_overlaps_compute=False)  # gloo: the collectives take the cores' time too
     assert forward_seconds(m, 128, 8, 1, 2, 1e10, cpu) == pytest.approx(1.28e-7 + 4.4e-7)
-    role = Role("actor", m, True, epochs=2, mini_batch=4, micro_batch=1)
+    role = Role("actor", m, True, epochs=2, mini_batch=4)
     w = work([role])
     assert w.sequences == 8 and w.forward_tokens == 128
     # per epoch: max(6*1000*128/(2e12) = 3.84e-7, 4 micro-batches x (1000*(2*2+4)/2/1e10 = 4e-7 + 3
@@ -95,7 +95,7 @@ def test_forward_update_and_generation_formulas_by_hand():
 
 def test_resident_memory_and_overlap_by_hand():
     m = _Shape(params=1000, layers=2, hidden=10, kv_dim=4, vocab=50, ffn=20)
-    w = work([Role("actor", m, True, 1, 8, 1), Role("critic", m, True, 1, 8, 1)])
+    w = work([Role("actor", m, True, 1, 8), Role("critic", m, True, 1, 8)])
     together = Plan((Group(("actor", "critic"), 0, 2),), 1, (("actor", 1), ("critic", 1)))
     # actor 16 P/g + its reference 4 P/g + critic 16 P/g on g = 2
     assert resident_bytes(w, together.groups[0]) == (16 + 4 + 16) * 1000 / 2

@@ -2,7 +2,7 @@
 
 Read from a ``PPOJobConfig`` (recipe + overrides, as ``train_ppo.py`` takes them): which
 roles exist, their model dirs (``config.json``; or a named shape such as ``llama-7b`` for a
-model that is not on this machine), batch sizes, lengths, n, epochs and micro-batch sizes.
+model that is not on this machine), batch sizes, lengths, n and epochs (the micro-batch sizes are the planner's to choose).
 """
 
 from __future__ import annotations
@@ -78,7 +78,6 @@ class Role:
     trains: bool                         # has gradients and AdamW state
     epochs: int = 1
     mini_batch: int = 0                  # sequences per optimizer step (trained roles)
-    micro_batch: int = 1                 # rows per forward(/backward) per rank
     activation_checkpointing: bool = False
     wrap_blocks: bool = True
     token_budget: bool = False           # the config cuts micro-batches by tokens (max_tokens_per_micro_batch)
@@ -94,7 +93,6 @@ class Workload:
     share_prompt: bool                   # packed forwards run each prompt once per n responses
     recompute_old_log_prob: bool
     use_ref: bool
-    reward_model: bool
     roles: tuple[Role, ...]
 
     @property
@@ -123,12 +121,9 @@ def workload(cfg, models: dict[str, str] | None = None) -> Workload:
     def shape(name: str, path: str) -> ModelShape:
         return model_shape(models.get(name, models.get("all", path)), ROLE_HEADS[name])
 
-    def micro(value, fallback=4):
-        return value or fallback
-
     def trained(name, section, fsdp, model_path):
         return Role(name, shape(name, model_path), True, section.ppo_epochs, section.ppo_mini_batch_size,
-                    micro(section.ppo_micro_batch_size_per_gpu), fsdp.activation_checkpointing, fsdp.wrap_blocks,
+                    fsdp.activation_checkpointing, fsdp.wrap_blocks,
                     section.max_tokens_per_micro_batch is not None)
 
     roles = [trained("actor", a.actor, a.actor.fsdp, a.model.path)]
@@ -141,9 +136,8 @@ def workload(cfg, models: dict[str, str] | None = None) -> Workload:
         section = getattr(cfg, name)
         if section.enable:
             roles.append(Role(name, shape(name, section.model.path), False,
-                              micro_batch=micro(section.micro_batch_size_per_gpu, 8),
                               token_budget=section.max_tokens_per_micro_batch is not None))
     # the driver's own rule (and the log-prob check adds the pass too)
     old = cfg.old_log_prob_source == "recompute" or a.rollout.check_log_probs != "off"
     return Workload(d.train_batch_size, a.rollout.n, d.max_prompt_length, d.max_response_length,
-                    a.model.shares_prompt, old, cfg.use_ref, cfg.reward_model.enable, tuple(roles))
+                    a.model.shares_prompt, old, cfg.use_ref, tuple(roles))

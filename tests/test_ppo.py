@@ -165,6 +165,15 @@ def test_two_processes_and_resume_equals_uninterrupted(tiny_job, tmp_path):
     assert any(k[0] == 0 for k in keys) and len(keys) == len(set(keys))   # no sample row twice
 
 
+def check_on(cfg, ranks: int) -> None:
+    """``check_sizes`` as the trainer calls it: every trained role of the role table on
+    ``ranks`` ranks."""
+    from minihf.trainer.plugins import plugin_classes
+    from minihf.trainer.roles import role_table
+
+    cfg.check_sizes({r.trains: ranks for r in role_table(cfg, plugin_classes(cfg)) if r.trains})
+
+
 def test_batch_sizes_that_do_not_fit_fail_early(tiny_job, tmp_path):
     model, data = tiny_job
     cfg = job_config(model, data, tmp_path, "grpo",
@@ -172,14 +181,21 @@ def test_batch_sizes_that_do_not_fit_fail_early(tiny_job, tmp_path):
     with pytest.raises(ConfigError, match=r"actor_rollout_ref.actor.ppo_mini_batch_size=3 must "
                                           r"divide the 8 sequences of a step .* values that work: "
                                           r"\[2, 4, 8\]"):
-        cfg.check_sizes(2, 2)
+        check_on(cfg, 2)
     # 8 sequences over 3 ranks: no mini-batch size works, so say what to change instead
     cfg = job_config(model, data, tmp_path, "grpo", **{"actor_rollout_ref.actor.ppo_mini_batch_size": 8})
     with pytest.raises(ConfigError, match=r"no value works, as 8 sequences do not split evenly over 3 "
                                           r"ranks: run on a process count that divides 8 \(1, 2, 4, 8\), or "
                                           r"make data.train_batch_size x rollout.n a multiple of 3 "
                                           r"\(e.g. data.train_batch_size=6\)"):
-        cfg.check_sizes(3, 3)
+        check_on(cfg, 3)
+    # every trained role of the table is checked, a plug-in's too (the cost critic's was not)
+    for key in ("critic.ppo_mini_batch_size", "cost_critic.ppo_mini_batch_size"):
+        sizes = {"actor_rollout_ref.actor.ppo_mini_batch_size": 8, "critic.ppo_mini_batch_size": 8,
+                 "cost_critic.ppo_mini_batch_size": 8, key: 3}
+        cfg = job_config(model, data, tmp_path, "ppo", **{"algorithm.safe.enable": "true", **sizes})
+        with pytest.raises(ConfigError, match=rf"{key}=3 must divide the 8 sequences"):
+            check_on(cfg, 2)
 
 
 FORKED = {

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from minihf.trainer.sampling import dynamic_rollout
+from minihf.trainer.plugins.dapo import dynamic_rollout
 from minihf.testing import spawn_ranks
 
 RECIPES = Path(__file__).parent.parent / "recipes"
@@ -131,10 +131,16 @@ def trainer_for(tiny, tmp_path, **extra):
     return PPOTrainer(cfg, {"actor": ScriptedActor()}, log=lambda *_: None)
 
 
+def at_step(trainer, step):
+    """The trainer's step context, as ``train_step`` sets it for ``step``."""
+    trainer.ctx.step, trainer.ctx.metrics = step, {}
+    return trainer.ctx
+
+
 def test_dynamic_sampling_keeps_groups_that_differ(tiny, tmp_path):
     trainer = trainer_for(tiny, tmp_path)
     m = {}
-    batch, _ = dynamic_rollout(trainer, 1, m)
+    batch, _ = dynamic_rollout(at_step(trainer, 1), m)
     index = np.asarray(batch.non_tensors["index"])
     assert len(batch) == 4 * 4 and (index % 2 == 1).all()          # 4 prompts x n=4, only odd rows
     scores = batch["token_level_scores"].sum(-1).view(4, 4)
@@ -149,7 +155,7 @@ def test_dynamic_sampling_keeps_groups_that_differ(tiny, tmp_path):
         assert ids == trainer.train[int(index[i])]["input_ids"] + [7] * (i % 4 + 1)
     # gen_batch_size 8: one round finds the 4 odd prompts
     m = {}
-    dynamic_rollout(trainer_for(tiny, tmp_path, **{"data.gen_batch_size": 8}), 1, m)
+    dynamic_rollout(at_step(trainer_for(tiny, tmp_path, **{"data.gen_batch_size": 8}), 1), m)
     assert m["train/num_gen_batches"] == 1
 
 
@@ -157,7 +163,7 @@ def test_dynamic_sampling_round_limit_is_an_error(tiny, tmp_path):
     trainer = trainer_for(tiny, tmp_path, **{"algorithm.filter_groups.max_num_gen_batches": 1})
     with pytest.raises(RuntimeError, match=r"after 1 generation rounds only 2 of data.train_batch_size=4 "
                                            r"prompts.*max_num_gen_batches"):
-        dynamic_rollout(trainer, 1, {})
+        dynamic_rollout(at_step(trainer, 1), {})
 
 
 def test_dapo_config_errors(tiny):

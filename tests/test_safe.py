@@ -14,6 +14,8 @@
 import json
 import math
 import re
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -161,11 +163,18 @@ def _runs(rank, world, model, data, tmp):
     from minihf.trainer.ppo_job import PPOJobConfig, ppo_driver, ppo_roles
 
     cases = [("full", "safe_rlhf", "full", None, {}), ("first", "safe_rlhf", "resumed", 1, {}),
+             ("old_format", "safe_rlhf", "old_format", None, {}),
              ("rest", "safe_rlhf", "resumed", None, {}),
              ("rule", "safe_rlhf", "rule", None, {"cost_model.enable": "false"}),
              ("ppo_rm", "ppo_rm", "ppo_rm", None, {})]
     out = {}
     for name, recipe, run_name, stop, extra in cases:
+        if name == "old_format":  # the step-1 checkpoint as minihf wrote it before plug-ins
+            shutil.copytree(f"{tmp}/resumed", f"{tmp}/old_format")
+            state_file = Path(tmp, "old_format", "global_step_1", "driver_state.json")
+            state = json.loads(state_file.read_text())
+            state.update(state.pop("plugins")["safe_rlhf"])
+            state_file.write_text(json.dumps(state))
         cfg = load_config(PPOJobConfig, recipe, overrides(model, data, f"{tmp}/{run_name}", **extra))
         out[name] = run(ppo_driver(cfg, stop), ppo_roles(cfg), cfg.controller)
     return out
@@ -189,9 +198,10 @@ def test_safe_rlhf_and_ppo_rm_run_and_resume(tiny, tmp_path):
     def strip(h):
         return {k: v for k, v in h.items() if not k.startswith(("timing_s/", "perf/throughput"))}
     assert [strip(h) for h in res["full"]] == [strip(h) for h in res["first"] + res["rest"]]
+    assert [strip(h) for h in res["old_format"]] == [strip(h) for h in res["rest"]]
     state = json.loads((tmp_path / "resumed" / "global_step_1" / "driver_state.json").read_text())
     # the same float64 update as the driver's: rounding only
-    assert state["lagrange"]["value"] == pytest.approx(res["first"][-1]["safe/lambda"]
+    assert state["plugins"]["safe_rlhf"]["lagrange"]["value"] == pytest.approx(res["first"][-1]["safe/lambda"]
                                                        + 0.5 * res["first"][-1]["safe/cost/mean"])
     assert (tmp_path / "resumed" / "global_step_2" / "cost_critic").is_dir()
     rule = [h for h in res["rule"] if h["step"] > 0]
@@ -205,7 +215,7 @@ def test_safe_config_errors(tiny):
     from minihf.trainer.ppo_job import PPOJobConfig
 
     model, data = tiny
-    cases = [({"algorithm.adv_estimator": "grpo"}, "algorithm.safe needs adv_estimator=gae"),
+    cases = [({"algorithm.adv_estimator": "grpo"}, "algorithm.safe needs an estimator that reads values"),
              ({"cost_critic.enable": "false"}, "algorithm.safe needs the cost critic"),
              ({"algorithm.safe.enable": "false"}, "cost_model.enable=true needs algorithm.safe.enable=true"),
              ({"algorithm.safe.lambda_lr": -1}, "lambda_lr=-1.0 must be >= 0"),
@@ -270,11 +280,12 @@ def test_safe_advantages_by_hand_with_delay_and_cap():
     from minihf.algorithms import compute_gae_advantage_return
     from minihf.protocol import Batch
     from minihf.trainer.ppo_job import PPOJobConfig
-    from minihf.trainer.safe import SafeRLHF
+    from minihf.trainer.phases import StepContext
+    from minihf.trainer.plugins import SafeRLHF
 
     cfg = load_config(PPOJobConfig, "safe_rlhf", ["algorithm.safe.lambda_update_delay_steps=1",
                                                   "algorithm.safe.lambda_max=1.2", "algorithm.safe.lambda_lr=0.5"])
-    safe = SafeRLHF(cfg, {"cost_critic": None}, tokenizer=None)
+    safe = SafeRLHF(StepContext(cfg, {}, None, None, None, print, None, None, None, None))
     mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
     costs = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])              # both episodes cost 1
     scores = torch.tensor([[0.0, 0.5, 0.0], [0.0, 0.0, 0.2]])

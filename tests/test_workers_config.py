@@ -83,7 +83,7 @@ def test_rl_config_errors():
 
     with pytest.raises(ConfigError, match=r"unknown advantage estimator 'grp'; did you mean 'grpo'"):
         load_config(PPOJobConfig, None, ["algorithm.adv_estimator=grp"])
-    with pytest.raises(ConfigError, match="adv_estimator=gae needs a critic"):
+    with pytest.raises(ConfigError, match="adv_estimator=gae reads values, which need a critic"):
         load_config(PPOJobConfig, None, ["critic.enable=false"])
     with pytest.raises(ConfigError, match=r"rollout.prompt_length=8 is below data.max_prompt_length=16"):
         load_config(PPOJobConfig, None, ["data.max_prompt_length=16",

@@ -4,7 +4,7 @@ Names and argument order follow verl's ``core_algos`` so recipes read the same.
 """
 
 from minihf.algorithms.advantage import (
-    ADV_ESTIMATORS, AdvantageEstimator, compute_gae_advantage_return,
+    ADV_ESTIMATOR_NEEDS, ADV_ESTIMATORS, PRODUCED_BY, AdvantageEstimator, adv_estimator_needs, compute_gae_advantage_return,
     compute_grpo_outcome_advantage, compute_reinforce_plus_plus_baseline_outcome_advantage,
     compute_reinforce_plus_plus_outcome_advantage, compute_remax_outcome_advantage,
     compute_rloo_outcome_advantage, get_adv_estimator_fn, register_adv_est)
@@ -23,7 +23,7 @@ from minihf.algorithms.safe import LagrangeMultiplier, combine_safe_advantages
 from minihf.algorithms.value_loss import compute_value_loss
 
 __all__ = [
-    "ADV_ESTIMATORS", "AdaptiveKLController", "LOGPROB_ROUNDING_MULTIPLE", "AdvantageEstimator", "FixedKLController",
+    "ADV_ESTIMATOR_NEEDS", "ADV_ESTIMATORS", "PRODUCED_BY", "adv_estimator_needs", "AdaptiveKLController", "LOGPROB_ROUNDING_MULTIPLE", "AdvantageEstimator", "FixedKLController",
     "KLController", "LOSS_AGG_MODES", "LagrangeMultiplier", "POLICY_LOSSES", "agg_loss",
     "apply_kl_penalty", "combine_safe_advantages", "compute_gae_advantage_return",
     "compute_grpo_outcome_advantage", "compute_policy_loss", "compute_policy_loss_gspo",

@@ -14,10 +14,19 @@ for right padding but cuts the return at an inner masked span).
 
 The estimators take different inputs, so the trainer calls the one named in config
 with keyword arguments: ``get_adv_estimator_fn(name)(token_level_rewards=..., ...)``.
+
+An estimator's spec is what it needs from the batch beyond what every step has
+(``adv_estimator_needs``): ``values`` (so a critic runs) and ``reward_baselines`` (so the
+baseline rollout runs, a greedy sample per prompt, scored). By default it is read from the
+signature: the parameters without a default among ``PRODUCED_BY``; ``register_adv_est(name,
+needs=...)`` states it instead. A ``file.py:function`` estimator's spec comes from its
+signature, read from the file's syntax tree (config checks run no recipe code). The driver
+decides which roles and plug-ins run from the spec, never from the estimator's name.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable, Sequence
 
 import torch
@@ -26,6 +35,11 @@ from minihf.algorithms.loss_agg import masked_whiten
 from minihf.algorithms.registry import lookup, register_in
 
 ADV_ESTIMATORS: dict[str, Callable] = {}
+ADV_ESTIMATOR_NEEDS: dict[str, frozenset[str]] = {}  # name -> its spec (see the module docstring)
+# batch inputs a step produces only when something runs for them -> what produces them
+PRODUCED_BY = {"values": "a critic (critic.enable=true)",
+               "reward_baselines": "the baseline rollout (a greedy sample per prompt, scored; "
+                                   "it runs for estimators that take reward_baselines)"}
 
 
 class AdvantageEstimator:
@@ -38,9 +52,40 @@ class AdvantageEstimator:
     REMAX = "remax"
 
 
-def register_adv_est(name: str) -> Callable[[Callable], Callable]:
-    """Decorator: register an advantage estimator under ``name`` (error if the name is taken)."""
-    return register_in(ADV_ESTIMATORS, name, "advantage estimator")
+def register_adv_est(name: str, needs: Sequence[str] | None = None) -> Callable[[Callable], Callable]:
+    """Decorator: register an advantage estimator under ``name`` (error if the name is
+    taken), with its spec: ``needs``, the inputs of ``PRODUCED_BY`` it reads (default: its
+    parameters without a default among them)."""
+    unknown = sorted(set(needs or ()) - set(PRODUCED_BY))
+    if unknown:
+        raise ValueError(f"register_adv_est({name!r}, needs=...): {unknown} are not inputs a step "
+                         f"can produce on request; choose among {sorted(PRODUCED_BY)}")
+    add = register_in(ADV_ESTIMATORS, name, "advantage estimator")
+
+    def decorator(fn: Callable) -> Callable:
+        add(fn)
+        ADV_ESTIMATOR_NEEDS[name] = (frozenset(needs) if needs is not None
+                                     else needs_from_params(inspect.signature(fn).parameters.items()))
+        return fn
+    return decorator
+
+
+def needs_from_params(params) -> frozenset[str]:
+    """The spec read from a signature: ``(name, parameter)`` pairs whose parameter has no
+    default, among ``PRODUCED_BY``."""
+    return frozenset(p for p, v in params if p in PRODUCED_BY
+                     and getattr(v, "default", inspect.Parameter.empty) is inspect.Parameter.empty)
+
+
+def adv_estimator_needs(name: str) -> frozenset[str]:
+    """The spec of the estimator ``name`` (registered, or a ``file.py:function`` read
+    without running the file)."""
+    from minihf.utils.imports import is_code_ref, ref_required_params
+
+    if is_code_ref(name):
+        return frozenset(ref_required_params(name) & set(PRODUCED_BY))
+    get_adv_estimator_fn(name)  # unknown names list the registered ones
+    return ADV_ESTIMATOR_NEEDS[name]
 
 
 def get_adv_estimator_fn(name: str) -> Callable:

@@ -14,6 +14,7 @@ from minihf.controller.driver import CallFuture, Driver
 from minihf.controller.errors import ControllerError
 from minihf.controller.layout import DEFAULT_LAYOUT, RoleLayout
 from minihf.controller.worker import MethodSpec, Worker
+from minihf.protocol import Batch
 
 
 class RemoteCall:
@@ -95,3 +96,84 @@ class WorkerGroup:
     def __repr__(self) -> str:
         return (f"WorkerGroup(role={self.role!r}, ranks={list(self.ranks)}, "
                 f"tp_size={self.tp_size}, worker={self.worker_cls.__name__})")
+
+
+class _Mapped:
+    """A future whose result goes through ``fn``."""
+
+    def __init__(self, future: Any, fn: Any):
+        self._future, self._fn = future, fn
+
+    def result(self, timeout: float | None = None) -> Any:
+        return self._fn(self._future.result(timeout))
+
+
+class _RenamedCall:
+    """A remote method (or any callable with ``.future``) behind a ``Renamed`` proxy."""
+
+    def __init__(self, call: Any, proxy: Renamed):
+        self._call, self._proxy = call, proxy
+
+    def _args(self, args: tuple) -> tuple:
+        return tuple(self._proxy.rename_in(a) for a in args)
+
+    def future(self, *args: Any, **kwargs: Any) -> _Mapped:
+        return _Mapped(self._call.future(*self._args(args), **kwargs), self._proxy.rename_out)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        spec = getattr(self._call, "spec", None)
+        if spec is not None and not spec.blocking:
+            return self.future(*args, **kwargs)
+        return self._proxy.rename_out(self._call(*self._args(args), **kwargs))
+
+
+class Renamed:
+    """A ``WorkerGroup`` whose calls see batch keys under other names, so one worker class
+    serves a second role (the cost critic is a ``CriticWorker`` reading ``cost_values`` as
+    its ``values``).
+
+    ``inputs`` maps the worker's key to the batch's: a ``Batch`` argument loses the worker's
+    key and gets the batch key's tensor under it, when there is one. ``outputs`` maps
+    result names back: a ``Batch`` result's keys, or a dict result's keys, renamed where
+    they equal an entry (``"values"``) or start with one ending in ``/`` (``"critic/"``).
+    Everything else (ranks, sizes, other arguments) is the group's.
+    """
+
+    def __init__(self, group: Any, inputs: dict[str, str] | None = None,
+                 outputs: dict[str, str] | None = None):
+        self._group, self._inputs, self._outputs = group, dict(inputs or {}), dict(outputs or {})
+
+    def rename_in(self, value: Any) -> Any:
+        if not isinstance(value, Batch) or not self._inputs:
+            return value
+        tensors = dict(value.tensors)
+        for worker_key, batch_key in self._inputs.items():
+            tensors.pop(worker_key, None)
+            if batch_key in value.tensors:
+                tensors[worker_key] = value.tensors[batch_key]
+        return Batch(tensors, value.non_tensors, value.meta)
+
+    def _name(self, key: str) -> str:
+        for old, new in self._outputs.items():
+            if key == old:
+                return new
+            if old.endswith("/") and key.startswith(old):
+                return new + key[len(old):]
+        return key
+
+    def rename_out(self, value: Any) -> Any:
+        if isinstance(value, Batch):
+            return Batch({self._name(k): v for k, v in value.tensors.items()},
+                         {self._name(k): v for k, v in value.non_tensors.items()}, value.meta)
+        if isinstance(value, dict):
+            return {self._name(k) if isinstance(k, str) else k: v for k, v in value.items()}
+        return value
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        attr = getattr(self._group, name)
+        return _RenamedCall(attr, self) if callable(attr) else attr
+
+    def __repr__(self) -> str:
+        return f"Renamed({self._group!r}, inputs={self._inputs}, outputs={self._outputs})"

@@ -8,7 +8,7 @@ import inspect
 import numpy as np
 import torch
 
-from minihf.algorithms import get_adv_estimator_fn
+from minihf.algorithms import PRODUCED_BY, get_adv_estimator_fn
 from minihf.protocol import Batch
 
 
@@ -29,6 +29,7 @@ def estimate_advantages(batch: Batch, alg, name: str) -> tuple[torch.Tensor, tor
     missing = [p for p, v in params.items()
                if v.default is inspect.Parameter.empty and p not in pool]
     if missing:
+        how = "; ".join(f"{k} come from {PRODUCED_BY[k]}" for k in missing if k in PRODUCED_BY)
         raise ValueError(f"advantage estimator {name!r} needs {missing}, which this run does not "
-                         "produce (values need a critic: critic.enable=true)")
+                         f"produce" + (f" ({how})" if how else ""))
     return fn(**{k: v for k, v in pool.items() if k in params})

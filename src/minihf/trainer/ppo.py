@@ -1,27 +1,29 @@
-"""The RL driver: one loop for PPO, GRPO, RLOO, REINFORCE++, ReMax (docs/architecture.md, "One RL
-step"), run on rank 0 over the role worker groups.
+"""The RL driver: one loop for PPO, GRPO, RLOO, REINFORCE++, ReMax, DAPO, Safe-RLHF
+(docs/architecture.md, "One RL step"), run on rank 0 over the role worker groups.
 
-One step, as named phases (each timed as ``timing_s/<phase>``):
+One step is the phase list ``program`` builds (``minihf.trainer.phases`` runs it), each
+timed as ``timing_s/<phase>``:
 
-    prompts.repeat(n), a uid per prompt        -> gen            actor.generate_sequences
-    rule function or reward model              -> reward
-    old log-probs (+ entropy), unless the      -> old_log_prob   actor.compute_log_prob
-      update is one on-policy step (then the update's own, see old_log_prob_source);
-      with rollout.check_log_probs on, always, and checked against the engine's;
-      then, on the driver, algorithm.rollout_correction (IS weights, rejected tokens)
-    reference log-probs (when a KL is used)    -> ref            actor.compute_ref_log_prob
-    values (with a critic)                     -> values         critic.compute_values
-    in-reward KL, advantages (registry)        -> adv            on the driver
-    critic update                              -> update_critic
-    actor update (after critic_warmup steps)   -> update_actor
+    rollout: one generation round over the loader's next prompts, whose phases are
+        gen            prompts.repeat(n), a uid per prompt -> actor.generate_sequences
+        reward         the reward model, else the rule function -> token_level_scores
+    balance, samples   rows even over the actor's DP ranks; samples.jsonl rows
+    old_log_prob       old log-probs (+ entropy), unless the update is one on-policy step
+                       (see old_log_prob_source); checked against the engine's; then, on
+                       the driver, algorithm.rollout_correction (IS weights, rejected tokens)
+    ref | values       actor.compute_ref_log_prob (when a KL is used), critic.compute_values
+    adv                in-reward KL, advantages (the registered estimator)
+    update_critic | update_actor   (the actor after critic_warmup steps)
 
-Safe-RLHF (``algorithm.safe``) adds costs, cost values, a cost critic update and the
-Lagrange multiplier to these phases (``minihf.trainer.safe``).
+The loop has no algorithm's name in it: what an algorithm adds is a plug-in
+(``minihf.trainer.plugins``: DAPO's dynamic sampling and overlong penalty, ReMax's
+baseline rollout, Safe-RLHF), and which roles run is the role table
+(``minihf.trainer.roles``).
 
 ``global_step`` travels in ``batch.meta``: it seeds the samples and the update shuffles,
-so the workers keep no counters. Checkpoints hold each role's shards and a driver state
-file (data position, step, KL controller); ``latest_checkpointed_iteration.txt`` moves
-only after all of it is written.
+so the workers keep no counters. Checkpoints hold each checkpointed role's shards and a
+driver state file (data position, step, KL controller, plug-in states);
+``latest_checkpointed_iteration.txt`` moves only after all of it is written.
 """
 
 from __future__ import annotations
@@ -43,12 +45,13 @@ from minihf.trainer.common import (RESUME_FIX, Log, MetricsLog, config_json, eve
 from minihf.trainer.loggers import Console, Trackers
 from minihf.trainer.metrics import data_metrics, group_metrics, sample_rows, throughput
 from minihf.trainer.old_log_prob import old_log_prob_phase
+from minihf.trainer.phases import Call, Phase, StepContext, Together, apply_hooks, run_phases
+from minihf.trainer.plugins import plugin_classes
 from minihf.trainer.ppo_config import PPOConfig
-from minihf.trainer.reward import RuleReward, at_last_token, load_reward, overlong_penalty
+from minihf.trainer.reward import RuleReward, load_reward
 from minihf.trainer.advantage import estimate_advantages
 from minihf.trainer.balance import balance_batch
-from minihf.trainer.safe import SafeRLHF
-from minihf.trainer.sampling import dynamic_rollout
+from minihf.trainer.roles import role_groups, role_table, section_of
 from minihf.trainer.watch import RunWatch, SkipCounter
 from minihf.utils.files import read_json
 
@@ -60,17 +63,17 @@ LINE_KEYS = {"step": "step", "critic/score/mean": "score", "val-core/mean": "val
 
 
 class PPOTrainer:
-    """The loop on rank 0 (``groups``: the ``actor``, and ``critic``, ``reward_model``,
-    ``cost_critic``, ``cost_model`` when on)."""
+    """The loop on rank 0 over ``groups`` (role name -> worker group: the role table's)."""
 
     def __init__(self, cfg: PPOConfig, groups: dict, log: Log = print):
         from minihf.data import PromptLoader, RLDataset, load_tokenizer
 
         self.cfg, self.log = cfg, log
-        self.actor = groups["actor"]
-        self.critic = groups.get("critic")
-        self.rm = groups.get("reward_model")
-        cfg.check_sizes(self.actor.dp_size, self.critic.dp_size if self.critic else 1)
+        classes = plugin_classes(cfg)
+        self.roles = [r for r in role_table(cfg, classes) if r.name in groups]
+        self.groups = role_groups(self.roles, groups)
+        self.actor = self.groups["actor"]
+        cfg.check_sizes({r.trains: self.groups[r.name].dp_size for r in self.roles if r.trains})
         d = cfg.data
         tok = load_tokenizer(cfg.actor_rollout_ref.model.path, padding_side="left")
         kw = dict(max_prompt_length=d.max_prompt_length, truncation=d.truncation,
@@ -80,9 +83,8 @@ class PPOTrainer:
         if len(self.train) < d.train_batch_size:
             raise ValueError(f"data.train_batch_size={d.train_batch_size} exceeds the "
                              f"{len(self.train)} training prompts in {d.train_files}")
-        per_round = (d.gen_batch_size or d.train_batch_size) if cfg.algorithm.filter_groups.enable \
-            else d.train_batch_size  # dynamic sampling draws gen_batch_size prompts per round
-        self.loader = PromptLoader(self.train, per_round, shuffle=d.shuffle, seed=d.seed)
+        self.loader = PromptLoader(self.train, d.gen_batch_size or d.train_batch_size,
+                                   shuffle=d.shuffle, seed=d.seed)
         t = cfg.trainer
         self.total_steps = len(self.loader) * t.total_epochs
         if t.total_training_steps is not None:
@@ -101,20 +103,39 @@ class PPOTrainer:
         self.watch = RunWatch(d.max_response_length)
         self.skips = SkipCounter(t.max_skipped_steps)
         self.tokenizer = tok
-        self.safe = SafeRLHF(cfg, groups, tok) if cfg.algorithm.safe.enable else None
-        trained = [g for g in (self.actor, self.critic, groups.get("cost_critic")) if g is not None]
-        ranks = [r for g in trained for r in g.ranks]
-        self.overlap = len(trained) > 1 and len(ranks) == len(set(ranks))  # disjoint placement
+        trained = [self.groups[r.name] for r in self.roles if r.trains]
+        ranks = [rank for g in trained for rank in g.ranks]
+        self.ctx = StepContext(cfg, self.groups, self.loader, tok, self.reward, log, self._rollout,
+                               self._generate, self._score, self._timed,
+                               overlap=len(trained) > 1 and len(ranks) == len(set(ranks)))
+        self.plugins = [cls(self.ctx) for cls in classes]
+        self.program = apply_hooks(self.phases(), self.plugins)
         self.history: list[dict] = []
         self.phase_totals: dict[str, float] = {}
 
     # -- phases ---------------------------------------------------------------------------
+    def phases(self) -> dict[str, list]:
+        """The core phase lists: ``round`` (one generation round) and ``step``."""
+        cfg = self.cfg
+        return {"round": [Phase("gen", self._gen_phase), Phase("reward", self._reward_phase)],
+                "step": [Phase("rollout", self._rollout_phase, timed=False),
+                         Phase("balance", self._balance_phase, timed=False),
+                         Phase("samples", self._samples_phase, timed=False),
+                         Phase("old_log_prob", self._old_log_prob_phase, timed=False),  # times itself
+                         Together((Call("ref", "actor", "compute_ref_log_prob", lambda ctx: cfg.use_ref),
+                                   Call("values", "critic", "compute_values"))),
+                         Phase("adv", self._adv_phase),
+                         Together((Call("update_critic", "critic", "update_critic"),
+                                   Call("update_actor", "actor", "update_actor",
+                                        lambda ctx: ctx.step > cfg.trainer.critic_warmup)))]}
+
     @contextmanager
-    def _timed(self, metrics: dict, name: str):
+    def _timed(self, name: str):
         t0 = time.perf_counter()
         yield
         dt = time.perf_counter() - t0
-        metrics[f"timing_s/{name}"] = metrics.get(f"timing_s/{name}", 0.0) + dt  # rounds add up
+        m = self.ctx.metrics
+        m[f"timing_s/{name}"] = m.get(f"timing_s/{name}", 0.0) + dt  # rounds add up
         self.phase_totals[name] = self.phase_totals.get(name, 0.0) + dt
 
     def _generate(self, batch: Batch, meta: dict) -> tuple[Batch, dict]:
@@ -135,115 +156,84 @@ class PPOTrainer:
         return joined, out.meta
 
     def _score(self, batch: Batch) -> tuple[torch.Tensor, dict]:
-        """Training scores ``[B, R]`` (reward model or rule function, + DAPO's overlong
-        penalty when enabled) and their metrics."""
-        if self.rm is not None:
-            scores, metrics = self.rm.compute_rm_score(batch)["rm_scores"], {}  # [B, R], at the last token
-        else:
-            scores, metrics, _ = self.reward(batch)
-        o = self.cfg.reward_model.overlong_buffer
-        if o.enable:
-            lengths = batch["response_mask"].sum(-1)
-            penalty = overlong_penalty(lengths, self.cfg.data.max_response_length, o.len, o.penalty_factor)
-            scores = scores + at_last_token(penalty, batch["response_mask"])
-            metrics["reward/overlong_penalty/mean"] = penalty.mean().item()
-            metrics["reward/overlong_frac"] = (penalty < 0).float().mean().item()
-        return scores, metrics
+        """The ``reward`` phase (with its plug-ins' wrappers) on ``batch``: ``(scores [B, R],
+        metrics)``."""
+        m = {}
+        reward = next(p for p in self.program["round"] if getattr(p, "name", None) == "reward")
+        reward.run(self.ctx, batch, m)
+        return batch["token_level_scores"], m
 
-    def _run_calls(self, m: dict, calls: list, batch: Batch) -> list:
-        """The results of ``(phase, remote method)`` calls on ``batch``, each timed as
-        ``timing_s/<phase>``. With the actor and critic on disjoint ranks every call is sent
-        at once, so the roles run concurrently and a phase's time is the driver's wait for
-        it; on shared ranks the calls run one after the other. Results are the same."""
-        if not self.overlap:
-            results = []
-            for name, call in calls:
-                with self._timed(m, name):
-                    results.append(call(batch))
-            return results
-        futures = [(name, call.future(batch)) for name, call in calls]
-        results = []
-        for name, future in futures:
-            with self._timed(m, name):
-                results.append(future.result())
-        return results
-
-    def _rollout(self, step: int, m: dict, prompts: Batch, round_: int) -> tuple[Batch, dict]:
-        """One generation round: ``rollout.n`` samples of each prompt, scored. Round ``k > 0`` of a step (dynamic sampling) gives its prompts the
-        uids ``"<index>#k"``, so a prompt drawn twice in one step forms two groups with their
-        own sampling streams."""
-        cfg, n = self.cfg, self.cfg.actor_rollout_ref.rollout.n
+    def _rollout(self, prompts: Batch, round_: int) -> tuple[Batch, dict]:
+        """One generation round over ``prompts``: the ``round`` phases; (batch, the round's
+        metrics). Round ``k > 0`` of a step (dynamic sampling) gives its prompts the uids
+        ``"<index>#k"``, so a prompt drawn twice in one step forms two groups with their own
+        sampling streams."""
         index = prompts.non_tensors["index"]
         prompts.non_tensors["uid"] = np.array([str(i) if round_ == 0 else f"{i}#{round_}" for i in index],
                                               dtype=object)
-        baselines = None
-        if cfg.algorithm.adv_estimator == "remax":  # ReMax: a greedy rollout's reward
-            with self._timed(m, "gen_max"):
-                greedy, _ = self._generate(prompts, {"global_step": step, "do_sample": False})
-                baselines = self._score(greedy)[0].sum(-1).repeat_interleave(n)
+        m = {}
+        return run_phases(self.ctx, self.program["round"], prompts, m), m
+
+    def _gen_phase(self, ctx: StepContext, prompts: Batch, m: dict) -> Batch:
+        n = self.cfg.actor_rollout_ref.rollout.n
         batch = prompts.repeat(n, interleave=True)
         batch.tensors["sample_index"] = torch.arange(n).repeat(len(batch) // n)
-        with self._timed(m, "gen"):
-            batch, gen_meta = self._generate(batch, {"global_step": step})
-        m["timing_s/reshard"] = m.get("timing_s/reshard", 0.0) + gen_meta.get("timing_s/reshard", 0.0)
-        batch.meta["global_step"] = step
-        if baselines is not None:
-            batch.tensors["reward_baselines"] = baselines
-        with self._timed(m, "reward"):
-            batch.tensors["token_level_scores"], metrics = self._score(batch)
-        if self.safe is not None:
-            with self._timed(m, "cost"):
-                metrics.update(self.safe.score(batch))
-        return batch, metrics
+        batch, gen_meta = self._generate(batch, {"global_step": ctx.step})
+        ctx.metrics["timing_s/reshard"] = ctx.metrics.get("timing_s/reshard", 0.0) + gen_meta.get("timing_s/reshard", 0.0)
+        batch.meta["global_step"] = ctx.step
+        return batch
+
+    def _reward_phase(self, ctx: StepContext, batch: Batch, m: dict) -> None:
+        rm = ctx.groups.get("reward_model")
+        if rm is not None:
+            batch.tensors["token_level_scores"] = rm.compute_rm_score(batch)["rm_scores"]  # [B, R], at the last token
+        else:
+            batch.tensors["token_level_scores"], metrics, _ = self.reward(batch)
+            m.update(metrics)
+
+    def _rollout_phase(self, ctx: StepContext, _: Batch, m: dict) -> Batch:
+        batch, metrics = ctx.rollout(self.loader.next_batch(), 0)
+        m.update(group_metrics(batch["token_level_scores"].sum(-1), batch.non_tensors["uid"]))
+        m.update(metrics)
+        return batch
+
+    def _balance_phase(self, ctx: StepContext, batch: Batch, m: dict) -> Batch | None:
+        cfg, n = self.cfg, self.cfg.actor_rollout_ref.rollout.n
+        if not (cfg.trainer.balance_batch and self.actor.dp_size > 1):
+            return None
+        a = cfg.actor_rollout_ref.actor
+        return balance_batch(batch, m, self.actor.dp_size, n, len(batch) if a.shuffle
+                             else a.ppo_mini_batch_size,  # shuffled: whole chunks
+                             cfg.actor_rollout_ref.model.shares_prompt)
+
+    def _samples_phase(self, ctx: StepContext, batch: Batch, m: dict) -> None:
+        t = self.cfg.trainer
+        if every(t.log_samples_freq, ctx.step, self.total_steps):
+            self.log_samples(ctx.step, sample_rows(batch, ctx.step, "train", self.reward, self.tokenizer,
+                                                   t.log_samples_n, stride=self.cfg.actor_rollout_ref.rollout.n))
+
+    def _old_log_prob_phase(self, ctx: StepContext, batch: Batch, m: dict) -> None:
+        old_log_prob_phase(self.cfg, self.actor, batch, m, ctx.step, lambda _m, name: self._timed(name),
+                           self.log)
+
+    def _adv_phase(self, ctx: StepContext, batch: Batch, m: dict) -> None:
+        cfg = self.cfg
+        if cfg.algorithm.use_kl_in_reward:
+            rewards, kl_metrics = apply_kl_penalty(
+                batch["token_level_scores"], batch["old_log_probs"], batch["ref_log_prob"],
+                batch["response_mask"], self.kl_ctrl, cfg.algorithm.kl_penalty)
+            m.update(kl_metrics)
+        else:
+            rewards = batch["token_level_scores"]
+        batch.tensors["token_level_rewards"] = rewards
+        adv, ret = estimate_advantages(batch, cfg.algorithm, cfg.algorithm.adv_estimator)
+        batch.tensors["advantages"], batch.tensors["returns"] = adv, ret
 
     def train_step(self, step: int) -> dict:
-        cfg, m = self.cfg, {"step": step}
-        n = cfg.actor_rollout_ref.rollout.n
-        with self._timed(m, "step"):
-            if cfg.algorithm.filter_groups.enable:
-                batch, reward_metrics = dynamic_rollout(self, step, m)
-            else:
-                batch, reward_metrics = self._rollout(step, m, self.loader.next_batch(), 0)
-                m.update(group_metrics(batch["token_level_scores"].sum(-1), batch.non_tensors["uid"]))
-            m.update(reward_metrics)
-            if cfg.trainer.balance_batch and self.actor.dp_size > 1:
-                a = cfg.actor_rollout_ref.actor
-                batch = balance_batch(batch, m, self.actor.dp_size, n, len(batch) if a.shuffle
-                                      else a.ppo_mini_batch_size,  # shuffled: whole chunks
-                                      cfg.actor_rollout_ref.model.shares_prompt)
-            if every(cfg.trainer.log_samples_freq, step, self.total_steps):
-                self.log_samples(step, sample_rows(batch, step, "train", self.reward, self.tokenizer,
-                                                   self.cfg.trainer.log_samples_n, stride=n))
-            old_log_prob_phase(cfg, self.actor, batch, m, step, self._timed, self.log)
-            pending = []  # concurrent when actor and critic are placed apart (_run_calls)
-            if cfg.use_ref:
-                pending.append(("ref", self.actor.compute_ref_log_prob))
-            if self.critic is not None:
-                pending.append(("values", self.critic.compute_values))
-            if self.safe is not None:
-                pending.append(self.safe.values_call())
-            for result in self._run_calls(m, pending, batch):
-                batch |= result
-            with self._timed(m, "adv"):
-                if cfg.algorithm.use_kl_in_reward:
-                    rewards, kl_metrics = apply_kl_penalty(
-                        batch["token_level_scores"], batch["old_log_probs"], batch["ref_log_prob"],
-                        batch["response_mask"], self.kl_ctrl, cfg.algorithm.kl_penalty)
-                    m.update(kl_metrics)
-                else:
-                    rewards = batch["token_level_scores"]
-                batch.tensors["token_level_rewards"] = rewards
-                adv, ret = estimate_advantages(batch, cfg.algorithm, cfg.algorithm.adv_estimator)
-                batch.tensors["advantages"], batch.tensors["returns"] = adv, ret
-                if self.safe is not None:
-                    m.update(self.safe.advantages(batch, step))
-            pending = [("update_critic", self.critic.update_critic)] if self.critic is not None else []
-            if self.safe is not None:
-                pending.append(self.safe.update_call())
-            if step > cfg.trainer.critic_warmup:
-                pending.append(("update_actor", self.actor.update_actor))
-            for result in self._run_calls(m, pending, batch):
-                m.update(result)
+        m = {"step": step}
+        self.ctx.step, self.ctx.metrics = step, m
+        with self._timed("step"):
+            batch = run_phases(self.ctx, self.program["step"], Batch(), m)
         m.update(data_metrics(batch))
         m.update(throughput(batch, m["timing_s/step"], len(self.actor.ranks)))
         return m
@@ -255,7 +245,8 @@ class PPOTrainer:
         t0 = time.perf_counter()
         k = self.cfg.actor_rollout_ref.rollout.val_kwargs.n
         size = self.cfg.data.val_batch_size or len(self.val)
-        scores, costs, sources, lengths = [], [], [], []
+        figures: dict[str, list] = {"reward": []}  # + the plug-ins' (Safe-RLHF: "cost")
+        sources, lengths = [], []
         for start in range(0, len(self.val), size):
             batch = self.val.collate(list(range(start, min(len(self.val), start + size))))
             batch.non_tensors["uid"] = np.array([f"val{i}" for i in batch.non_tensors["index"]],
@@ -265,18 +256,21 @@ class PPOTrainer:
             if start == 0 and self.cfg.trainer.log_samples_freq > 0:
                 self.log_samples(step, sample_rows(out, step, "val", self.reward, self.tokenizer,
                                                    self.cfg.trainer.log_samples_n, scores=raw))
-            scores += raw
-            costs += self.safe.validate(out) if self.safe is not None else []
+            figures["reward"] += raw
+            for plugin in self.plugins:
+                for name, values in plugin.validate(out).items():
+                    figures.setdefault(name, []).extend(values)
             sources += list(out.non_tensors["data_source"])
             lengths += out["response_mask"].sum(-1).tolist()
         m = {}
-        for name, values in (("reward", scores), ("cost", costs)):
-            for src in sorted(set(sources)) if values else []:
+        for name, values in figures.items():
+            for src in sorted(set(sources)):
                 vals = [v for v, d in zip(values, sources) if d == src]
                 m[f"val-core/{src}/{name}/mean@{k}"] = sum(vals) / len(vals)
-        m["val-core/mean"] = sum(scores) / len(scores)
-        if costs:
-            m["val-core/cost"] = sum(costs) / len(costs)
+        m["val-core/mean"] = sum(figures["reward"]) / len(figures["reward"])
+        for name, values in figures.items():
+            if name != "reward":
+                m[f"val-core/{name}"] = sum(values) / len(values)
         m["val/response_length/mean"] = sum(lengths) / len(lengths)
         m["timing_s/testing"] = time.perf_counter() - t0
         self.phase_totals["testing"] = self.phase_totals.get("testing", 0.0) + m["timing_s/testing"]
@@ -285,14 +279,12 @@ class PPOTrainer:
     # -- checkpoints ----------------------------------------------------------------------
     def save(self, step: int) -> Path:
         path = self.out / f"global_step_{step}"
-        self.actor.save_checkpoint(str(path / "actor"))
-        if self.critic is not None:
-            self.critic.save_checkpoint(str(path / "critic"))
+        for r in self.roles:
+            if r.checkpointed:
+                self.groups[r.name].save_checkpoint(str(path / r.name))
         state = {"step": step, "loader": self.loader.state_dict(),
-                 "kl_ctrl": self.kl_ctrl.state_dict(), "skipped_steps": self.skips.total}
-        if self.safe is not None:
-            self.safe.save(path)
-            state["lagrange"] = self.safe.lagrange.state_dict()
+                 "kl_ctrl": self.kl_ctrl.state_dict(), "skipped_steps": self.skips.total,
+                 "plugins": {p.key(): p.state_dict() for p in self.plugins}}
         write_atomic(path / "driver_state.json", json.dumps(state))
         save_config(path, self.cfg)
         mark_latest(self.out, step)
@@ -307,15 +299,16 @@ class PPOTrainer:
             return 0
         changed = resume_config_changes(path, self.cfg)  # refuses changes that cannot apply
         state = read_json(path / "driver_state.json", RESUME_FIX)
-        self.actor.load_checkpoint(str(path / "actor"))
-        if self.critic is not None:
-            self.critic.load_checkpoint(str(path / "critic"))
+        for r in self.roles:
+            if r.checkpointed:
+                self.groups[r.name].load_checkpoint(str(path / r.name))
         self.loader.load_state_dict(state["loader"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         self.skips.total = state.get("skipped_steps", 0)
-        if self.safe is not None:
-            self.safe.load(path)
-            self.safe.lagrange.load_state_dict(state["lagrange"])
+        for p in self.plugins:  # checkpoints before plug-ins kept their state at the top level
+            own = state["plugins"].get(p.key()) if "plugins" in state else state
+            if own is not None:  # else a plug-in new to this run starts fresh
+                p.load_state_dict(own)
         self.metrics_log.resume_at(state["step"])
         self.samples.resume_at(state["step"])
         self.log(f"resumed from {path} at step {state['step']}"
@@ -352,13 +345,12 @@ class PPOTrainer:
 
     def _fit(self, stop_after: int | None) -> list[dict]:
         t0 = time.perf_counter()
-        self.actor.init_model(self.optimizer_steps(self.cfg.actor_rollout_ref.actor))
-        if self.critic is not None:
-            self.critic.init_model(self.optimizer_steps(self.cfg.critic))
-        if self.rm is not None:
-            self.rm.init_model()
-        if self.safe is not None:
-            self.safe.init_model(self.optimizer_steps(self.cfg.cost_critic))
+        for r in self.roles:
+            group = self.groups[r.name]
+            if r.trains:
+                group.init_model(self.optimizer_steps(section_of(self.cfg, r.trains)))
+            else:
+                group.init_model()
         step = self.resume()
         done = nothing_to_train(self.out, step, self.total_steps)
         if done:

@@ -3,9 +3,9 @@
 ``PPOConfig`` = ``data`` + ``actor_rollout_ref`` + ``critic`` + ``reward_model`` +
 ``custom_reward_function`` + (Safe-RLHF) ``cost_model`` + ``cost_critic`` +
 ``custom_cost_function`` + ``algorithm`` + ``trainer`` + ``controller``. One loop serves
-every estimator; which roles run follows from the settings (a critic only for ``gae``, a
-reference only when a KL is used, a reward model only when ``reward_model.enable``, a cost
-critic and model only with ``algorithm.safe``).
+every estimator; which roles run follows from the settings (a critic only for an estimator
+whose spec reads values, as ``gae``'s; a reference only when a KL is used, a reward model
+only when ``reward_model.enable``, a cost critic and model only with ``algorithm.safe``).
 Deliberate deviation from verl: ``ppo_mini_batch_size`` counts sequences (prompts x n),
 as every batch size of the workers does. ``check_sizes`` (called with the world size before
 any model loads) refuses batch sizes that do not fit the ranks, naming the key.
@@ -32,7 +32,7 @@ class DataConfig:
     max_prompt_length: int = 512         # tokens; longer prompts follow `truncation`
     max_response_length: int = 512       # new tokens per response at most
     train_batch_size: int = 32           # prompts per step (x rollout.n sequences)
-    gen_batch_size: Optional[int] = None  # prompts per generation round with algorithm.filter_groups; None: train_batch_size
+    gen_batch_size: Optional[int] = None  # prompts per generation round of algorithm.filter_groups (only there); None: train_batch_size
     val_batch_size: Optional[int] = None  # prompts per validation generate call; None: all
     # a too-long prompt: error, keep its left/right part, or drop it (filter)
     truncation: Literal["error", "left", "right", "filter"] = "error"
@@ -82,7 +82,8 @@ class FilterGroupsConfig:
 class SafeConfig:
     """Safe-RLHF (Dai et al., 2023): maximise the reward subject to ``mean episode cost <=
     cost_limit``, with a cost model or function, a cost critic and a Lagrange multiplier
-    (``minihf.algorithms.safe``). Needs ``adv_estimator=gae``."""
+    (``minihf.algorithms.safe``; the plug-in ``minihf.trainer.plugins.safe``). Needs an
+    estimator that reads values (``gae``)."""
     enable: bool = False                 # score costs, train a cost critic, combine advantages with lambda
     cost_limit: float = 0.0              # bound on the mean episode cost (Safe-RLHF's threshold)
     lambda_init: float = 1.0             # the Lagrange multiplier's start
@@ -282,12 +283,18 @@ class PPOConfig:
         if o.enable and o.len > d.max_response_length:
             raise ValueError(f"reward_model.overlong_buffer.len={o.len} exceeds "
                              f"data.max_response_length={d.max_response_length}")
+        if d.gen_batch_size is not None and not self.algorithm.filter_groups.enable:
+            raise ValueError(f"data.gen_batch_size={d.gen_batch_size} sets the prompts per generation "
+                             "round of dynamic sampling; drop it, or set algorithm.filter_groups."
+                             "enable=true")
         if self.algorithm.filter_groups.enable and self.actor_rollout_ref.rollout.n < 2:
             raise ValueError("algorithm.filter_groups needs groups: set actor_rollout_ref.rollout.n >= 2")
+        reads_values = "values" in self.adv_needs
         if self.critic.enable is None:
-            self.critic.enable = self.algorithm.adv_estimator == "gae"
-        if self.algorithm.adv_estimator == "gae" and not self.critic.enable:
-            raise ValueError("algorithm.adv_estimator=gae needs a critic; set critic.enable=true")
+            self.critic.enable = reads_values
+        if reads_values and not self.critic.enable:
+            raise ValueError(f"algorithm.adv_estimator={self.algorithm.adv_estimator} reads values, "
+                             "which need a critic; set critic.enable=true")
         if self.critic.enable and not self.critic.model.path:
             self.critic.model.path = self.actor_rollout_ref.model.path
         if (self.algorithm.rollout_correction.enabled
@@ -310,9 +317,10 @@ class PPOConfig:
                 raise ValueError(f"{key}=true needs algorithm.safe.enable=true")
         if not safe:
             return
-        if self.algorithm.adv_estimator != "gae":
-            raise ValueError(f"algorithm.safe needs adv_estimator=gae (a reward critic and a cost "
-                             f"critic), not {self.algorithm.adv_estimator!r}")
+        if "values" not in self.adv_needs:
+            raise ValueError(f"algorithm.safe needs an estimator that reads values (a reward critic "
+                             f"beside the cost critic, e.g. adv_estimator=gae), not "
+                             f"{self.algorithm.adv_estimator!r}")
         if not self.cost_critic.enable:
             raise ValueError("algorithm.safe needs the cost critic; drop cost_critic.enable=false")
         if self.cost_model.enable and not self.cost_model.model.path:
@@ -320,6 +328,14 @@ class PPOConfig:
                              "model dir from `minihf rm` on cost pairs)")
         if not self.cost_critic.model.path:
             self.cost_critic.model.path = self.critic.model.path
+
+    @property
+    def adv_needs(self) -> frozenset[str]:
+        """What the advantage estimator reads beyond every step's batch (its spec,
+        ``minihf.algorithms.adv_estimator_needs``): ``values``, ``reward_baselines``."""
+        from minihf.algorithms import adv_estimator_needs
+
+        return adv_estimator_needs(self.algorithm.adv_estimator)
 
     @property
     def use_ref(self) -> bool:
@@ -353,20 +369,20 @@ class PPOConfig:
                 f"data.train_batch_size x rollout.n a multiple of {ranks} (e.g. "
                 f"data.train_batch_size={fit})")
 
-    def check_sizes(self, actor_ranks: int, critic_ranks: int) -> None:
-        """Batch sizes that do not fit the ranks fail here, naming the key and what works."""
+    def check_sizes(self, ranks: dict[str, int]) -> None:
+        """Batch sizes that do not fit the ranks fail here, naming the key and what works.
+        ``ranks``: each trained role's section (``"critic"``, ``"actor_rollout_ref.actor"``)
+        -> the DP ranks that train it (the role table's ``trains``)."""
+        from minihf.trainer.roles import section_of
+
         rows = self.data.train_batch_size * self.actor_rollout_ref.rollout.n
-        checks = [("actor_rollout_ref.actor.ppo_mini_batch_size",
-                   self.actor_rollout_ref.actor.ppo_mini_batch_size, actor_ranks)]
-        if self.critic.enable:
-            checks.append(("critic.ppo_mini_batch_size", self.critic.ppo_mini_batch_size,
-                           critic_ranks))
-        for key, mini, ranks in checks:
-            if rows % mini or mini % ranks:
-                ok = [m for m in range(ranks, rows + 1, ranks) if rows % m == 0]
+        for section, n_ranks in ranks.items():
+            key, mini = f"{section}.ppo_mini_batch_size", section_of(self, section).ppo_mini_batch_size
+            if rows % mini or mini % n_ranks:
+                ok = [m for m in range(n_ranks, rows + 1, n_ranks) if rows % m == 0]
                 raise ConfigError(
                     f"{key}={mini} must divide the {rows} sequences of a step "
                     f"(data.train_batch_size={self.data.train_batch_size} x rollout.n="
-                    f"{self.actor_rollout_ref.rollout.n}) and be a multiple of the {ranks} "
+                    f"{self.actor_rollout_ref.rollout.n}) and be a multiple of the {n_ranks} "
                     f"ranks that train it; " + (f"values that work: {ok}" if ok
-                                                else self._no_mini_batch_fits(rows, ranks)))
+                                                else self._no_mini_batch_fits(rows, n_ranks)))

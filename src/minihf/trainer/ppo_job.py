@@ -26,22 +26,12 @@ class PPOJobConfig(PPOConfig):
 
 
 def ppo_roles(cfg: PPOConfig) -> dict:
-    """``actor`` (+ ``critic``, ``reward_model``, ``cost_critic``, ``cost_model`` when
-    enabled), placed by ``controller``."""
-    from minihf.controller import Role
-    from minihf.workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker
+    """The role table's roles for ``cfg`` (``minihf.trainer.roles``: the actor, and the
+    critic, reward model and plug-ins' roles when enabled), placed by ``controller``."""
+    from minihf.trainer.plugins import plugin_classes
+    from minihf.trainer.roles import role_table, worker_roles
 
-    roles = {"actor": Role(ActorRolloutRefWorker, (cfg.actor_rollout_ref,),
-                           {"with_ref": cfg.use_ref})}
-    if cfg.critic.enable:
-        roles["critic"] = Role(CriticWorker, (cfg.critic,))
-    if cfg.reward_model.enable:
-        roles["reward_model"] = Role(RewardModelWorker, (cfg.reward_model,))
-    if cfg.cost_critic.enable:
-        roles["cost_critic"] = Role(CriticWorker, (cfg.cost_critic,))
-    if cfg.cost_model.enable:
-        roles["cost_model"] = Role(RewardModelWorker, (cfg.cost_model,))
-    return roles
+    return worker_roles(role_table(cfg, plugin_classes(cfg)), cfg)
 
 
 def ppo_driver(cfg: PPOConfig, stop_after: int | None = None, trainer=None):

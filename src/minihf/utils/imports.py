@@ -118,3 +118,20 @@ def check_ref(ref: str, what: str = "function") -> None:
     if name not in names:
         found = sorted(n for n in names if not n.startswith("_"))
         raise AttributeError(f"{path} has no {what} {name!r}; names defined there: {found}")
+
+
+def ref_required_params(ref: str) -> set[str]:
+    """The parameters without a default of the function a ``file.py:name`` reference names,
+    read from the file's syntax tree (nothing runs; a name bound otherwise than by ``def``
+    gives the empty set: nothing is known of its signature)."""
+    check_ref(ref)
+    path, name = split_ref(ref)
+    tree = ast.parse(Path(path).read_text(), filename=path)
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
+            a = node.args
+            positional = a.posonlyargs + a.args
+            required = positional[:len(positional) - len(a.defaults)]
+            required += [k for k, d in zip(a.kwonlyargs, a.kw_defaults) if d is None]
+            return {arg.arg for arg in required}
+    return set()

@@ -1,6 +1,11 @@
-"""DAPO's dynamic sampling: the loop over generation rounds (``dynamic_rollout``, called by
-``PPOTrainer.train_step``), which rows of a round to keep, and joining rounds whose prompts
-were padded to different widths."""
+"""DAPO's plug-ins (Yu et al., 2025).
+
+``DynamicSampling`` (``algorithm.filter_groups``) replaces the step's ``rollout`` phase by
+``dynamic_rollout``: generation rounds, each keeping the groups whose samples score
+differently, joined across rounds whose prompts were padded to different widths.
+``OverlongPenalty`` (``reward_model.overlong_buffer``) wraps the ``reward`` phase: a
+response past ``max_response_length - len`` tokens loses up to ``penalty_factor``.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,8 @@ import torch
 
 from minihf.protocol import Batch
 from minihf.trainer.metrics import group_metrics
+from minihf.trainer.phases import Phase, Plugin, StepContext, replace, wrap
+from minihf.trainer.reward import at_last_token, overlong_penalty
 
 
 def varied_group_rows(scores: torch.Tensor, n: int) -> np.ndarray:
@@ -38,12 +45,12 @@ def align_prompts(batches: list[Batch], pad_id: int) -> list[Batch]:
     return out
 
 
-def dynamic_rollout(trainer, step: int, m: dict) -> tuple[Batch, dict]:
-    """DAPO's dynamic sampling for ``trainer`` (a ``PPOTrainer``): generation rounds of
-    ``data.gen_batch_size`` prompts, each keeping only the groups whose samples score
-    differently, until ``train_batch_size`` prompts are kept (the surplus is dropped).
-    ``train/num_gen_batches``: the rounds."""
-    cfg, n = trainer.cfg, trainer.cfg.actor_rollout_ref.rollout.n
+def dynamic_rollout(ctx: StepContext, m: dict) -> tuple[Batch, dict]:
+    """Generation rounds of ``data.gen_batch_size`` prompts, each keeping only the groups
+    whose samples score differently, until ``train_batch_size`` prompts are kept (the
+    surplus is dropped). ``train/num_gen_batches``: the rounds; the rounds' own metrics
+    are returned averaged over their rows."""
+    cfg, n = ctx.cfg, ctx.cfg.actor_rollout_ref.rollout.n
     need, limit = cfg.data.train_batch_size, cfg.algorithm.filter_groups.max_num_gen_batches
     kept, generated, weighted, rows = [], [], {}, 0
     while sum(len(b) for b in kept) < need * n:
@@ -55,7 +62,7 @@ def dynamic_rollout(trainer, step: int, m: dict) -> tuple[Batch, dict]:
                 "is too easy or too hard for the policy); raise algorithm.filter_groups."
                 "max_num_gen_batches (0: no limit), actor_rollout_ref.rollout.n or "
                 "data.gen_batch_size, or set algorithm.filter_groups.enable=false")
-        batch, metrics = trainer._rollout(step, m, trainer.loader.next_batch(), len(generated))
+        batch, metrics = ctx.rollout(ctx.loader.next_batch(), len(generated))
         for k, v in metrics.items():
             weighted[k] = weighted.get(k, 0.0) + v * len(batch)
         rows += len(batch)
@@ -63,9 +70,52 @@ def dynamic_rollout(trainer, step: int, m: dict) -> tuple[Batch, dict]:
         rows_kept = varied_group_rows(generated[-1][0], n)
         if len(rows_kept):
             kept.append(batch[rows_kept])
-    batch = Batch.concat(align_prompts(kept, trainer.tokenizer.pad_token_id))
+    batch = Batch.concat(align_prompts(kept, ctx.tokenizer.pad_token_id))
     batch = batch[np.arange(need * n)]
     m["train/num_gen_batches"] = len(generated)
     m.update(group_metrics(torch.cat([s for s, _ in generated]),
                            np.concatenate([u for _, u in generated])))
     return batch, {k: v / rows for k, v in weighted.items()}
+
+
+class DynamicSampling(Plugin):
+    """Rounds of ``data.gen_batch_size`` prompts (the loader draws that many) until
+    ``train_batch_size`` prompts whose samples differ are kept."""
+    name = "dynamic_sampling"
+
+    @classmethod
+    def enabled(cls, cfg) -> bool:
+        return cfg.algorithm.filter_groups.enable
+
+    def hooks(self):
+        return [replace("rollout", Phase("rollout", self.rollout, timed=False))]
+
+    @staticmethod
+    def rollout(ctx: StepContext, _batch: Batch, m: dict) -> Batch:
+        batch, metrics = dynamic_rollout(ctx, m)
+        m.update(metrics)
+        return batch
+
+
+class OverlongPenalty(Plugin):
+    """The length penalty on training scores (validation reports the task's score):
+    ``reward/overlong_penalty/mean``, ``reward/overlong_frac``."""
+    name = "overlong_penalty"
+
+    @classmethod
+    def enabled(cls, cfg) -> bool:
+        return cfg.reward_model.overlong_buffer.enable
+
+    def hooks(self):
+        return [wrap("reward", self.penalise)]
+
+    @staticmethod
+    def penalise(ctx: StepContext, batch: Batch, m: dict, inner) -> None:
+        inner(ctx, batch, m)
+        o = ctx.cfg.reward_model.overlong_buffer
+        penalty = overlong_penalty(batch["response_mask"].sum(-1), ctx.cfg.data.max_response_length,
+                                   o.len, o.penalty_factor)
+        batch.tensors["token_level_scores"] = (batch["token_level_scores"]
+                                               + at_last_token(penalty, batch["response_mask"]))
+        m["reward/overlong_penalty/mean"] = penalty.mean().item()
+        m["reward/overlong_frac"] = (penalty < 0).float().mean().item()

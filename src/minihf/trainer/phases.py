@@ -1,0 +1,255 @@
+"""The RL step as named phases over one ``Batch``, and the plug-in interface.
+
+A step is a list of phases, run in order by :func:`run_phases` (``PPOTrainer.program``
+builds it; docs/architecture.md, "One RL step"):
+
+    rollout          generation rounds; one round is its own phase list:
+        gen              rollout.n samples per prompt from the actor's engine
+        reward           token_level_scores: the reward model, else the rule function
+    balance          rows even over the actor's DP ranks (untimed)
+    samples          samples.jsonl rows (untimed)
+    old_log_prob     the trainer's log-probs of the samples (times itself)
+    ref | values     remote calls sent together
+    adv              in-reward KL, then the registered estimator
+    update_critic | update_actor
+
+A ``Phase`` is ``run(ctx, batch, metrics) -> Batch | None`` (a new batch, or None when it
+changed ``batch`` in place), timed as ``timing_s/<name>`` unless ``timed=False``; times of
+a phase that runs several times in a step (a round's) add up. ``Together`` holds ``Call``s,
+remote methods of a role on the batch, sent at once: when the roles that train sit on
+disjoint ranks (``ctx.overlap``) they run concurrently and each is timed as the driver's
+wait for it; on shared ranks they run one after the other. A call whose role is not in
+the job, or whose ``when(ctx)`` is false, is skipped. A result that is a ``Batch`` joins
+the batch; a dict joins the metrics.
+
+Plug-ins
+--------
+A plug-in is a ``Plugin`` subclass: the part of an algorithm outside the core loop
+(Safe-RLHF, ReMax's baseline rollout, DAPO's dynamic sampling and overlong penalty are
+plug-ins, in ``minihf.trainer.plugins``). It declares
+
+* ``enabled(cfg)`` (a classmethod): whether it runs for a config;
+* ``roles``: ``RoleDef`` rows it adds to the job's role table (``minihf.trainer.roles``),
+  which builds, initialises, size-checks, saves and resumes them like the core roles;
+* ``hooks()``: what it does to the step, each a ``Hook`` from ``before(name, phase)``,
+  ``after(name, phase)``, ``replace(name, phase)``, ``wrap(name, fn)`` (``fn(ctx, batch,
+  metrics, inner)``, timed as the phase it wraps) or ``alongside(name, call)`` (a call sent
+  with the named one);
+* ``validate(out)``: per-row validation figures by name (``{"cost": [...]}`` becomes
+  ``val-core/<source>/cost/mean@k`` and ``val-core/cost``);
+* ``state_dict()`` / ``load_state_dict(state)``: what it keeps across steps, saved in the
+  checkpoint's driver state.
+
+It receives a ``StepContext`` (config, worker groups, data loader, tokenizer, the rule
+reward, ``rollout``/``generate``/``score`` functions, the step's metrics, ``timed``),
+never the trainer. Metrics it writes use its own prefix (``safe/``, ``train/``).
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field, replace as dc_replace
+from typing import Any, Callable, ClassVar, Union
+
+from minihf.protocol import Batch
+
+PhaseFn = Callable[["StepContext", Batch, dict], Union[Batch, None]]
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One named phase of a step: ``run(ctx, batch, metrics)``."""
+    name: str
+    run: PhaseFn
+    timed: bool = True
+
+
+@dataclass(frozen=True)
+class Call:
+    """A role's remote ``method`` on the batch, as phase ``name``; skipped when the role is
+    not in the job or ``when(ctx)`` is false."""
+    name: str
+    role: str
+    method: str
+    when: Callable[["StepContext"], bool] = lambda ctx: True
+
+    def wanted(self, ctx: StepContext) -> bool:
+        return self.role in ctx.groups and self.when(ctx)
+
+
+@dataclass(frozen=True)
+class Together:
+    """Calls sent at once (see the module docstring)."""
+    calls: tuple[Call, ...]
+
+
+Item = Union[Phase, Together]
+
+
+@dataclass
+class StepContext:
+    """What phases and plug-ins see of the run. ``rollout(prompts, round_index)`` runs one
+    generation round (the round's phases) and returns ``(batch, the round's metrics)``;
+    ``generate(batch, meta)`` samples from the actor (``(batch, the generation's meta)``);
+    ``score(batch)`` runs the reward phase on a batch and returns ``(token_level_scores,
+    metrics)``; ``timed(name)`` times a block into ``metrics`` as ``timing_s/<name>``."""
+    cfg: Any
+    groups: dict
+    loader: Any
+    tokenizer: Any
+    reward: Any                        # the rule reward (RuleReward)
+    log: Callable[[str], None]
+    rollout: Callable[[Batch, int], tuple[Batch, dict]]
+    generate: Callable[[Batch, dict], tuple[Batch, dict]]
+    score: Callable[[Batch], tuple[Any, dict]]
+    timed: Callable[[str], AbstractContextManager]
+    overlap: bool = False              # the trained roles sit on disjoint ranks
+    step: int = 0
+    metrics: dict = field(default_factory=dict)
+
+
+class Plugin:
+    """Base class of plug-ins (see the module docstring); override what you need."""
+    name: ClassVar[str] = ""           # key of its state in checkpoints (default: the class name)
+    roles: ClassVar[tuple] = ()        # RoleDef rows it adds to the job
+
+    @classmethod
+    def enabled(cls, cfg) -> bool:
+        return True
+
+    @classmethod
+    def key(cls) -> str:
+        return cls.name or cls.__name__
+
+    def __init__(self, ctx: StepContext):
+        self.ctx = ctx
+
+    def hooks(self) -> list[Hook]:
+        return []
+
+    def validate(self, out: Batch) -> dict[str, list[float]]:
+        return {}
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class Hook:
+    how: str                           # before | after | replace | wrap | alongside
+    target: str                        # the name of a phase or call
+    item: Any                          # a Phase, a Call, or a wrapper function
+
+
+def before(target: str, phase: Phase) -> Hook:
+    return Hook("before", target, phase)
+
+
+def after(target: str, phase: Phase) -> Hook:
+    return Hook("after", target, phase)
+
+
+def replace(target: str, phase: Phase) -> Hook:
+    return Hook("replace", target, phase)
+
+
+def wrap(target: str, fn: Callable) -> Hook:
+    """``fn(ctx, batch, metrics, inner)``; ``inner(ctx, batch, metrics)`` runs the phase."""
+    return Hook("wrap", target, fn)
+
+
+def alongside(target: str, call: Call) -> Hook:
+    return Hook("alongside", target, call)
+
+
+def _wrapped(phase: Phase, fn: Callable) -> Phase:
+    def run(ctx, batch, metrics):
+        return fn(ctx, batch, metrics, phase.run)
+    return dc_replace(phase, run=run)
+
+
+def _apply(items: list[Item], hook: Hook) -> bool:
+    """Apply ``hook`` to ``items`` in place; False if its target is not there."""
+    for i, item in enumerate(items):
+        if isinstance(item, Together):
+            names = [c.name for c in item.calls]
+            if hook.target in names:
+                if hook.how != "alongside":
+                    raise ValueError(f"phase {hook.target!r} is a remote call sent with others; "
+                                     "a plug-in can only add a call alongside it")
+                k = names.index(hook.target) + 1
+                items[i] = Together(item.calls[:k] + (hook.item,) + item.calls[k:])
+                return True
+            continue
+        if item.name != hook.target:
+            continue
+        if hook.how == "before":
+            items.insert(i, hook.item)
+        elif hook.how == "after":
+            items.insert(i + 1, hook.item)
+        elif hook.how == "replace":
+            items[i] = hook.item
+        elif hook.how == "wrap":
+            items[i] = _wrapped(item, hook.item)
+        else:
+            raise ValueError(f"phase {hook.target!r} is not a remote call; use before/after/"
+                             "replace/wrap, not alongside")
+        return True
+    return False
+
+
+def apply_hooks(programs: dict[str, list[Item]], plugins: list[Plugin]) -> dict[str, list[Item]]:
+    """The phase lists (e.g. ``{"step": [...], "round": [...]}``) with every plug-in's hooks
+    applied, in plug-in order."""
+    out = {k: list(v) for k, v in programs.items()}
+    for plugin in plugins:
+        for hook in plugin.hooks():
+            if not any(_apply(items, hook) for items in out.values()):
+                names = [getattr(x, "name", None) for items in out.values() for x in items
+                         if isinstance(x, Phase)]
+                calls = [c.name for items in out.values() for x in items if isinstance(x, Together)
+                         for c in x.calls]
+                raise ValueError(f"plug-in {plugin.key()}: no phase {hook.target!r} to "
+                                 f"{hook.how}; phases: {names + calls}")
+    return out
+
+
+def run_phases(ctx: StepContext, items: list[Item], batch: Batch, metrics: dict) -> Batch:
+    """Run ``items`` on ``batch``; the final batch."""
+    for item in items:
+        if isinstance(item, Together):
+            calls = [c for c in item.calls if c.wanted(ctx)]
+            for result in _send_together(ctx, calls, batch):
+                if isinstance(result, Batch):
+                    batch |= result
+                else:
+                    metrics.update(result)
+            continue
+        if item.timed:
+            with ctx.timed(item.name):
+                out = item.run(ctx, batch, metrics)
+        else:
+            out = item.run(ctx, batch, metrics)
+        if out is not None:
+            batch = out
+    return batch
+
+
+def _send_together(ctx: StepContext, calls: list[Call], batch: Batch) -> list:
+    """The calls' results, each timed as its name (see the module docstring)."""
+    methods = [(c.name, getattr(ctx.groups[c.role], c.method)) for c in calls]
+    if not ctx.overlap:
+        results = []
+        for name, method in methods:
+            with ctx.timed(name):
+                results.append(method(batch))
+        return results
+    futures = [(name, method.future(batch)) for name, method in methods]
+    results = []
+    for name, future in futures:
+        with ctx.timed(name):
+            results.append(future.result())
+    return results

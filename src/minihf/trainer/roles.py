@@ -1,0 +1,90 @@
+"""The RL job's role table: one row per role, read wherever roles are listed.
+
+A ``RoleDef`` names the role, its worker class, the config section the worker is built
+from, when it is in the job, whether it trains (the section holding its
+``ppo_mini_batch_size`` and ``ppo_epochs``: its optimizer steps and size checks) and
+whether it is checkpointed. ``CORE_ROLES`` are the actor (with the rollout engine and the
+reference), the critic and the reward model; plug-ins add theirs (Safe-RLHF: the cost
+critic and the cost model). The table drives building the workers (``worker_roles``),
+``init_model``, the batch-size checks, and checkpoint save and resume (``PPOTrainer``);
+the roles' placement is ``controller.placement``.
+
+``inputs`` / ``outputs`` rename batch keys on the way to and from the worker
+(``minihf.controller.Renamed``), so one worker class can serve two roles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+
+def _always(cfg) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class RoleDef:
+    name: str
+    worker: str                        # a minihf.workers class name, or file.py:Class
+    section: str                       # dotted config path the worker is built from
+    enabled: Callable[[Any], bool] = _always
+    trains: Optional[str] = None       # dotted section with ppo_mini_batch_size / ppo_epochs
+    checkpointed: bool = False
+    kwargs: Callable[[Any], dict] = lambda cfg: {}
+    inputs: dict = field(default_factory=dict)   # worker key -> batch key
+    outputs: dict = field(default_factory=dict)  # result key (or "prefix/") -> name in the step
+
+    def config(self, cfg) -> Any:
+        return section_of(cfg, self.section)
+
+    def worker_class(self) -> type:
+        from minihf.utils.imports import is_code_ref, load_ref
+
+        if is_code_ref(self.worker):
+            return load_ref(self.worker, "worker class")
+        import minihf.workers
+
+        return getattr(minihf.workers, self.worker)
+
+
+def section_of(cfg, dotted: str) -> Any:
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+CORE_ROLES = (
+    RoleDef("actor", "ActorRolloutRefWorker", "actor_rollout_ref", trains="actor_rollout_ref.actor",
+            checkpointed=True, kwargs=lambda cfg: {"with_ref": cfg.use_ref}),
+    RoleDef("critic", "CriticWorker", "critic", lambda cfg: cfg.critic.enable, trains="critic",
+            checkpointed=True),
+    RoleDef("reward_model", "RewardModelWorker", "reward_model", lambda cfg: cfg.reward_model.enable),
+)
+
+
+def role_table(cfg, plugin_classes=()) -> list[RoleDef]:
+    """The job's roles: the core ones, then each plug-in's, those enabled for ``cfg``."""
+    rows = list(CORE_ROLES) + [r for p in plugin_classes for r in p.roles]
+    names = [r.name for r in rows]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"roles {dup} are defined twice (core roles: {[r.name for r in CORE_ROLES]}); "
+                         "give a plug-in's role another name")
+    return [r for r in rows if r.enabled(cfg)]
+
+
+def worker_roles(table: list[RoleDef], cfg) -> dict:
+    """``controller.Role`` per row, for ``minihf.controller.run``."""
+    from minihf.controller import Role
+
+    return {r.name: Role(r.worker_class(), (r.config(cfg),), r.kwargs(cfg)) for r in table}
+
+
+def role_groups(table: list[RoleDef], groups: dict) -> dict:
+    """The driver's view of each role's group: behind a ``Renamed`` proxy where the row
+    renames keys. Groups of roles not in the table are left out."""
+    from minihf.controller.group import Renamed
+
+    return {r.name: Renamed(groups[r.name], r.inputs, r.outputs) if r.inputs or r.outputs
+            else groups[r.name] for r in table if r.name in groups}

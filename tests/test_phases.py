@@ -1,0 +1,169 @@
+"""The RL step as phases: estimator specs, plug-in hooks, the role table, the renaming proxy.
+The built-in plug-ins' results are checked where their algorithms are (test_recipes,
+test_safe); here, the machinery, on the driver alone (test_ppo's scripted actor)."""
+
+import pytest
+import torch
+
+from minihf.config import ConfigError
+from minihf.protocol import Batch
+from test_ppo import ScriptedActor, job_config, tiny_job  # noqa: F401  (fixture)
+
+REMAX_LIKE = '''
+import torch
+
+def baseline_gap(token_level_rewards, reward_baselines, response_mask, scale=2.0):
+    """A ReMax-like estimator from a recipe file: (score - greedy score) x scale."""
+    adv = (token_level_rewards.sum(-1) - reward_baselines)[:, None] * scale * response_mask
+    return adv, adv
+
+def needs_values(token_level_rewards, response_mask, values, gamma=1.0):
+    return values, values
+'''
+
+
+def test_estimator_spec_from_signature_and_declared():
+    from minihf.algorithms import ADV_ESTIMATORS, adv_estimator_needs, register_adv_est
+
+    assert adv_estimator_needs("gae") == {"values"}
+    assert adv_estimator_needs("remax") == {"reward_baselines"}
+    assert adv_estimator_needs("grpo") == frozenset()
+
+    @register_adv_est("test_declared", needs=["values"])
+    def declared(token_level_rewards, response_mask, values=None):  # optional, yet declared
+        return token_level_rewards, token_level_rewards
+    try:
+        assert adv_estimator_needs("test_declared") == {"values"}
+    finally:
+        del ADV_ESTIMATORS["test_declared"]
+    with pytest.raises(ValueError, match=r"\['critic'\] are not inputs a step can produce"):
+        register_adv_est("test_bad", needs=["critic"])
+
+
+def test_recipe_estimator_spec_decides_roles_and_plugins(tiny_job, tmp_path):  # noqa: F811
+    """Read from the file without running it; a ReMax-like estimator gets the baseline
+    rollout, one that reads values a critic (or an error naming the key)."""
+    from minihf.trainer.plugins import RewardBaseline, plugin_classes
+    from minihf.trainer.ppo import PPOTrainer
+
+    model, data = tiny_job
+    (tmp_path / "est.py").write_text(REMAX_LIKE + "\nraise SystemExit('config checks must not run me')\n")
+    cfg = job_config(model, data, tmp_path / "a", "grpo",
+                     **{"algorithm.adv_estimator": f"{tmp_path}/est.py:baseline_gap"})
+    assert cfg.adv_needs == {"reward_baselines"} and not cfg.critic.enable
+    assert RewardBaseline in plugin_classes(cfg)
+    cfg = job_config(model, data, tmp_path / "b", "grpo",
+                     **{"algorithm.adv_estimator": f"{tmp_path}/est.py:needs_values"})
+    assert cfg.critic.enable
+    with pytest.raises(ConfigError, match=r"adv_estimator=.*est.py:needs_values reads values, which "
+                                          r"need a critic; set critic.enable=true"):
+        job_config(model, data, tmp_path / "c", "grpo",
+                   **{"algorithm.adv_estimator": f"{tmp_path}/est.py:needs_values",
+                      "critic.enable": "false"})
+    # run a step: the scripted actor's greedy and sampled responses are the same, so every
+    # sample's score equals its baseline and the advantages are exactly 0
+    (tmp_path / "est.py").write_text(REMAX_LIKE)
+    cfg = job_config(model, data, tmp_path / "d", "grpo",
+                     **{"algorithm.adv_estimator": f"{tmp_path}/est.py:baseline_gap"})
+    actor = ScriptedActor()
+    m = PPOTrainer(cfg, {"actor": actor}, log=lambda *a: None).train_step(1)
+    b = actor.updated
+    assert "timing_s/gen_max" in m and b["reward_baselines"].shape == (len(b),)
+    assert torch.equal(b["reward_baselines"], b["token_level_scores"].sum(-1))
+    assert b["advantages"].eq(0).all()
+
+
+class Marks:
+    """A plug-in that records what it saw, for the hook tests."""
+
+    def __init__(self):
+        self.seen = []
+
+
+def make_plugin(hooks_fn, **attrs):
+    from minihf.trainer.phases import Plugin
+
+    return type("Probe", (Plugin,), {"hooks": lambda self: hooks_fn(self), **attrs})
+
+
+def test_hooks_add_wrap_replace_and_alongside(tiny_job, tmp_path):  # noqa: F811
+    from minihf.trainer.phases import Call, Phase, after, alongside, apply_hooks, before, replace, wrap
+    from minihf.trainer.ppo import PPOTrainer
+
+    model, data = tiny_job
+    cfg = job_config(model, data, tmp_path / "run", "grpo")
+    trainer = PPOTrainer(cfg, {"actor": ScriptedActor()}, log=lambda *a: None)
+    order = []
+
+    def note(name):
+        def run(ctx, batch, m):
+            order.append(name)
+            m[f"probe/{name}"] = ctx.step
+        return run
+
+    def wrapper(ctx, batch, m, inner):
+        order.append("wrap<")
+        inner(ctx, batch, m)
+        order.append(">wrap")
+
+    probe = make_plugin(lambda self: [before("gen", Phase("pre", note("pre"))),
+                                      after("reward", Phase("post", note("post"))),
+                                      wrap("adv", wrapper),
+                                      replace("samples", Phase("samples", note("samples"), timed=False)),
+                                      alongside("ref", Call("probe_call", "actor", "compute_ref_log_prob"))])
+    trainer.plugins = [probe(trainer.ctx)]
+    trainer.program = apply_hooks(trainer.phases(), trainer.plugins)
+    m = trainer.train_step(3)
+    assert order == ["pre", "post", "samples", "wrap<", ">wrap"]
+    assert m["probe/samples"] == m["probe/pre"] == m["probe/post"] == 3  # a round's metrics join the step's
+    assert "timing_s/pre" in m and "timing_s/post" in m and "timing_s/probe_call" in m
+    assert "timing_s/samples" not in m                           # untimed, as declared
+
+    bad = make_plugin(lambda self: [after("nope", Phase("x", note("x")))])
+    with pytest.raises(ValueError, match=r"plug-in Probe: no phase 'nope' to after; phases: \['gen', "):
+        apply_hooks(trainer.phases(), [bad(trainer.ctx)])
+    bad = make_plugin(lambda self: [wrap("values", wrapper)])
+    with pytest.raises(ValueError, match="'values' is a remote call sent with others"):
+        apply_hooks(trainer.phases(), [bad(trainer.ctx)])
+    bad = make_plugin(lambda self: [alongside("adv", Call("x", "actor", "update_actor"))])
+    with pytest.raises(ValueError, match="'adv' is not a remote call"):
+        apply_hooks(trainer.phases(), [bad(trainer.ctx)])
+
+
+def test_role_table_names_are_unique():
+    from minihf.trainer.ppo_job import PPOJobConfig
+    from minihf.trainer.roles import RoleDef, role_table
+    from minihf.config import load_config
+
+    clash = make_plugin(lambda self: [], roles=(RoleDef("critic", "CriticWorker", "critic"),))
+    with pytest.raises(ValueError, match=r"roles \['critic'\] are defined twice"):
+        role_table(load_config(PPOJobConfig, "grpo", []), [clash])
+
+
+class FakeCall:
+    def __init__(self):
+        self.got = None
+
+    def __call__(self, batch):
+        self.got = batch
+        return Batch({"values": torch.ones(2)})
+
+    def future(self, batch):
+        self.got = batch
+        return type("F", (), {"result": lambda self, timeout=None: {"critic/vf_loss": 1.0, "other": 2}})()
+
+
+def test_renamed_proxy_maps_keys_in_and_out():
+    from minihf.controller.group import Renamed
+
+    group = type("G", (), {"compute_values": FakeCall(), "dp_size": 3})()
+    proxy = Renamed(group, inputs={"values": "cost_values", "returns": "cost_returns"},
+                    outputs={"values": "cost_values", "critic/": "cost_critic/"})
+    batch = Batch({"values": torch.zeros(2), "cost_values": torch.full((2,), 5.0), "x": torch.zeros(2)})
+    out = proxy.compute_values(batch)
+    seen = group.compute_values.got
+    assert torch.equal(seen["values"], torch.full((2,), 5.0))
+    assert "returns" not in seen and "x" in seen                 # no cost_returns: no returns at all
+    assert list(out.tensors) == ["cost_values"]
+    assert proxy.compute_values.future(batch).result() == {"cost_critic/vf_loss": 1.0, "other": 2}
+    assert proxy.dp_size == 3

@@ -4,7 +4,12 @@ Preallocated buffers of fixed shape (so compiled / CUDA-graph decode steps see t
 shapes every step), indexed by absolute position: the key of the token at position p of
 row b lives in slot p of row b. The attention layer calls
 ``k, v, mask = cache.update(layer_idx, k_new, v_new, positions)``; any class with that
-method can replace this one (the rollout engine may bring its own, e.g. paged).
+method can replace this one.
+
+The rollout engine brings its own (``minihf.rollout.kv_cache.SlotKVCache``: slots that
+sequences take and give back, sized by a memory budget). This one stays beside it as the
+model layer's own: ``minihf.models`` decodes incrementally with it, below the engine, and
+the parity tests check that decoding against transformers without the engine in the way.
 """
 
 from __future__ import annotations
@@ -31,9 +36,6 @@ class KVCache:
         p = next(model.parameters())
         return cls(len(model.model.layers), max_batch, attn.num_kv_heads, max_len,
                    attn.head_dim, dtype or p.dtype, device or p.device)
-
-    def reset(self) -> None:
-        self.filled.zero_()
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
         """Write ``k, v`` [B, n_kv, T, hd] at ``positions`` [B, T] of rows 0..B-1 and return

@@ -20,8 +20,8 @@ gets the memory back.
 A long-lived engine (the hybrid actor's) uses vLLM's names instead: :meth:`Engine.sleep`
 frees the weights' storage and the KV cache but keeps the module (its parameters move to
 the meta device with their shapes and strides), :meth:`Engine.wake_up` allocates the
-weights again on the engine's device, uninitialised, and :meth:`Engine.load_weights` (or a
-resharder writing into ``named_parameters``) fills them. The device is passed in, so an
+weights again on the engine's device, uninitialised, and the resharder
+(``minihf.hybrid``) writes into ``named_parameters``. The device is passed in, so an
 engine can be built on the meta device and never holds weights it was not given.
 """
 
@@ -150,21 +150,6 @@ class Engine:
         if not self.awake:
             self._move_params(self._device)
             self.awake = True
-
-    @torch.no_grad()
-    def load_weights(self, weights) -> None:
-        """Copy ``(name, tensor)`` pairs (this rank's shards, the engine's parameter names and
-        local shapes) into the weights; wakes the engine up first if it sleeps."""
-        self.wake_up()
-        params = dict(self.model.named_parameters())
-        for name, t in weights:
-            p = params.get(name)
-            if p is None:
-                raise KeyError(f"load_weights: the engine's model has no parameter {name!r}")
-            if tuple(t.shape) != tuple(p.shape):
-                raise ValueError(f"load_weights: {name} has shape {tuple(t.shape)}, the engine's "
-                                 f"shard is {tuple(p.shape)}")
-            p.copy_(t)
 
     # -- memory -----------------------------------------------------------------------
     def _slot_budget(self, max_len: int, dtype: torch.dtype) -> int | None:

@@ -114,20 +114,12 @@ def _square_sum(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([n.to(tensors[0].device) for n in norms]).square().sum()
 
 
-@torch.no_grad()
-def global_grad_norm(parameters: Iterable[torch.nn.Parameter]) -> torch.Tensor:
-    """L2 norm of all gradients, over every shard of every DTensor (fp32, 0-d tensor).
-
-    Each DTensor's local shard squares are summed and all-reduced (SUM) over its mesh's
-    process group, once per distinct group; sharded FSDP gradients hold disjoint pieces,
-    so the sum is the full norm squared. Plain tensors count once (they are the same on
-    every rank).
-    """
-    return _norm(*_grads(parameters))
-
-
 def _norm(sharded: dict, plain: list[torch.Tensor]) -> torch.Tensor:
-    """:func:`global_grad_norm` of gradients already split by :func:`_grads`."""
+    """L2 norm of all gradients, already split by :func:`_grads`, over every shard of every
+    DTensor (fp32, 0-d tensor). Each DTensor's local shard squares are summed and
+    all-reduced (SUM) over its mesh's process group, once per distinct group; sharded FSDP
+    gradients hold disjoint pieces, so the sum is the full norm squared. Plain tensors
+    count once (they are the same on every rank)."""
     total = None
     for mesh, grads in sharded.items():
         sq = _square_sum(grads)

@@ -42,6 +42,8 @@ def test_writing_a_recipe_runs_as_written(tmp_path):
     init_model(tmp_path / "m", size="tiny", task="sort")
     make_task_data("sort", tmp_path / "d", 16, 4)
     shutil.copytree(ROOT / "recipes" / "grpo", tmp_path / "recipes" / "grpo")
+    (tmp_path / "outputs" / "sft_sort").mkdir(parents=True)     # section 5's judge: the main job's
+    (tmp_path / "outputs" / "sft_sort" / "hf").symlink_to(tmp_path / "m")  # warm start, here the tiny model
     tiny = [f"actor_rollout_ref.model.path={tmp_path}/m", f"data.train_files={tmp_path}/d/train.parquet",
             f"data.val_files={tmp_path}/d/test.parquet", "data.max_prompt_length=16", "data.max_response_length=8",
             "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
@@ -64,7 +66,10 @@ def test_writing_a_recipe_runs_as_written(tmp_path):
                 res = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=300)
                 assert res.returncode == 0, (line, res.stdout[-2000:], res.stderr[-2000:])
                 ran.append(argv[0])
-    assert len(ran) == 4
+    assert len(ran) == 5
+    judged = [json.loads(x) for x in (tmp_path / "outputs/my_exp_v3/metrics.jsonl").read_text().splitlines()]
+    assert "judge/log_prob" in judged[-1] and "timing_s/judge" in judged[-1]   # section 5's plug-in ran
+    assert judged[-1]["judge/log_prob"] < 0
     rows = [json.loads(x) for x in (tmp_path / "outputs/my_exp_v2/metrics.jsonl").read_text().splitlines()]
     assert "reward_extra/brevity/mean" in rows[-1]           # the recipe's reward ran
     saved = yaml.safe_load((tmp_path / "outputs/my_exp_v2/config.yaml").read_text())

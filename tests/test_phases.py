@@ -167,3 +167,71 @@ def test_renamed_proxy_maps_keys_in_and_out():
     assert list(out.tensors) == ["cost_values"]
     assert proxy.compute_values.future(batch).result() == {"cost_critic/vf_loss": 1.0, "other": 2}
     assert proxy.dp_size == 3
+
+
+NOT_A_PLUGIN = '''
+class Loose:
+    pass
+'''
+
+WITH_CONFIG = '''
+from dataclasses import dataclass
+from minihf.trainer.phases import Plugin
+
+@dataclass
+class Settings:
+    coef: float = 1.0
+
+class Tuned(Plugin):
+    name = "tuned"
+    Config = Settings
+
+class Plain(Plugin):
+    pass
+'''
+
+
+def test_recipe_plugins_roles_and_their_errors(tiny_job, tmp_path):  # noqa: F811
+    """Plug-ins and roles from recipe files, and every bad value named in one line."""
+    from minihf.trainer.phases import StepContext
+    from minihf.trainer.plugins import plugin_classes
+    from minihf.trainer.ppo_job import check_paths, ppo_roles
+
+    model, data = tiny_job
+    (tmp_path / "loose.py").write_text(NOT_A_PLUGIN)
+    (tmp_path / "tuned.py").write_text(WITH_CONFIG)
+    tuned = f"{tmp_path}/tuned.py"
+    cfg = job_config(model, data, tmp_path / "a", "grpo", **{
+        "algorithm.plugins": f"[{tuned}:Tuned, {tuned}:Plain]",
+        "algorithm.plugin_config": "{tuned: {coef: 0.5}}",
+        "roles": f"{{judge: {{model: {{path: {model}}}}}}}"})
+    classes = plugin_classes(cfg)
+    assert [c.key() for c in classes] == ["tuned", "Plain"]
+    ctx = StepContext(cfg, {}, None, None, None, print, None, None, None, None)
+    assert classes[0](ctx).config.coef == 0.5 and classes[1](ctx).config is None
+    assert list(ppo_roles(cfg)) == ["actor", "judge"]
+    assert ppo_roles(cfg)["judge"].worker_cls.__name__ == "LogProbWorker"
+
+    def fails(match, **kw):
+        with pytest.raises((ConfigError, ValueError, TypeError), match=match):
+            c = job_config(model, data, tmp_path / "b", "grpo", **kw)
+            for cls in plugin_classes(c):
+                cls(StepContext(c, {}, None, None, None, print, None, None, None, None))
+            check_paths(c)
+    fails(r"algorithm.plugins\[0\]=.*loose.py:Gone.*has no plug-in class 'Gone'",
+          **{"algorithm.plugins": f"[{tmp_path}/loose.py:Gone]"})
+    fails(r"algorithm.plugins\[0\]=.*loose.py:Loose' is not a Plugin subclass",
+          **{"algorithm.plugins": f"[{tmp_path}/loose.py:Loose]"})
+    fails(r"algorithm.plugin_config has settings for \['other'\], which do not run",
+          **{"algorithm.plugin_config": "{other: {x: 1}}"})
+    fails(r"unknown key 'algorithm.plugin_config.tuned.coeff'; did you mean 'coef'",
+          **{"algorithm.plugins": f"[{tuned}:Tuned]", "algorithm.plugin_config": "{tuned: {coeff: 1}}"})
+    fails(r"algorithm.plugin_config.Plain: plug-in Plain takes no settings",
+          **{"algorithm.plugins": f"[{tuned}:Plain]", "algorithm.plugin_config": "{Plain: {x: 1}}"})
+    fails(r"roles.judge: worker='LogProbWorkr' is not a worker class; did you mean 'LogProbWorker'",
+          roles=f"{{judge: {{worker: LogProbWorkr, model: {{path: {model}}}}}}}")
+    fails(r"roles.judge: model.path is not set", roles="{judge: {}}")
+    fails(r"roles.judge.model.path='nowhere' has no config.json .* prepare.role_recipes.judge",
+          roles="{judge: {model: {path: nowhere}}}")
+    fails(r"prepare.role_recipes.judge: the config has no roles.judge section",
+          **{"prepare.role_recipes": "{judge: grpo}"})

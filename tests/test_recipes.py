@@ -22,7 +22,7 @@ from minihf.trainer.plugins.dapo import dynamic_rollout
 from minihf.testing import spawn_ranks
 
 RECIPES = Path(__file__).parent.parent / "recipes"
-ZOO = ["dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "gspo", "dapo"]
+ZOO = ["dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "gspo", "dapo", "distill"]
 
 
 def overrides(model, data, out, **extra):
@@ -43,9 +43,12 @@ def _run_recipes(rank, world, model, data, tmp, names):
     from minihf.trainer.ppo_job import PPOJobConfig, ppo_driver, ppo_roles
 
     out = {}
+    teacher = {"prepare.role_recipes": "{}", "roles.teacher.model.path": f"{model}-teacher"}
     for name in names:
-        extra = {"reward_model.overlong_buffer.len": 3} if name == "dapo" else {}
-        cfg = load_config(PPOJobConfig, name, overrides(model, data, f"{tmp}/{name}", **extra))
+        extra = {"dapo": {"reward_model.overlong_buffer.len": 3}, "distill": teacher,
+                 # the teacher is the student's own start model: the reverse KL starts at 0
+                 "distill@same": {**teacher, "roles.teacher.model.path": model}}.get(name, {})
+        cfg = load_config(PPOJobConfig, name.split("@")[0], overrides(model, data, f"{tmp}/{name}", **extra))
         out[name] = run(ppo_driver(cfg), ppo_roles(cfg), cfg.controller)
     return out
 
@@ -57,6 +60,7 @@ def tiny(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("zoo")
     init_model(root / "model", size="tiny", task="sort")
+    init_model(root / "model-teacher", size="tiny", task="sort", seed=1)  # recipes/distill's teacher
     make_task_data("sort", root / "data", 32, 4, seed=0)
     return str(root / "model"), str(root / "data")
 
@@ -69,7 +73,8 @@ def test_every_rl_recipe_is_tested():
 
 def test_zoo_recipes_run_two_steps(tiny, tmp_path):
     model, data = tiny
-    res = spawn_ranks(_run_recipes, 1, model, data, str(tmp_path), ZOO, timeout_s=600)[0]
+    res = spawn_ranks(_run_recipes, 1, model, data, str(tmp_path), ZOO + ["distill@same"], timeout_s=600)[0]
+    same = res.pop("distill@same")
     for name, hist in res.items():
         steps = [h for h in hist if h["step"] > 0]
         assert [h["step"] for h in steps] == [1, 2], name
@@ -83,6 +88,12 @@ def test_zoo_recipes_run_two_steps(tiny, tmp_path):
     assert all(h["train/num_gen_batches"] >= 1 and "reward/overlong_penalty/mean" in h for h in dapo)
     assert all(h["reward/overlong_penalty/mean"] <= 0 for h in dapo)
     assert "actor/kl_loss" not in dapo[-1] and "actor/kl_loss" in res["rloo"][-1]
+    distill = [h for h in res["distill"] if h["step"] > 0]
+    assert all("timing_s/teacher" in h and h["distill/reverse_kl"] != 0.0 for h in distill)
+    assert distill[0]["actor/pg_loss"] != 0.0                    # the teacher's signal reaches the update
+    # a teacher on the student's own start weights: the LogProbWorker and the actor's old
+    # log-probs run the same forward on the same micro-batches, so the same floats: exactly 0
+    assert [h["distill/reverse_kl"] for h in same if h["step"] > 0][0] == 0.0
 
 
 def test_overlong_penalty_by_hand():

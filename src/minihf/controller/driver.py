@@ -17,6 +17,9 @@ so it must exceed the longest single call. Idle workers are not bounded by it: a
 thread sends a ``Ping`` every ``timeout_s / 4`` to each worker rank with no call in flight
 (under the dispatch lock, so pings never reorder commands), and a worker waits for its next
 message at most ``timeout_s``; ``idle_timeout_s`` optionally bounds the wait for a command.
+
+Traffic: a method registered with ``reads`` receives only those columns of its ``Batch``
+arguments; ``sent_bytes`` counts the bytes of the commands sent to each role's method.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from minihf.controller.peer import Peer
 from minihf.controller.serve import execute
 from minihf.controller.transport import Channel, Packed, pack
 from minihf.controller.worker import MethodSpec, Worker
+from minihf.protocol import Batch
 
 
 def _reply_into(receive_into: Callable, k: int, reply: Any) -> dict:
@@ -43,6 +47,15 @@ def _reply_into(receive_into: Callable, k: int, reply: Any) -> dict:
     if not isinstance(reply, Reply) or reply.error is not None:
         return {}
     return receive_into(k, reply.value)
+
+
+def _only(value: Any, keys: tuple[str, ...]) -> Any:
+    """A ``Batch`` argument cut to the columns ``keys`` names (the ones it holds), its meta
+    kept; anything else as it is."""
+    if not isinstance(value, Batch):
+        return value
+    return Batch({k: v for k, v in value.tensors.items() if k in keys},
+                 {k: v for k, v in value.non_tensors.items() if k in keys}, value.meta)
 
 
 CAUSE_GRACE_S = 10.0  # how long a collective's timeout waits for the failure that caused it
@@ -133,6 +146,7 @@ class Driver:
         self._lock = threading.Lock()
         self._closed = False
         self._unawaited: list[CallFuture] = []  # checked at the end: no error goes unseen
+        self.sent_bytes: dict[str, int] = {}  # "role.method" -> bytes of commands sent to other ranks
         self._ping = pack(Ping(), None)
         self._stopping = threading.Event()
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, daemon=True,
@@ -170,6 +184,9 @@ class Driver:
         """
         if self._closed:
             raise ControllerError(f"{layout.role}.{spec.name}: the controller is stopped")
+        if spec.reads is not None:
+            args = tuple(_only(a, spec.reads) for a in args)
+            kwargs = {k: _only(v, spec.reads) for k, v in kwargs.items()}
         try:
             plan = get_dispatch_mode(spec.dispatch).dispatch_fn(layout, args, kwargs)
         except ControllerError as e:  # name the method: the mode only knows the role
@@ -204,6 +221,8 @@ class Driver:
                 key = (id(call), cmd.reply)
                 if key not in memo:
                     memo[key] = pack(cmd, self.cuda)
+                name = f"{layout.role}.{spec.name}"
+                self.sent_bytes[name] = self.sent_bytes.get(name, 0) + memo[key].nbytes
                 into = None
                 if receive_into is not None and cmd.reply:
                     into = functools.partial(_reply_into, receive_into,

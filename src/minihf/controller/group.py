@@ -76,6 +76,12 @@ class WorkerGroup:
     def tp_size(self) -> int:
         return self.layout.tp_size
 
+    def sent_bytes(self) -> dict[str, int]:
+        """Bytes of the commands the driver has sent to this role so far, per method (to
+        other ranks; rank 0's own workers get theirs in memory)."""
+        prefix = f"{self.role}."
+        return {k[len(prefix):]: v for k, v in self._driver.sent_bytes.items() if k.startswith(prefix)}
+
     def method_names(self) -> list[str]:
         return sorted(self.worker_cls.remote_methods)
 
@@ -173,7 +179,7 @@ class Renamed:
         if name.startswith("_"):
             raise AttributeError(name)
         attr = getattr(self._group, name)
-        return _RenamedCall(attr, self) if callable(attr) else attr
+        return _RenamedCall(attr, self) if hasattr(attr, "future") else attr
 
     def __repr__(self) -> str:
         return f"Renamed({self._group!r}, inputs={self._inputs}, outputs={self._outputs})"

@@ -52,6 +52,10 @@ class Packed:
     control: torch.Tensor  # uint8, CPU
     buffers: list[torch.Tensor] = field(default_factory=list)
 
+    @property
+    def nbytes(self) -> int:
+        return self.control.numel() + sum(b.numel() * b.element_size() for b in self.buffers)
+
 
 class DecodeError(RuntimeError):
     """A message arrived whole but could not be unpickled (the channel is still in sync)."""

@@ -39,6 +39,7 @@ class MethodSpec:
     blocking: bool = True
     layout: str = DEFAULT_LAYOUT  # which of the role's layouts the call is dispatched over
     replies: RepliesFn = all_replies  # which of the dispatch's collect_from ranks reply
+    reads: tuple[str, ...] | None = None  # Batch keys the method reads (None: it gets all)
 
     def collect_fn(self) -> CollectFn:
         return self.collect or get_dispatch_mode(self.dispatch).collect_fn
@@ -59,15 +60,17 @@ class RemoteMethod:
 
 
 def register(dispatch: str = Dispatch.ONE_TO_ALL, collect: str | CollectFn | None = None,
-             blocking: bool = True, layout: str = DEFAULT_LAYOUT
-             ) -> Callable[[Callable], RemoteMethod]:
+             blocking: bool = True, layout: str = DEFAULT_LAYOUT,
+             reads: tuple[str, ...] | None = None) -> Callable[[Callable], RemoteMethod]:
     """Declare a worker method callable from the driver.
 
     ``dispatch`` names a mode of ``DISPATCH_MODES``; ``collect`` overrides how results are
     joined (a mode name, whose collect function and ``replies`` are used, or a
     ``collect_fn(layout, outputs, ctx)``); ``blocking=False`` makes the driver call return a
     future; ``layout`` names the role layout the call is split over (``"default"``, or one
-    the worker class declares in ``declare_layouts``).
+    the worker class declares in ``declare_layouts``); ``reads`` names the ``Batch`` keys
+    (tensor or non-tensor columns) the method reads: the driver sends only those of them
+    that a ``Batch`` argument holds, with its meta (None: the whole batch).
     """
     get_dispatch_mode(dispatch)  # fail at class definition on a typo
     replies = all_replies
@@ -79,7 +82,7 @@ def register(dispatch: str = Dispatch.ONE_TO_ALL, collect: str | CollectFn | Non
         if isinstance(fn, RemoteMethod):
             raise ControllerError(f"{fn.spec.name} is decorated with @register twice")
         return RemoteMethod(fn, MethodSpec(fn.__name__, dispatch, collect, blocking, layout,
-                                           replies))
+                                           replies, tuple(reads) if reads is not None else None))
 
     return wrap
 

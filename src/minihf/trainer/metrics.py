@@ -131,3 +131,14 @@ def sample_rows(batch: Batch, step: int, kind: str, reward, tokenizer, n: int, s
                     "ground_truth": batch.non_tensors["ground_truth"][i],
                     "response_length": int(batch["response_mask"][i].sum())})
     return out
+
+
+def sent_bytes(groups: dict) -> dict[str, int]:
+    """Bytes of the commands the driver has sent to the roles so far, per ``role.method``
+    (``WorkerGroup.sent_bytes``; a stand-in group without it sends nothing)."""
+    out = {}
+    for name, group in groups.items():
+        counts = getattr(group, "sent_bytes", None)
+        for method, n in (counts() if callable(counts) else {}).items():
+            out[f"{name}.{method}"] = n
+    return out

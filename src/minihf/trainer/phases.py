@@ -28,7 +28,10 @@ A plug-in is a ``Plugin`` subclass: the part of an algorithm outside the core lo
 (Safe-RLHF, ReMax's baseline rollout, DAPO's dynamic sampling and overlong penalty are
 plug-ins, in ``minihf.trainer.plugins``). It declares
 
-* ``enabled(cfg)`` (a classmethod): whether it runs for a config;
+* ``enabled(cfg)`` (a classmethod): whether it runs for a config (a recipe's, named in
+  ``algorithm.plugins: [file.py:Class]``, runs unless it says otherwise);
+* ``Config``: a dataclass of its settings, read from ``algorithm.plugin_config.<name>``
+  into ``self.config``;
 * ``roles``: ``RoleDef`` rows it adds to the job's role table (``minihf.trainer.roles``),
   which builds, initialises, size-checks, saves and resumes them like the core roles;
 * ``hooks()``: what it does to the step, each a ``Hook`` from ``before(name, phase)``,
@@ -49,7 +52,7 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace as dc_replace
-from typing import Any, Callable, ClassVar, Union
+from typing import Any, Callable, ClassVar, Optional, Union
 
 from minihf.protocol import Batch
 
@@ -110,8 +113,9 @@ class StepContext:
 
 class Plugin:
     """Base class of plug-ins (see the module docstring); override what you need."""
-    name: ClassVar[str] = ""           # key of its state in checkpoints (default: the class name)
+    name: ClassVar[str] = ""           # key of its state and settings (default: the class name)
     roles: ClassVar[tuple] = ()        # RoleDef rows it adds to the job
+    Config: ClassVar[Optional[type]] = None  # a dataclass: its settings, algorithm.plugin_config.<name>
 
     @classmethod
     def enabled(cls, cfg) -> bool:
@@ -122,7 +126,19 @@ class Plugin:
         return cls.name or cls.__name__
 
     def __init__(self, ctx: StepContext):
+        """``self.config``: the ``Config`` built from ``algorithm.plugin_config.<name>``
+        (defaults where a key is absent; an unknown key is an error naming it)."""
+        from minihf.config import ConfigError, from_dict
+
         self.ctx = ctx
+        settings = ctx.cfg.algorithm.plugin_config.get(self.key(), {}) if ctx.cfg is not None else {}
+        if self.Config is None:
+            if settings:
+                raise ConfigError(f"algorithm.plugin_config.{self.key()}: plug-in {self.key()} takes "
+                                  "no settings (it declares no Config)")
+            self.config = None
+        else:
+            self.config = from_dict(self.Config, settings, f"algorithm.plugin_config.{self.key()}")
 
     def hooks(self) -> list[Hook]:
         return []

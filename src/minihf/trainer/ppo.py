@@ -43,7 +43,7 @@ from minihf.trainer.common import (RESUME_FIX, Log, MetricsLog, config_json, eve
                                    find_resume_path, format_line, hold_run_dir, mark_latest, nothing_to_train,
                                    resume_config_changes, run_dir, save_config, write_atomic)
 from minihf.trainer.loggers import Console, Trackers
-from minihf.trainer.metrics import data_metrics, group_metrics, sample_rows, throughput
+from minihf.trainer.metrics import data_metrics, group_metrics, sample_rows, sent_bytes, throughput
 from minihf.trainer.old_log_prob import old_log_prob_phase
 from minihf.trainer.phases import Call, Phase, StepContext, Together, apply_hooks, run_phases
 from minihf.trainer.plugins import plugin_classes
@@ -232,10 +232,12 @@ class PPOTrainer:
     def train_step(self, step: int) -> dict:
         m = {"step": step}
         self.ctx.step, self.ctx.metrics = step, m
+        sent = sum(sent_bytes(self.groups).values())
         with self._timed("step"):
             batch = run_phases(self.ctx, self.program["step"], Batch(), m)
         m.update(data_metrics(batch))
         m.update(throughput(batch, m["timing_s/step"], len(self.actor.ranks)))
+        m["perf/driver_sent_bytes"] = sum(sent_bytes(self.groups).values()) - sent  # commands to other ranks
         return m
 
     # -- validation -----------------------------------------------------------------------
@@ -385,3 +387,6 @@ class PPOTrainer:
         phases = ", ".join(f"{k} {v:.1f}s" for k, v in sorted(self.phase_totals.items(),
                                                                key=lambda kv: -kv[1]))
         self.log(f"wall time {wall_s:.1f}s" + (f"; by phase: {phases}" if phases else ""))
+        sent = sorted(sent_bytes(self.groups).items(), key=lambda kv: -kv[1])
+        if sent:
+            self.log("sent by the driver: " + ", ".join(f"{k} {v / 1e3:.0f} kB" for k, v in sent))

@@ -2,7 +2,8 @@
 
 ``PPOConfig`` = ``data`` + ``actor_rollout_ref`` + ``critic`` + ``reward_model`` +
 ``custom_reward_function`` + (Safe-RLHF) ``cost_model`` + ``cost_critic`` +
-``custom_cost_function`` + ``algorithm`` + ``trainer`` + ``controller``. One loop serves
+``custom_cost_function`` + ``algorithm`` + ``trainer`` + ``controller`` + ``roles`` (a
+recipe's own). One loop serves
 every estimator; which roles run follows from the settings (a critic only for an estimator
 whose spec reads values, as ``gae``'s; a reference only when a KL is used, a reward model
 only when ``reward_model.enable``, a cost critic and model only with ``algorithm.safe``).
@@ -21,7 +22,7 @@ from minihf.algorithms.kl import KL_PENALTIES
 from minihf.config import ConfigError
 from minihf.controller.config import ControllerConfig, refuse_tp
 from minihf.trainer.common import check_run_length
-from minihf.workers.config import ActorRolloutRefConfig, CriticConfig, RewardModelConfig
+from minihf.workers.config import ActorRolloutRefConfig, CriticConfig, LogProbConfig, RewardModelConfig
 
 
 @dataclass
@@ -139,6 +140,8 @@ class AlgorithmConfig:
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     safe: SafeConfig = field(default_factory=SafeConfig)  # Safe-RLHF's cost constraint
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    plugins: list[str] = field(default_factory=list)  # a recipe's plug-ins: file.py:Class (minihf.trainer.phases.Plugin)
+    plugin_config: dict[str, dict] = field(default_factory=dict)  # plug-in name -> its settings (checked against its Config)
 
     def __post_init__(self):
         from minihf.algorithms import get_adv_estimator_fn
@@ -154,6 +157,11 @@ class AlgorithmConfig:
         for name in ("gamma", "lam"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"algorithm.{name}={getattr(self, name)} must be in [0, 1]")
+        for i, ref in enumerate(self.plugins):
+            try:
+                check_ref(ref, "plug-in class")
+            except (FileNotFoundError, AttributeError, ValueError) as e:
+                raise ValueError(f"algorithm.plugins[{i}]={ref!r}: {e}") from None
         if self.kl_penalty not in KL_PENALTIES:
             raise ValueError(f"algorithm.kl_penalty={self.kl_penalty!r}; choose one of "
                              f"{list(KL_PENALTIES)}")
@@ -213,6 +221,35 @@ class CostModelSection(RewardModelConfig):
 
 
 @dataclass
+class RoleSection(LogProbConfig):
+    """A role a recipe adds (``roles.<name>``): its worker class built with this section,
+    placed by ``controller.placement.<name>``, initialised, not trained or checkpointed.
+    The default worker scores response tokens (``<name>_log_prob``); a recipe's own class
+    reads what it needs of this section, ``options`` included."""
+    worker: str = "LogProbWorker"        # a minihf.workers class or file.py:Class, built as worker(section)
+    options: dict = field(default_factory=dict)  # free-form settings for a recipe's worker class
+
+    def __post_init__(self):
+        super().__post_init__()
+        from minihf.utils.imports import check_ref, is_code_ref
+        import minihf.workers
+
+        if is_code_ref(self.worker):
+            try:
+                check_ref(self.worker, "worker class")
+            except (FileNotFoundError, AttributeError) as e:
+                raise ValueError(f"worker: {e}") from None
+        elif self.worker not in minihf.workers.__all__ or self.worker.endswith("Config"):
+            from minihf.config import suggest
+
+            workers = [w for w in minihf.workers.__all__ if w.endswith("Worker")]
+            raise ValueError(f"worker={self.worker!r} is not a worker class; {suggest(self.worker, workers)}"
+                             f"choose one of {workers} or name one in a file: path/to/file.py:Class")
+        if not self.model.path:
+            raise ValueError("model.path is not set; name the role's checkpoint dir")
+
+
+@dataclass
 class CriticSection(CriticConfig):
     enable: Optional[bool] = None        # None: only with adv_estimator=gae
 
@@ -268,6 +305,7 @@ class PPOConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: PPOTrainerConfig = field(default_factory=PPOTrainerConfig)
     controller: ControllerConfig = field(default_factory=ControllerConfig)
+    roles: dict[str, RoleSection] = field(default_factory=dict)  # roles a recipe adds, by name (e.g. a teacher)
 
     def __post_init__(self):
         r, d = self.actor_rollout_ref.rollout, self.data

@@ -24,6 +24,13 @@ DEFAULT_RECIPE = "grpo"  # what `scripts/train_ppo.py` and `minihf train` run wi
 class PPOJobConfig(PPOConfig):
     prepare: PrepareConfig = field(default_factory=PrepareConfig)
 
+    def __post_init__(self):
+        super().__post_init__()
+        for role in self.prepare.role_recipes:
+            if role not in self.roles:
+                raise ValueError(f"prepare.role_recipes.{role}: the config has no roles.{role} section; "
+                                 "add it (with model.path, where the recipe's policy is exported)")
+
 
 def ppo_roles(cfg: PPOConfig) -> dict:
     """The role table's roles for ``cfg`` (``minihf.trainer.roles``: the actor, and the
@@ -58,6 +65,11 @@ def check_paths(cfg: PPOConfig) -> None:
             raise ConfigError(f"{key}.model.path={section.model.path!r} has no config.json (relative "
                               f"paths are from {Path.cwd()}); pass a score-head model dir (train one "
                               "with `minihf rm`)")
+    for name, section in cfg.roles.items():
+        if not Path(section.model.path, "config.json").is_file():
+            raise ConfigError(f"roles.{name}.model.path={section.model.path!r} has no config.json "
+                              f"(relative paths are from {Path.cwd()}); pass an HF checkpoint dir, or "
+                              f"train one first with prepare.role_recipes.{name}")
     for key in ("train_files", "val_files"):
         for f in file_list(getattr(cfg.data, key)):
             if not Path(f).is_file():
@@ -89,10 +101,10 @@ def check_rollout_tp(cfg: PPOConfig) -> None:
         raise ConfigError(f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}: {exc}") from None
 
 
-def run_ppo(cfg: PPOJobConfig, trainer=None, in_process: bool = False):
-    """The whole job (prepare, warm start, RL) as one ``torchrun`` job; history on rank 0.
-    ``trainer``: as in :func:`ppo_driver`; ``in_process``: see ``launch_job`` (``minihf.train``)."""
-    from minihf.controller import launch_job, run
+def rl_job(cfg: PPOJobConfig, device, trainer=None):
+    """Every rank's part of one RL job inside a launched job: the run dir taken (held to the
+    end), the preparation, the checks, the run. ``trainer``: as in :func:`ppo_driver`."""
+    from minihf.controller import run
 
     rl_dir = run_dir(cfg.trainer)
 
@@ -100,17 +112,20 @@ def run_ppo(cfg: PPOJobConfig, trainer=None, in_process: bool = False):
         check_run_dir(rl_dir, "trainer.default_local_dir")
         acquire(rl_dir, *run_dir_lock(rl_dir))
 
-    def job(device):
-        on_rank0(take_run_dir, "taking the run dir")  # before anything is prepared or written
-        try:
-            return prepared_job(device)
-        finally:
-            if dist.get_rank() == 0:
-                release(rl_dir)
-
-    def prepared_job(device):
+    on_rank0(take_run_dir, "taking the run dir")  # before anything is prepared or written
+    try:
         prepare_job(cfg, device)
         check_paths(cfg)
         return run(ppo_driver(cfg, trainer=trainer), ppo_roles(cfg), cfg.controller, device=device)
+    finally:
+        if dist.get_rank() == 0:
+            release(rl_dir)
 
-    return launch_job(job, cfg.controller, in_process=in_process)
+
+def run_ppo(cfg: PPOJobConfig, trainer=None, in_process: bool = False):
+    """The whole job (prepare, warm start, RL) as one ``torchrun`` job; history on rank 0.
+    ``trainer``: as in :func:`ppo_driver`; ``in_process``: see ``launch_job`` (``minihf.train``)."""
+    from minihf.controller import launch_job
+
+    return launch_job(lambda device: rl_job(cfg, device, trainer), cfg.controller,
+                      in_process=in_process)

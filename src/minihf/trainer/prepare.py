@@ -10,7 +10,9 @@ at ``model.path``. Likewise a learned reward or cost model (``reward_model`` /
 ``cost_model_recipe`` (``minihf rm`` recipes) after the warm start, on preference pairs of
 ``prepare.task`` ranked by its reward / cost, written to the recipe's data files when
 absent (plus, with ``prepare.pair_samples``, pairs of the recipe's start model's own
-answers: ``minihf.trainer.pairs``). Rank 0 writes the files, each under a lock on the
+answers: ``minihf.trainer.pairs``). A recipe's role (``roles.<name>``, e.g. a distillation
+teacher) whose model dir is absent is trained by the RL recipe ``prepare.role_recipes.<name>``
+and its policy exported there. Rank 0 writes the files, each under a lock on the
 artefact; each training run is a controller job of its own on all ranks.
 """
 
@@ -43,6 +45,7 @@ class PrepareConfig:
     reward_model_recipe: Optional[str] = None  # `minihf rm` recipe that trains reward_model.model.path when absent (pairs by the task's reward)
     cost_model_recipe: Optional[str] = None  # `minihf rm` recipe that trains cost_model.model.path when absent (pairs by the task's cost)
     pair_samples: int = 0                # answers per prompt sampled from a score model recipe's start model; best over worst added to its pairs (0: none)
+    role_recipes: dict[str, str] = field(default_factory=dict)  # role -> RL recipe run first when roles.<role>.model.path is absent; its last checkpoint exported there
 
     def __post_init__(self):
         if self.pair_samples < 0 or self.pair_samples == 1:
@@ -180,3 +183,29 @@ def prepare_job(cfg, device) -> None:
         if dist.get_rank() == 0:
             print(f"[prepare] training the {by} model -> {run_dir(rm.trainer) / 'hf'}")
         run(rm_driver(rm), rm_roles(rm), cfg.controller, device=device)
+    for role, recipe in cfg.prepare.role_recipes.items():
+        prepare_role(cfg, role, recipe, device)
+
+
+def prepare_role(cfg, role: str, recipe: str, device) -> None:
+    """``roles.<role>.model.path`` from the RL recipe ``recipe`` when absent: the recipe's
+    own job (its preparation included; resumed, or nothing to do, when its run dir already
+    holds a finished run), then its last checkpoint's policy exported there."""
+    from minihf.config import load_config
+    from minihf.hub import export_hf
+    from minihf.trainer.ppo_job import PPOJobConfig, rl_job
+
+    target = Path(cfg.roles[role].model.path)
+    if (target / "config.json").is_file():
+        return
+    rl = load_config(PPOJobConfig, recipe)
+    if dist.get_rank() == 0:
+        print(f"[prepare] training roles.{role} with the RL recipe {recipe} -> {target}")
+    rl_job(rl, device)
+
+    def export():
+        out = run_dir(rl.trainer)
+        step = (out / "latest_checkpointed_iteration.txt").read_text().strip()
+        with hold_artefact(target, f"roles.{role}'s model dir"):
+            export_hf(out / f"global_step_{step}", target)
+    on_rank0(export, f"exporting roles.{role}'s model")

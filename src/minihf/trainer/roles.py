@@ -5,7 +5,8 @@ from, when it is in the job, whether it trains (the section holding its
 ``ppo_mini_batch_size`` and ``ppo_epochs``: its optimizer steps and size checks) and
 whether it is checkpointed. ``CORE_ROLES`` are the actor (with the rollout engine and the
 reference), the critic and the reward model; plug-ins add theirs (Safe-RLHF: the cost
-critic and the cost model). The table drives building the workers (``worker_roles``),
+critic and the cost model), and a recipe its own under ``roles.<name>`` (a worker class and
+its model, e.g. a distillation teacher). The table drives building the workers (``worker_roles``),
 ``init_model``, the batch-size checks, and checkpoint save and resume (``PPOTrainer``);
 the roles' placement is ``controller.placement``.
 
@@ -49,8 +50,9 @@ class RoleDef:
 
 
 def section_of(cfg, dotted: str) -> Any:
+    """The config section at a dotted path (``roles.teacher`` indexes the roles mapping)."""
     for part in dotted.split("."):
-        cfg = getattr(cfg, part)
+        cfg = cfg[part] if isinstance(cfg, dict) else getattr(cfg, part)
     return cfg
 
 
@@ -64,8 +66,10 @@ CORE_ROLES = (
 
 
 def role_table(cfg, plugin_classes=()) -> list[RoleDef]:
-    """The job's roles: the core ones, then each plug-in's, those enabled for ``cfg``."""
+    """The job's roles: the core ones, each plug-in's, then the config's own (``roles.<name>``:
+    built from its section, not trained), those enabled for ``cfg``."""
     rows = list(CORE_ROLES) + [r for p in plugin_classes for r in p.roles]
+    rows += [RoleDef(name, section.worker, f"roles.{name}") for name, section in cfg.roles.items()]
     names = [r.name for r in rows]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:

@@ -57,6 +57,7 @@ from minihf.workers.train_state import TrainState
 
 INPUT_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
 UPDATE_KEYS = INPUT_KEYS + ("response_mask", "old_log_probs", "advantages")
+GENERATE_KEYS = ("input_ids", "attention_mask", "position_ids", "sample_index", "uid")
 
 
 class ActorRolloutRefWorker(Worker):
@@ -102,7 +103,8 @@ class ActorRolloutRefWorker(Worker):
             eos_token_ids=eos, pad_token_id=pad if pad is not None else (eos[0] if eos else 0))
 
     # -- generation -----------------------------------------------------------------------
-    @register(dispatch=Dispatch.DP_COMPUTE, collect=collect_rollout, layout="rollout")
+    @register(dispatch=Dispatch.DP_COMPUTE, collect=collect_rollout, layout="rollout",
+              reads=GENERATE_KEYS)
     def generate_sequences(self, batch: Batch) -> Batch:
         """Sample responses with the current weights (reshard -> generate -> sleep). With
         ``actor.fsdp.optimizer_offload`` on CUDA the optimizer state waits on the host."""
@@ -143,7 +145,7 @@ class ActorRolloutRefWorker(Worker):
         dtypes = {rollout_dtype(self.config.rollout.dtype, self.device), trainer or torch.float32}
         return max(dtypes, key=lambda d: torch.finfo(d).eps)
 
-    @register(dispatch=Dispatch.DP_COMPUTE)
+    @register(dispatch=Dispatch.DP_COMPUTE, reads=INPUT_KEYS)
     def compute_log_prob(self, batch: Batch, calc_entropy: bool = False,
                          calc_bound: bool = False) -> Batch:
         """Old log-probs of the response tokens under the current actor (+ entropy). With
@@ -161,7 +163,7 @@ class ActorRolloutRefWorker(Worker):
                                                                    self._coarsest_dtype())
         return Batch(tensors)
 
-    @register(dispatch=Dispatch.DP_COMPUTE)
+    @register(dispatch=Dispatch.DP_COMPUTE, reads=INPUT_KEYS)
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         """Log-probs of the response tokens under the frozen reference policy."""
         r = self.config.ref
@@ -206,7 +208,8 @@ class ActorRolloutRefWorker(Worker):
             return loss, stats
         return loss_fn
 
-    @register(dispatch=Dispatch.DP_COMPUTE_EXACT, collect=Dispatch.RANK_ZERO)
+    @register(dispatch=Dispatch.DP_COMPUTE_EXACT, collect=Dispatch.RANK_ZERO,
+              reads=UPDATE_KEYS + ("ref_log_prob", "rollout_is_weights"))
     def update_actor(self, batch: Batch) -> dict[str, float]:
         """PPO update: ``ppo_epochs`` x mini-batches x micro-batches; returns metrics."""
         a = self.config.actor

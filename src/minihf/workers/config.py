@@ -251,3 +251,16 @@ class RewardModelConfig:
 
     def __post_init__(self):
         _check_micro(self.micro_batch_size_per_gpu, self.max_tokens_per_micro_batch)
+
+
+@dataclass
+class LogProbConfig:
+    """A frozen causal LM that scores response tokens (``LogProbWorker``): a teacher in
+    on-policy distillation, or a policy placed on ranks of its own."""
+    model: RLModelConfig = field(default_factory=RLModelConfig)
+    log_prob_micro_batch_size_per_gpu: Optional[int] = 8  # rows per forward (when no token budget)
+    max_tokens_per_micro_batch: Optional[int] = None  # token budget per forward (wins when set)
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+
+    def __post_init__(self):
+        _check_micro(self.log_prob_micro_batch_size_per_gpu, self.max_tokens_per_micro_batch)

@@ -45,7 +45,7 @@ class CriticWorker(Worker):
             raise RuntimeError("CriticWorker: call init_model() first")
         return self.critic
 
-    @register(dispatch=Dispatch.DP_COMPUTE)
+    @register(dispatch=Dispatch.DP_COMPUTE, reads=INPUT_KEYS)
     def compute_values(self, batch: Batch) -> Batch:
         """V(s) before each response token, ``values`` [B, R] (zero under the mask's pads)."""
         c, model = self.config, self._model()
@@ -74,7 +74,7 @@ class CriticWorker(Worker):
                              "vpred_mean": masked_mean(vpreds, mask) * share}
         return loss_fn
 
-    @register(dispatch=Dispatch.DP_COMPUTE_EXACT, collect=Dispatch.RANK_ZERO)
+    @register(dispatch=Dispatch.DP_COMPUTE_EXACT, collect=Dispatch.RANK_ZERO, reads=UPDATE_KEYS)
     def update_critic(self, batch: Batch) -> dict[str, float]:
         """Clipped value-loss update: ``ppo_epochs`` x mini-batches x micro-batches."""
         c = self.config

@@ -30,7 +30,7 @@ class RewardModelWorker(Worker):
         self.model = build_fsdp_model(c.model, c.fsdp, head="score", group=self.group,
                                       device=self.device, trainable=False)
 
-    @register(dispatch=Dispatch.DP_COMPUTE)
+    @register(dispatch=Dispatch.DP_COMPUTE, reads=INPUT_KEYS)
     def compute_rm_score(self, batch: Batch) -> Batch:
         if self.model is None:
             raise RuntimeError("RewardModelWorker: call init_model() first")

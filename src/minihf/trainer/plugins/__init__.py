@@ -20,8 +20,25 @@ BUILTIN_PLUGINS = (DynamicSampling, RewardBaseline, OverlongPenalty, SafeRLHF)
 
 
 def plugin_classes(cfg) -> list[type]:
-    """The plug-in classes that run for ``cfg``, in order."""
-    return [p for p in BUILTIN_PLUGINS if p.enabled(cfg)]
+    """The plug-in classes that run for ``cfg``, in order: the built-ins, then the recipe's
+    (``algorithm.plugins``, imported from their files in this process)."""
+    from minihf.trainer.phases import Plugin
+    from minihf.utils.imports import load_ref
+
+    recipe = []
+    for i, ref in enumerate(cfg.algorithm.plugins):
+        cls = load_ref(ref, "plug-in class")
+        if not (isinstance(cls, type) and issubclass(cls, Plugin)):
+            raise TypeError(f"algorithm.plugins[{i}]={ref!r} is not a Plugin subclass (minihf.trainer."
+                            "phases.Plugin); subclass it")
+        recipe.append(cls)
+    classes = [p for p in BUILTIN_PLUGINS + tuple(recipe) if p.enabled(cfg)]
+    keys = [p.key() for p in classes]
+    unknown = sorted(set(cfg.algorithm.plugin_config) - set(keys))
+    if unknown:
+        raise ValueError(f"algorithm.plugin_config has settings for {unknown}, which do not run; the "
+                         f"plug-ins that run: {keys}")
+    return classes
 
 
 __all__ = ["BUILTIN_PLUGINS", "DynamicSampling", "OverlongPenalty", "RewardBaseline", "SafeRLHF",

@@ -25,7 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = ["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "gspo",
-           "dapo", "ppo", "ppo_rm", "safe_rlhf"]
+           "dapo", "ppo", "ppo_rm", "safe_rlhf", "distill"]
 LAST = 10  # steps whose mean episode cost is reported for safe_rlhf
 
 
@@ -52,6 +52,12 @@ def run_one(recipe: str, steps: int, nproc: int, workdir: Path) -> dict:
     result = {"recipe": recipe, "failed": False, "val_before": vals[0], "val_after": vals[-1],
               "steps": len(train), "wall_s": wall,
               "step_s": sum(r["timing_s/step"] for r in train) / len(train), "phases": phases}
+    if recipe == "distill":  # the teacher's own last validation, from the run that trained it
+        teacher = ROOT / "outputs" / "grpo_sort" / "metrics.jsonl"
+        vals_t = [json.loads(x).get("val-core/mean") for x in teacher.read_text().splitlines()] \
+            if teacher.is_file() else []
+        vals_t = [v for v in vals_t if v is not None]
+        result["teacher"] = f"{vals_t[-1]:.3f}" if vals_t else "not recorded here"
     if "train/num_gen_batches" in train[-1]:
         result["gen_batches"] = sum(r["train/num_gen_batches"] for r in train) / len(train)
     if "safe/cost/mean" in train[-1]:
@@ -97,6 +103,11 @@ def markdown(results: list[dict], steps: int, nproc: int) -> str:
     lines += ["", f"{better} of {len(results)} recipes end above their start."
               + (f" Failed: {', '.join(r['recipe'] for r in results if r['failed'])}." if len(ok) < len(results) else ""),
               ""]
+    if any(r["recipe"] == "distill" for r in ok):
+        lines += ["`distill` is on-policy distillation (recipe files only: a plug-in and an estimator): the "
+                  "same SFT start samples, and a teacher role, the main job's final policy (`recipes/grpo` "
+                  f"trained to the end, validation {next(r for r in ok if r['recipe'] == 'distill')['teacher']}), "
+                  "scores each of the student's tokens; it is not trained on the task's reward.", ""]
     safe = [r for r in ok if "safe" in r]
     if safe:
         lines += [

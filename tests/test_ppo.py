@@ -43,18 +43,18 @@ def final_params(out, step):
 
 
 def _runs(rank, world, model, data, tmp, cases):
-    import minihf.trainer.ppo as ppo
+    import minihf.trainer.loop as loop
     from minihf.controller import run
     from minihf.trainer.ppo_job import ppo_driver, ppo_roles
 
-    mark_latest = ppo.mark_latest
+    mark_latest = loop.mark_latest
 
     def mark_after_the_row(out_dir, step):  # a job killed once the pointer moves keeps the row
         rows = (Path(out_dir) / "metrics.jsonl").read_text().splitlines()
         assert json.loads(rows[-1])["step"] == step, f"checkpoint {step} before its metrics row"
         mark_latest(out_dir, step)
 
-    ppo.mark_latest = mark_after_the_row
+    loop.mark_latest = mark_after_the_row
     out = {}
     for name, recipe, stop, subdir, extra in cases:
         cfg = job_config(model, data, f"{tmp}/{subdir}", recipe, **extra)

@@ -2,6 +2,9 @@
 an uninterrupted one, the HF export loads in transformers with the same logits."""
 
 import json
+import shutil
+import time
+from pathlib import Path
 
 import torch
 
@@ -28,12 +31,38 @@ def _fit(cfg, stop_after):
     return lambda groups: SFTDriver(cfg, groups["sft"]).fit(stop_after=stop_after)
 
 
+def to_legacy(step_dir: Path, step: int) -> None:
+    """A checkpoint of this layout rewritten as minihf wrote SFT checkpoints before the common
+    loop: the worker's shards at ``global_step_N`` itself, the step and the sampler position
+    in each rank's ``extra``, no driver state file."""
+    state = json.loads((step_dir / "driver_state.json").read_text())
+    for f in (step_dir / "sft" / "extra").glob("rank_*.pt"):
+        saved = torch.load(f, weights_only=False)
+        saved["extra"] = {"sampler": state["sampler"], "step": step}
+        torch.save(saved, f)
+    for item in (step_dir / "sft").iterdir():
+        item.rename(step_dir / item.name)
+    (step_dir / "sft").rmdir()
+    (step_dir / "driver_state.json").unlink()
+
+
 def _job(rank, world, cfgs):
     # jobs in a row in the same processes, as separate launches would be: the full run, the
     # split run stopped after step 3, its resumption from the checkpoint dir; a run stopped
-    # after step 2 before its first checkpoint, and its rerun (a fresh start)
-    return [run(_fit(c, stop), sft_roles(c), c.controller)
-            for c, stop in zip(cfgs, [None, 3, None, 2, None])]
+    # after step 2 before its first checkpoint, and its rerun (a fresh start); the split run's
+    # step-3 checkpoint in the old layout, resumed
+    out = []
+    for i, (c, stop) in enumerate(zip(cfgs, [None, 3, None, 2, None, None])):
+        out.append(run(_fit(c, stop), sft_roles(c), c.controller))
+        if i == 1:  # copy the step-3 checkpoint before the resumption adds to the dir
+            legacy = Path(cfgs[5].trainer.default_local_dir)
+            if rank == 0:
+                shutil.copytree(c.trainer.default_local_dir, legacy.with_suffix(".tmp"))
+                to_legacy(legacy.with_suffix(".tmp") / "global_step_3", 3)
+                legacy.with_suffix(".tmp").rename(legacy)
+            while not legacy.is_dir():
+                time.sleep(0.05)
+    return out
 
 
 def test_sft_two_ranks_loss_decreases_resume_matches_export_loads(tmp_path):
@@ -50,7 +79,9 @@ def test_sft_two_ranks_loss_decreases_resume_matches_export_loads(tmp_path):
     first = config(model, data, str(tmp_path / "split"), 8, save_freq=3)  # stops after 3
     second = config(model, data, str(tmp_path / "split"), 8, save_freq=3)
     early = [config(model, data, str(tmp_path / "early"), 4, save_freq=3) for _ in range(2)]
-    hist_full, hist_a, hist_b, _, _ = spawn_ranks(_job, 2, [full, first, second, *early], timeout_s=240)[0]
+    legacy = config(model, data, str(tmp_path / "legacy"), 8, save_freq=3)
+    hist_full, hist_a, hist_b, _, _, hist_legacy = spawn_ranks(
+        _job, 2, [full, first, second, *early, legacy], timeout_s=240)[0]
     rows = [json.loads(x)["step"] for x in (tmp_path / "early" / "metrics.jsonl").read_text().splitlines()]
     assert rows == sorted(set(rows)) and rows[-1] == 4, rows   # each step once after the rerun
     assert [m["step"] for m in hist_a] == [1, 2, 3]
@@ -81,6 +112,8 @@ def test_sft_two_ranks_loss_decreases_resume_matches_export_loads(tmp_path):
         resume_config_changes(ckpt, other_lr)
     for a, b in zip(hist_full[3:], hist_b):
         assert a["train/loss"] == b["train/loss"] and a["train/lr"] == b["train/lr"]
+    # a checkpoint of the old layout resumes to the same steps
+    assert [(m["step"], m["train/loss"]) for m in hist_legacy] == [(m["step"], m["train/loss"]) for m in hist_b]
     lines = (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()
     assert json.loads(lines[-1])["step"] == 8
 

@@ -15,13 +15,17 @@ from minihf.utils.files import check_output_dir, read_json, staged_dir
 
 
 def role_checkpoint(path: str | Path) -> Path | None:
-    """The role checkpoint (a dir with ``meta.json``) that ``path`` names: itself, or the
-    ``actor`` (the policy) of an RL run's ``global_step_N``; None if neither."""
+    """The role checkpoint (a dir with ``meta.json``) that ``path`` names: itself, or in a
+    run's ``global_step_N`` the ``actor`` (the policy of an RL run), else its only trained
+    role (``sft``, ``rm``); None if none."""
     path = Path(path)
     for ckpt in (path, path / "actor"):  # a step dir's config.json is the run's config
         if (ckpt / "meta.json").is_file():
             return ckpt
-    return None
+    if not (path / "driver_state.json").is_file():  # not a run's step dir
+        return None
+    roles = sorted(d for d in path.iterdir() if (d / "meta.json").is_file())
+    return roles[0] if len(roles) == 1 else None
 
 
 def export_hf(ckpt: str | Path, out: str | Path, dtype: torch.dtype | None = None) -> Path:

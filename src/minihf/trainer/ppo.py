@@ -21,28 +21,24 @@ baseline rollout, Safe-RLHF), and which roles run is the role table
 (``minihf.trainer.roles``).
 
 ``global_step`` travels in ``batch.meta``: it seeds the samples and the update shuffles,
-so the workers keep no counters. Checkpoints hold each checkpointed role's shards and a
-driver state file (data position, step, KL controller, plug-in states);
-``latest_checkpointed_iteration.txt`` moves only after all of it is written.
+so the workers keep no counters. The fit, checkpoints and resume are ``RunLoop``'s
+(``minihf.trainer.loop``): each checkpointed role's shards and a driver state file (data
+position, step, KL controller, skipped steps, plug-in states).
 """
 
 from __future__ import annotations
 
-import json
 import time
 from contextlib import contextmanager
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from minihf.algorithms import AdaptiveKLController, FixedKLController, apply_kl_penalty
-from minihf.config import dump_yaml
 from minihf.protocol import Batch
-from minihf.trainer.common import (RESUME_FIX, Log, MetricsLog, config_json, every,
-                                   find_resume_path, format_line, hold_run_dir, mark_latest, nothing_to_train,
-                                   resume_config_changes, run_dir, save_config, write_atomic)
+from minihf.trainer.common import Log, MetricsLog, config_json, every, format_line, run_dir
 from minihf.trainer.loggers import Console, Trackers
+from minihf.trainer.loop import RunLoop
 from minihf.trainer.metrics import data_metrics, group_metrics, sample_rows, sent_bytes, throughput
 from minihf.trainer.old_log_prob import old_log_prob_phase
 from minihf.trainer.phases import Call, Phase, StepContext, Together, apply_hooks, run_phases
@@ -53,7 +49,6 @@ from minihf.trainer.advantage import estimate_advantages
 from minihf.trainer.balance import balance_batch
 from minihf.trainer.roles import role_groups, role_table, section_of
 from minihf.trainer.watch import RunWatch, SkipCounter
-from minihf.utils.files import read_json
 
 PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
 LINE_KEYS = {"step": "step", "critic/score/mean": "score", "val-core/mean": "val",
@@ -62,8 +57,25 @@ LINE_KEYS = {"step": "step", "critic/score/mean": "score", "val-core/mean": "val
              "response_length/mean": "resp_len", "timing_s/step": "step_s"}  # key -> label
 
 
-class PPOTrainer:
-    """The loop on rank 0 over ``groups`` (role name -> worker group: the role table's)."""
+class PluginStates:
+    """The plug-ins' states as one entry of the driver state, by plug-in name (a plug-in
+    new to a resumed run starts fresh)."""
+
+    def __init__(self, plugins: list):
+        self.plugins = plugins
+
+    def state_dict(self) -> dict:
+        return {p.key(): p.state_dict() for p in self.plugins}
+
+    def load_state_dict(self, state: dict) -> None:
+        for p in self.plugins:
+            if p.key() in state:
+                p.load_state_dict(state[p.key()])
+
+
+class PPOTrainer(RunLoop):
+    """The RL loop on rank 0 over ``groups`` (role name -> worker group: the role table's);
+    ``RunLoop`` runs the fit, checkpoints and resume."""
 
     def __init__(self, cfg: PPOConfig, groups: dict, log: Log = print):
         from minihf.data import PromptLoader, RLDataset, load_tokenizer
@@ -238,6 +250,7 @@ class PPOTrainer:
         m.update(data_metrics(batch))
         m.update(throughput(batch, m["timing_s/step"], len(self.actor.ranks)))
         m["perf/driver_sent_bytes"] = sum(sent_bytes(self.groups).values()) - sent  # commands to other ranks
+        self.skips.check(m)  # training/skipped_steps; too many in a row: stop
         return m
 
     # -- validation -----------------------------------------------------------------------
@@ -278,44 +291,39 @@ class PPOTrainer:
         self.phase_totals["testing"] = self.phase_totals.get("testing", 0.0) + m["timing_s/testing"]
         return m
 
-    # -- checkpoints ----------------------------------------------------------------------
-    def save(self, step: int) -> Path:
-        path = self.out / f"global_step_{step}"
-        for r in self.roles:
-            if r.checkpointed:
-                self.groups[r.name].save_checkpoint(str(path / r.name))
-        state = {"step": step, "loader": self.loader.state_dict(),
-                 "kl_ctrl": self.kl_ctrl.state_dict(), "skipped_steps": self.skips.total,
-                 "plugins": {p.key(): p.state_dict() for p in self.plugins}}
-        write_atomic(path / "driver_state.json", json.dumps(state))
-        save_config(path, self.cfg)
-        mark_latest(self.out, step)
-        return path
+    # -- the loop (minihf.trainer.loop) ---------------------------------------------------
+    def checkpointed(self) -> dict:
+        return {r.name: self.groups[r.name] for r in self.roles if r.checkpointed}
 
-    def resume(self) -> int:
-        t = self.cfg.trainer
-        path = find_resume_path(str(self.out), t.resume_mode, t.resume_from_path)
-        if path is None:  # an attempt interrupted before its first checkpoint wrote rows
-            self.metrics_log.start_fresh()
+    def driver_state(self) -> dict:
+        return {"loader": self.loader, "kl_ctrl": self.kl_ctrl, "skipped_steps": self.skips,
+                "plugins": PluginStates(self.plugins)}
+
+    def load_driver_state(self, state: dict) -> None:
+        if "plugins" not in state:  # checkpoints before plug-ins kept their state at the top level
+            state = {**state, "plugins": {p.key(): state for p in self.plugins}}
+        super().load_driver_state(state)
+
+    def resumed_at(self, step: int) -> None:
+        super().resumed_at(step)
+        if step:
+            self.samples.resume_at(step)
+        else:
             self.samples.start_fresh()
-            return 0
-        changed = resume_config_changes(path, self.cfg)  # refuses changes that cannot apply
-        state = read_json(path / "driver_state.json", RESUME_FIX)
+
+    def validate_at(self, step: int) -> bool:
+        return every(self.cfg.trainer.test_freq, step, self.total_steps)
+
+    def save_at(self, step: int) -> bool:
+        return every(self.cfg.trainer.save_freq, step, self.total_steps) or step == self.total_steps
+
+    def init_models(self) -> None:
         for r in self.roles:
-            if r.checkpointed:
-                self.groups[r.name].load_checkpoint(str(path / r.name))
-        self.loader.load_state_dict(state["loader"])
-        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
-        self.skips.total = state.get("skipped_steps", 0)
-        for p in self.plugins:  # checkpoints before plug-ins kept their state at the top level
-            own = state["plugins"].get(p.key()) if "plugins" in state else state
-            if own is not None:  # else a plug-in new to this run starts fresh
-                p.load_state_dict(own)
-        self.metrics_log.resume_at(state["step"])
-        self.samples.resume_at(state["step"])
-        self.log(f"resumed from {path} at step {state['step']}"
-                 + (f" (changed: {', '.join(changed)})" if changed else ""))
-        return int(state["step"])
+            group = self.groups[r.name]
+            if r.trains:
+                group.init_model(self.optimizer_steps(section_of(self.cfg, r.trains)))
+            else:
+                group.init_model()
 
     def optimizer_steps(self, section) -> int:
         """Optimizer steps of a role over the run (for its LR schedule): steps x
@@ -339,43 +347,16 @@ class PPOTrainer:
         if "console" in self.cfg.trainer.logger:
             self.console.step(metrics, format_line(metrics, LINE_KEYS))
 
-    def fit(self, stop_after: int | None = None) -> list[dict]:
-        """Train to ``total_steps`` (or ``stop_after`` more steps, as if preempted), holding
-        the run dir."""
-        with hold_run_dir(self.out):
-            return self._fit(stop_after)
-
-    def _fit(self, stop_after: int | None) -> list[dict]:
-        t0 = time.perf_counter()
-        for r in self.roles:
-            group = self.groups[r.name]
-            if r.trains:
-                group.init_model(self.optimizer_steps(section_of(self.cfg, r.trains)))
-            else:
-                group.init_model()
-        step = self.resume()
-        done = nothing_to_train(self.out, step, self.total_steps)
-        if done:
-            self.log(done)
-        dump_yaml(self.cfg, self.out / "config.yaml")  # the resolved config of this start
+    def started(self, step: int) -> None:
         t = self.cfg.trainer
         self.trackers = Trackers(t.logger, self.out, t.project_name, t.experiment_name, config_json(self.cfg))
-        if self.cfg.trainer.val_before_train and step == 0 and self.val is not None:
+        if t.val_before_train and step == 0 and self.val is not None:
             self.record({"step": 0, **self.validate(0)})
-        end = self.total_steps if stop_after is None else min(self.total_steps, step + stop_after)
-        while step < end:
-            step += 1
-            metrics = self.train_step(step)
-            self.skips.check(metrics)  # training/skipped_steps; too many in a row: stop
-            if every(self.cfg.trainer.test_freq, step, self.total_steps):
-                metrics.update(self.validate(step))
-            self.record(metrics)  # before the checkpoint: a kill after it must not lose the row
-            if every(self.cfg.trainer.save_freq, step, self.total_steps) or step == self.total_steps:
-                self.save(step)
+
+    def finished(self, wall_s: float) -> None:
         self.console.close()
-        self.summary(time.perf_counter() - t0)
+        self.summary(wall_s)
         self.trackers.close()
-        return self.history
 
     def summary(self, wall_s: float) -> None:
         vals = [h["val-core/mean"] for h in self.history if "val-core/mean" in h]

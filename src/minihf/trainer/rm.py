@@ -59,9 +59,10 @@ class RMConfig:
 
 
 class RMDriver(SFTDriver):
-    """The SFT loop over preference pairs; validation reports ``val/loss``,
+    """The SFT loop over preference pairs (role ``rm``); validation reports ``val/loss``,
     ``val/accuracy`` (pairs ranked right), ``val/margin`` and, for sign-labeled pairs (a
     cost model), ``val/sign_accuracy`` (sides whose score has the labeled sign)."""
+    role = "rm"
 
     def dataset(self, files, tokenizer):
         from minihf.data import PairDataset
@@ -69,7 +70,7 @@ class RMDriver(SFTDriver):
         d = self.cfg.data
         return PairDataset(files, tokenizer, max_length=d.max_length, truncation=d.truncation)
 
-    def validate(self) -> dict[str, float]:
+    def validate(self, step: int = 0) -> dict[str, float]:
         if self.val is None:
             return {}
         sums = {"loss_sum": 0.0, "correct": 0.0, "margin_sum": 0.0, "sign_correct": 0.0,

@@ -3,7 +3,8 @@
 Rank 0 owns the data (``SFTDataset`` + ``ResumableSampler``) and calls one ``SFTWorker``
 group (FSDP2 over all ranks): ``train_step`` per global batch, ``eval_step`` over the
 validation set every ``trainer.test_freq`` steps and at the end, checkpoints every
-``trainer.save_freq`` steps and at the end (with the sampler position, so a resumed run
+``trainer.save_freq`` steps and at the end (``RunLoop``'s format: the worker's shards
+under ``global_step_N/sft`` and the sampler position in its driver state, so a resumed run
 continues the exact data order), then an HF export to ``<default_local_dir>/hf``.
 Metrics go to stdout and ``<default_local_dir>/metrics.jsonl``.
 """
@@ -15,11 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional, Union
 
-from minihf.config import dump_yaml
 from minihf.controller.config import ControllerConfig, refuse_tp
-from minihf.trainer.common import (MetricsLog, check_run_dir, check_run_length, find_resume_path,
-                                   hold_run_dir, mark_latest, nothing_to_train, resume_config_changes, run_dir,
-                                   save_config)
+from minihf.trainer.common import MetricsLog, check_run_dir, check_run_length, run_dir
+from minihf.trainer.loop import RunLoop
 from minihf.workers.optim import OptimConfig
 from minihf.workers.config import FSDPConfig, ModelConfig
 
@@ -86,8 +85,10 @@ def padded(batch, dp: int, mask_key: str = "loss_mask"):
     return batch
 
 
-class SFTDriver:
-    """The loop on rank 0 (a plain sequential program over the worker group)."""
+class SFTDriver(RunLoop):
+    """The SFT loop on rank 0 over the ``sft`` worker group (``role``); ``RunLoop`` runs
+    the fit, checkpoints and resume."""
+    role = "sft"
 
     def __init__(self, cfg: SFTConfig, sft, log=print):
         from minihf.data import ResumableSampler, load_tokenizer
@@ -109,6 +110,7 @@ class SFTDriver:
         self.out = run_dir(t)
         self.metrics_log = MetricsLog(self.out)
         self.history: list[dict] = []
+        self.export_from: Path | None = None  # the checkpoint to export at the end of this fit
 
     def dataset(self, files, tokenizer):
         from minihf.data import SFTDataset
@@ -117,7 +119,7 @@ class SFTDriver:
         return SFTDataset(files, tokenizer, max_length=d.max_length, truncation=d.truncation,
                           response_key=d.response_key)
 
-    def validate(self) -> dict[str, float]:
+    def validate(self, step: int = 0) -> dict[str, float]:
         if self.val is None:
             return {}
         nll = tokens = 0.0
@@ -128,66 +130,61 @@ class SFTDriver:
             nll, tokens = nll + r["nll_sum"], tokens + r["tokens"]
         return {"val/loss": nll / max(tokens, 1.0)}
 
-    def save(self, step: int) -> Path:
-        path = self.out / f"global_step_{step}"
-        self.sft.save_checkpoint(str(path), extra={"sampler": self.sampler.state_dict(), "step": step})
-        save_config(path, self.cfg)
-        mark_latest(self.out, step)
-        return path
+    # -- the loop (minihf.trainer.loop) ---------------------------------------------------
+    def init_models(self) -> None:
+        self.sft.init_model(self.total_steps)
+
+    def checkpointed(self) -> dict:
+        return {self.role: self.sft}
+
+    def driver_state(self) -> dict:
+        return {"sampler": self.sampler}
+
+    def load_legacy(self, path: Path) -> dict:
+        """A checkpoint from before the common format: the worker's shards at
+        ``global_step_N`` itself, the step and data position in its ``extra``."""
+        if not (path / "meta.json").is_file():
+            return super().load_legacy(path)
+        extra = self.sft.load_checkpoint(str(path))
+        return {"step": extra["step"], "sampler": extra["sampler"]}
+
+    def validate_at(self, step: int) -> bool:
+        t = self.cfg.trainer
+        return bool(t.test_freq and step % t.test_freq == 0) or step == self.total_steps
+
+    def save_at(self, step: int) -> bool:
+        t = self.cfg.trainer
+        return bool(t.save_freq and step % t.save_freq == 0) or step == self.total_steps
+
+    def train_step(self, step: int) -> dict:
+        t0 = time.perf_counter()
+        batch = self.train.collate(self.sampler.next_batch())
+        metrics = self.sft.train_step(batch)
+        return {"step": step, "epoch": self.sampler.epoch, **metrics, "timing_s/step": time.perf_counter() - t0}
 
     def record(self, metrics: dict) -> None:
-        self.history.append(metrics)
-        self.metrics_log.append(metrics)
+        super().record(metrics)
         if metrics["step"] % self.cfg.trainer.log_freq == 0 or any(k.startswith("val/") for k in metrics):
             self.log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                               for k, v in metrics.items()))
 
-    def fit(self, stop_after: int | None = None) -> list[dict]:
-        """Train to ``total_steps`` (or only ``stop_after`` more steps, as if preempted),
-        holding the run dir."""
-        with hold_run_dir(self.out):
-            return self._fit(stop_after)
-
-    def _fit(self, stop_after: int | None) -> list[dict]:
+    def on_nothing_to_train(self, message: str) -> None:
         t = self.cfg.trainer
-        self.sft.init_model(self.total_steps)
-        step, last = 0, None
-        resume = find_resume_path(str(self.out), t.resume_mode, t.resume_from_path)
-        if resume is None:  # an attempt interrupted before its first checkpoint wrote rows
-            self.metrics_log.start_fresh()
+        if t.export_hf and not (self.out / "hf" / "config.json").is_file():
+            self.export_from = self.last_checkpoint  # its export was interrupted (or deleted)
+            self.log(f"the run in {self.out} has trained all {self.total_steps} steps but has no HF "
+                     f"export (interrupted while exporting?): exporting {self.last_checkpoint.name}")
         else:
-            changed = resume_config_changes(resume, self.cfg)  # refuses changes that cannot apply
-            extra = self.sft.load_checkpoint(str(resume))
-            self.sampler.load_state_dict(extra["sampler"])
-            step = int(extra["step"])
-            self.metrics_log.resume_at(step)
-            self.log(f"resumed from {resume} at step {step}"
-                     + (f" (changed: {', '.join(changed)})" if changed else ""))
-            done = nothing_to_train(self.out, step, self.total_steps)
-            if done and t.export_hf and not (self.out / "hf" / "config.json").is_file():
-                last = resume  # its export was interrupted (or deleted): export now
-                self.log(f"the run in {self.out} has trained all {step} steps but has no HF export "
-                         f"(interrupted while exporting?): exporting {resume.name}")
-            elif done:
-                self.log(done)
-        dump_yaml(self.cfg, self.out / "config.yaml")  # the resolved config of this start
-        end = self.total_steps if stop_after is None else min(self.total_steps, step + stop_after)
-        while step < end:
-            t0 = time.perf_counter()
-            batch = self.train.collate(self.sampler.next_batch())
-            metrics = self.sft.train_step(batch)
-            step += 1
-            metrics = {"step": step, "epoch": self.sampler.epoch, **metrics,
-                       "timing_s/step": time.perf_counter() - t0}
-            if (t.test_freq and step % t.test_freq == 0) or step == self.total_steps:
-                metrics.update(self.validate())
-            self.record(metrics)
-            if (t.save_freq and step % t.save_freq == 0) or step == self.total_steps:
-                last = self.save(step)
-        if t.export_hf and last is not None:
+            self.log(message)
+
+    def save(self, step: int) -> Path:
+        self.export_from = super().save(step)
+        return self.export_from
+
+    def finished(self, wall_s: float) -> None:
+        if self.cfg.trainer.export_hf and self.export_from is not None:
             from minihf.hub import export_hf
-            self.log(f"exported {export_hf(last, self.out / 'hf')}")
-        return self.history
+            self.log(f"exported {export_hf(self.export_from, self.out / 'hf')}")
 
 
 def sft_driver(cfg: SFTConfig):

@@ -53,6 +53,12 @@ class SkipCounter:
         self.limit, self.total, self.in_a_row = limit, 0, 0
         self.last_good: dict = {}
 
+    def state_dict(self) -> int:
+        return self.total  # the run's count; a resumed run starts a new streak
+
+    def load_state_dict(self, total: int) -> None:
+        self.total = int(total)
+
     def check(self, metrics: dict) -> None:
         phases = sorted(k.split("/")[0] for k, v in metrics.items() if k.endswith("/skipped_updates") and v)
         if phases:

@@ -1,0 +1,160 @@
+"""The one fit loop of every trainer (RL, SFT, reward models), and its checkpoint format.
+
+``RunLoop`` runs: the roles' ``init_model``, resume from the latest checkpoint (or the one
+``trainer.resume_from_path`` names), the resolved config written, then steps until
+``total_steps`` (or ``stop_after`` more, as if preempted), each validated and checkpointed
+on the trainer's schedule, with the run dir held for the whole fit. A trainer subclass
+supplies the steps, the validation, the schedule and two tables of stateful things, as
+torchtitan's checkpoint manager takes them:
+
+* ``checkpointed()``: role name -> worker group; each saves its shards under
+  ``global_step_N/<role>`` (``save_checkpoint`` / ``load_checkpoint``);
+* ``driver_state()``: name -> an object with ``state_dict`` / ``load_state_dict`` on the
+  driver (data position, KL controller, plug-ins), saved together with the step in
+  ``global_step_N/driver_state.json``.
+
+One format for every trainer: ``global_step_N/{<role>/, driver_state.json, config.json}``;
+``latest_checkpointed_iteration.txt`` moves only once all of it is written. A checkpoint
+of an older layout is read by the trainer's ``load_legacy`` (SFT and reward models once
+kept their data position inside the worker's checkpoint at ``global_step_N`` itself), or
+refused in one line.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from minihf.config import dump_yaml
+from minihf.trainer.common import (RESUME_FIX, find_resume_path, hold_run_dir, mark_latest, nothing_to_train,
+                                   resume_config_changes, save_config, write_atomic)
+from minihf.utils.files import read_json
+
+STATE_FILE = "driver_state.json"
+
+
+class RunLoop:
+    """Base of the trainers' drivers. The subclass sets ``cfg`` (with a ``trainer``
+    section), ``out`` (the run dir), ``total_steps``, ``metrics_log``, ``log`` and
+    ``history``, and defines the methods below that raise."""
+
+    last_checkpoint: Path | None = None  # written or resumed by this fit
+
+    # -- what a trainer supplies ----------------------------------------------------------
+    def init_models(self) -> None:
+        raise NotImplementedError
+
+    def train_step(self, step: int) -> dict:
+        raise NotImplementedError
+
+    def validate(self, step: int) -> dict:
+        return {}
+
+    def validate_at(self, step: int) -> bool:
+        raise NotImplementedError
+
+    def save_at(self, step: int) -> bool:
+        raise NotImplementedError
+
+    def checkpointed(self) -> dict:
+        return {}
+
+    def driver_state(self) -> dict:
+        return {}
+
+    def record(self, metrics: dict) -> None:
+        self.history.append(metrics)
+        self.metrics_log.append(metrics)
+
+    def started(self, step: int) -> None:
+        """After resume and the config dump, before the first step."""
+
+    def finished(self, wall_s: float) -> None:
+        """After the last step of this fit."""
+
+    def resumed_at(self, step: int) -> None:
+        """Logs that keep rows per step drop the rows past ``step`` (or start fresh at 0)."""
+        if step:
+            self.metrics_log.resume_at(step)
+        else:
+            self.metrics_log.start_fresh()
+
+    def on_nothing_to_train(self, message: str) -> None:
+        self.log(message)
+
+    def load_legacy(self, path: Path) -> dict:
+        """The driver state of a checkpoint without ``driver_state.json`` (its roles
+        loaded): none is readable by default."""
+        raise ValueError(f"{path} has no {STATE_FILE}: it was written in a layout this version does "
+                         "not read; resume from a checkpoint of this version, or start afresh with "
+                         "trainer.resume_mode=disable")
+
+    # -- the loop -------------------------------------------------------------------------
+    def fit(self, stop_after: int | None = None) -> list[dict]:
+        """Train to ``total_steps`` (or ``stop_after`` more steps, as if preempted),
+        holding the run dir."""
+        with hold_run_dir(self.out):
+            return self._fit(stop_after)
+
+    def _fit(self, stop_after: int | None) -> list[dict]:
+        t0 = time.perf_counter()
+        self.init_models()
+        step = self.resume()
+        done = nothing_to_train(self.out, step, self.total_steps)
+        if done:
+            self.on_nothing_to_train(done)
+        dump_yaml(self.cfg, self.out / "config.yaml")  # the resolved config of this start
+        self.started(step)
+        end = self.total_steps if stop_after is None else min(self.total_steps, step + stop_after)
+        while step < end:
+            step += 1
+            metrics = self.train_step(step)
+            if self.validate_at(step):
+                metrics.update(self.validate(step))
+            self.record(metrics)  # before the checkpoint: a kill after it must not lose the row
+            if self.save_at(step):
+                self.save(step)
+        self.finished(time.perf_counter() - t0)
+        return self.history
+
+    # -- checkpoints ----------------------------------------------------------------------
+    def save(self, step: int) -> Path:
+        path = self.out / f"global_step_{step}"
+        for name, group in self.checkpointed().items():
+            group.save_checkpoint(str(path / name))
+        state = {"step": step, **{k: v.state_dict() for k, v in self.driver_state().items()}}
+        write_atomic(path / STATE_FILE, json.dumps(state))
+        save_config(path, self.cfg)
+        mark_latest(self.out, step)
+        self.last_checkpoint = path
+        return path
+
+    def resume(self) -> int:
+        """The step to go on from (0: a fresh start), every stateful thing restored."""
+        t = self.cfg.trainer
+        path = find_resume_path(str(self.out), t.resume_mode, t.resume_from_path)
+        if path is None:  # an attempt interrupted before its first checkpoint wrote rows
+            self.resumed_at(0)
+            return 0
+        changed = resume_config_changes(path, self.cfg)  # refuses changes that cannot apply
+        if (path / STATE_FILE).is_file():
+            state = read_json(path / STATE_FILE, RESUME_FIX)
+            for name, group in self.checkpointed().items():
+                group.load_checkpoint(str(path / name))
+        else:
+            state = self.load_legacy(path)
+        self.load_driver_state(state)
+        step = int(state["step"])
+        self.resumed_at(step)
+        self.last_checkpoint = path
+        self.log(f"resumed from {path} at step {step}"
+                 + (f" (changed: {', '.join(changed)})" if changed else ""))
+        return step
+
+    def load_driver_state(self, state: dict) -> None:
+        """Each ``driver_state()`` entry from its saved state (one the checkpoint lacks keeps
+        its fresh state)."""
+        for key, obj in self.driver_state().items():
+            if key in state:
+                obj.load_state_dict(state[key])

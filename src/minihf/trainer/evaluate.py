@@ -3,7 +3,8 @@
 The prompts go through the training path -- ``RLDataset`` renders the chat template and
 counts ``max_prompt_length`` in tokens, generation stops at the generation config's EOS ids
 (and the tokenizer's eos), each response is decoded with special tokens skipped and scored
-by the same reward function as training (``RuleReward``). Reports, per data source, the mean
+by the same reward function as training, through the scoring path RL validation takes
+(``minihf.trainer.scoring``). Reports, per data source, the mean
 score of ``n`` sampled answers per prompt (``mean@n``), ``pass@k`` for k = 1, 2, 4, ..., n
 (the unbiased estimate of Chen et al. 2021 that at least one of k samples passes, i.e. scores
 at least ``pass_threshold``) and the greedy answer's score, so a trained checkpoint compares
@@ -28,6 +29,7 @@ import torch.distributed as dist
 
 from minihf.protocol import Batch
 from minihf.hub import model_dir_of
+from minihf.trainer.scoring import mean_by_source, score_responses
 
 
 @dataclass
@@ -132,10 +134,8 @@ def _score_prompts(model_dir: Path, ds, mine: list[int], reward, eos: set, pad_i
               eos_token_ids=tuple(sorted(eos)), seed=cfg.seed)
     for name, params in runs:
         rows, batch = generate_batch(llm, ds, params, pad_id, mine)
-        _, _, scores = reward(batch)
-        lengths = batch["response_mask"].sum(-1).tolist()
-        results[name] = [(i, c.index, src, s, n, c.finish_reason == "length") for (i, c), src, s, n in zip(
-            rows, batch.non_tensors["data_source"], scores, lengths)]
+        results[name] = [(i, c.index, r.source, r.score, r.length, c.finish_reason == "length")
+                         for (i, c), r in zip(rows, score_responses(reward, batch))]
     llm.free()
     return results
 
@@ -145,9 +145,8 @@ def summarize(results: dict, prompts: int, cfg: EvalConfig) -> dict:
     each run, in (prompt, sample) order."""
     metrics: dict = {"prompts": prompts}
     for name, rows in results.items():
-        for src in sorted({r[2] for r in rows}):
-            scores = [r[3] for r in rows if r[2] == src]
-            metrics[f"{src}/{name}"] = sum(scores) / len(scores)
+        for src, mean in mean_by_source([r[3] for r in rows], [r[2] for r in rows]).items():
+            metrics[f"{src}/{name}"] = mean
             if name.startswith("mean@"):
                 passed: dict[int, int] = {}
                 for i, _, _, score, *_ in (r for r in rows if r[2] == src):

@@ -48,6 +48,7 @@ from minihf.trainer.reward import RuleReward, load_reward
 from minihf.trainer.advantage import estimate_advantages
 from minihf.trainer.balance import balance_batch
 from minihf.trainer.roles import role_groups, role_table, section_of
+from minihf.trainer.scoring import mean_by_source, score_responses
 from minihf.trainer.watch import RunWatch, SkipCounter
 
 PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
@@ -261,32 +262,30 @@ class PPOTrainer(RunLoop):
         k = self.cfg.actor_rollout_ref.rollout.val_kwargs.n
         size = self.cfg.data.val_batch_size or len(self.val)
         figures: dict[str, list] = {"reward": []}  # + the plug-ins' (Safe-RLHF: "cost")
-        sources, lengths = [], []
+        rows: list = []
         for start in range(0, len(self.val), size):
             batch = self.val.collate(list(range(start, min(len(self.val), start + size))))
             batch.non_tensors["uid"] = np.array([f"val{i}" for i in batch.non_tensors["index"]],
                                                 dtype=object)
             out, _ = self._generate(batch, {"validate": True, "global_step": step})
-            _, _, raw = self.reward(out)
+            scored = score_responses(self.reward, out)
             if start == 0 and self.cfg.trainer.log_samples_freq > 0:
                 self.log_samples(step, sample_rows(out, step, "val", self.reward, self.tokenizer,
-                                                   self.cfg.trainer.log_samples_n, scores=raw))
-            figures["reward"] += raw
+                                                   self.cfg.trainer.log_samples_n,
+                                                   scores=[r.score for r in scored]))
+            rows += scored
+            figures["reward"] += [r.score for r in scored]
             for plugin in self.plugins:
                 for name, values in plugin.validate(out).items():
                     figures.setdefault(name, []).extend(values)
-            sources += list(out.non_tensors["data_source"])
-            lengths += out["response_mask"].sum(-1).tolist()
-        m = {}
-        for name, values in figures.items():
-            for src in sorted(set(sources)):
-                vals = [v for v, d in zip(values, sources) if d == src]
-                m[f"val-core/{src}/{name}/mean@{k}"] = sum(vals) / len(vals)
+        sources = [r.source for r in rows]
+        m = {f"val-core/{src}/{name}/mean@{k}": v for name, values in figures.items()
+             for src, v in mean_by_source(values, sources).items()}
         m["val-core/mean"] = sum(figures["reward"]) / len(figures["reward"])
         for name, values in figures.items():
             if name != "reward":
                 m[f"val-core/{name}"] = sum(values) / len(values)
-        m["val/response_length/mean"] = sum(lengths) / len(lengths)
+        m["val/response_length/mean"] = sum(r.length for r in rows) / len(rows)
         m["timing_s/testing"] = time.perf_counter() - t0
         self.phase_totals["testing"] = self.phase_totals.get("testing", 0.0) + m["timing_s/testing"]
         return m

@@ -10,31 +10,21 @@ section (``roles.<name>``, ``minihf.trainer.ppo_config.RoleSection``) builds it 
 
 from __future__ import annotations
 
-from minihf.controller import Dispatch, Worker, register
+from minihf.controller import Dispatch, register
 from minihf.protocol import Batch
-from minihf.workers.config import LogProbConfig
-from minihf.workers.engine import build_fsdp_model, run_micro_batches, tensors_of
+from minihf.workers.engine import run_micro_batches, tensors_of
+from minihf.workers.frozen import FrozenModelWorker
 from minihf.workers.forward import forward_log_probs
 
 INPUT_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
 
 
-class LogProbWorker(Worker):
-    def __init__(self, config: LogProbConfig):
-        super().__init__()
-        self.config = config
-        self.model = None
-
-    @register(dispatch=Dispatch.ONE_TO_ALL)
-    def init_model(self) -> None:
-        c = self.config
-        self.model = build_fsdp_model(c.model, c.fsdp, head="lm", group=self.group,
-                                      device=self.device, trainable=False)
+class LogProbWorker(FrozenModelWorker):
+    head = "lm"
 
     @register(dispatch=Dispatch.DP_COMPUTE, reads=INPUT_KEYS)
     def compute_log_prob(self, batch: Batch) -> Batch:
-        if self.model is None:
-            raise RuntimeError(f"{type(self).__name__} ({self.role}): call init_model() first")
+        self.built()
         c = self.config
         data = tensors_of(batch, INPUT_KEYS, self.device)
         temperature = float(batch.meta.get("temperature", 1.0))

@@ -9,31 +9,21 @@ actor's tokenizer.
 
 from __future__ import annotations
 
-from minihf.controller import Dispatch, Worker, register
+from minihf.controller import Dispatch, register
 from minihf.protocol import Batch
-from minihf.workers.config import RewardModelConfig
-from minihf.workers.engine import build_fsdp_model, run_micro_batches, tensors_of
+from minihf.workers.engine import run_micro_batches, tensors_of
+from minihf.workers.frozen import FrozenModelWorker
 from minihf.workers.forward import forward_scores
 
 INPUT_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
 
 
-class RewardModelWorker(Worker):
-    def __init__(self, config: RewardModelConfig):
-        super().__init__()
-        self.config = config
-        self.model = None
-
-    @register(dispatch=Dispatch.ONE_TO_ALL)
-    def init_model(self) -> None:
-        c = self.config
-        self.model = build_fsdp_model(c.model, c.fsdp, head="score", group=self.group,
-                                      device=self.device, trainable=False)
+class RewardModelWorker(FrozenModelWorker):
+    head = "score"
 
     @register(dispatch=Dispatch.DP_COMPUTE, reads=INPUT_KEYS)
     def compute_rm_score(self, batch: Batch) -> Batch:
-        if self.model is None:
-            raise RuntimeError("RewardModelWorker: call init_model() first")
+        self.built()
         c = self.config
         data = tensors_of(batch, INPUT_KEYS, self.device)
 

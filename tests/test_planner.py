@@ -17,7 +17,7 @@ from minihf.cli import app
 from minihf.planner import DeviceProfile, Group, Plan, estimate, model_shape, plan_overrides, search
 from minihf.planner.cost import forward_seconds, generation_seconds, resident_bytes, update_seconds
 from minihf.planner.job import Role, Workload
-from minihf.planner.search import compositions, groupings, set_partitions, tp_options
+from minihf.planner.search import compositions, describe, groupings, set_partitions, tp_options
 
 ROOT = Path(__file__).resolve().parents[1]
 BELL = [1, 1, 2, 5, 15, 52]
@@ -121,6 +121,16 @@ def test_llama_7b_shape_and_a_paper_scale_plan():
     assert result.considered == result.refused + result.infeasible + len(result.ranked)
     assert result.ranked and result.ranked[0].fits
     assert all(a.step_seconds <= b.step_seconds for a, b in zip(result.ranked, result.ranked[1:]))
+    # whole nodes only (--unit 8): per grouping, the compositions of 2 nodes (1 way for one
+    # group, 1 for two, none for three), each with the actor's TP options (1, 2, 4, 8 that
+    # divide its devices and heads): the unit's candidates are a subset of the plain search's
+    nodes = search(w, 16, replace(_a100(), devices_per_node=8), unit=8)
+    shapes = [len(g) for g in groupings(w)]
+    want = sum(len(tp_options(16 if k == 1 else 8, 32, 32)) for k in shapes if k <= 2)
+    assert nodes.considered == want
+    assert {describe(e.plan) for e in nodes.ranked} <= {describe(e.plan) for e in result.ranked}
+    with pytest.raises(ValueError, match="--unit 3 must be >= 1 and divide --devices 16"):
+        search(w, 16, _a100(), unit=3)
 
 
 def _a100():

@@ -52,6 +52,8 @@ def plan(
     model: list[str] = typer.Option([], "--model", help="ROLE=DIR|NAME (e.g. all=llama-7b): a role's model "
                                     "instead of its model.path"),
     top: int = typer.Option(10, "--top", help="plans to show"),
+    unit: int = typer.Option(1, "--unit", help="give groups multiples of UNIT devices (e.g. 8, the node "
+                             "size, on a large cluster: far fewer candidates)"),
     out: Path = typer.Option(None, "--out", help="write the best plan as a recipe file train_ppo.py runs"),
     measure: bool = typer.Option(False, "--measure", help="measure this machine (matmuls at the recipe's "
                                  "shapes when one is given), write --profile-out and plan with it"),
@@ -67,6 +69,8 @@ def plan(
         raise typer.BadParameter("give --devices N and --profile NAME|FILE (or --measure)")
     if devices < 1 or nodes < 1 or devices % nodes:
         raise typer.BadParameter(f"--devices {devices} must be >= 1 and split evenly over --nodes {nodes}")
+    if unit < 1 or devices % unit:
+        raise typer.BadParameter(f"--unit {unit} must be >= 1 and divide --devices {devices}")
     bad = [m for m in model if "=" not in m]
     if bad:
         raise typer.BadParameter(f"--model {bad[0]!r}: give ROLE=DIR|NAME, e.g. all=llama-7b")
@@ -95,7 +99,7 @@ def plan(
     except (ConfigError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
-    result = search(w, devices, prof)
+    result = search(w, devices, prof, unit)
     typer.echo(f"job: {recipe}; {w.prompts} prompts x {w.sequences // w.prompts} samples, "
                f"{w.prompt_len}+{w.response_len} tokens; roles: "
                + ", ".join(f"{r.name} {r.model.params / 1e6:.1f}M" for r in w.roles))

@@ -4,8 +4,8 @@ The candidates (HybridFlow's Algorithm 1, over minihf's knobs):
 1. role groups: the actor, its rollout and its reference are one hybrid group; every other
    role (critic, reward model, cost model, cost critic) joins it or another group: every
    set partition of the roles (Bell(k) of them for k roles);
-2. devices per group: every way to give the groups N devices, each at least one (the
-   groups get contiguous ranks, the actor's group first);
+2. devices per group: every way to give the groups N devices, each at least one, or each a
+   multiple of ``unit`` devices (the groups get contiguous ranks, the actor's group first);
 3. per group: FSDP over all its devices; for the actor's group each rollout TP size that
    divides its devices and the model's query and KV heads; per trained role the largest
    power-of-two micro-batch (rows per device) up to its share of a mini-batch that fits in
@@ -77,16 +77,22 @@ class SearchResult:
     refused: int                         # a trained role's ppo_mini_batch_size does not split over its devices
 
 
-def search(w: Workload, devices: int, profile: DeviceProfile) -> SearchResult:
+def search(w: Workload, devices: int, profile: DeviceProfile, unit: int = 1) -> SearchResult:
+    """Every candidate of ``w`` on ``devices``, groups sized in multiples of ``unit`` devices
+    (1: any size; the node size on a large cluster, where sizes in between multiply the
+    candidates without new shapes of plan)."""
     if devices < 1:
         raise ValueError(f"--devices {devices}: need at least 1")
+    if unit < 1 or devices % unit:
+        raise ValueError(f"--unit {unit} must be >= 1 and divide --devices {devices}")
     actor = w.role("actor").model
     seen: set = set()
     ranked, considered, infeasible, refused = [], 0, 0, 0
     for grouping in groupings(w):
-        if len(grouping) > devices:
+        if len(grouping) > devices // unit:
             continue
-        for counts in compositions(devices, len(grouping)):
+        for units in compositions(devices // unit, len(grouping)):
+            counts = [n * unit for n in units]
             first, groups = 0, []
             for roles, n in zip(grouping, counts):
                 groups.append(Group(roles, first, n))

@@ -25,6 +25,7 @@ LAYERS = [
     ["protocol"],
     ["config"],
     ["controller"],
+    ["testing"],
     ["models"],
     ["parallel"],
     ["rollout"],
@@ -33,9 +34,9 @@ LAYERS = [
     ["data"],
     ["hub"],
     ["workers"],
-    ["trainer"],
-    ["api", "launcher", "testing"],
     ["planner"],
+    ["trainer"],
+    ["api", "launcher"],
     ["cli"],
 ]
 LEVEL = {pkg: i for i, line in enumerate(LAYERS) for pkg in line}

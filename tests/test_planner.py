@@ -279,3 +279,33 @@ def test_ranks_sharing_a_host_take_turns():
     assert contended(host, 4).flops == PROFILE.flops / 2            # 4 busy ranks on 2 cores
     assert contended(host, 4).memory_bandwidth == PROFILE.memory_bandwidth / 2
     assert contended(PROFILE, 64) == PROFILE                        # devices of their own
+
+
+def test_start_up_memory_check_reads_the_configured_plan(tmp_path):
+    """The job's own placement, TP and micro-batches (rows, or a token budget as full rows),
+    estimated as ``minihf plan`` would; a device too small refuses the job in one message
+    naming the group, the numbers and the keys; one large enough passes."""
+    from minihf.config import ConfigError, load_config
+    from minihf.hub import init_model
+    from minihf.planner.startup import check_memory, configured_plan
+    from minihf.trainer.ppo_job import PPOJobConfig
+
+    model = init_model(tmp_path / "m", size="tiny", task="sort")
+    cfg = load_config(PPOJobConfig, "ppo", [
+        f"actor_rollout_ref.model.path={model}", f"critic.model.path={model}",
+        "controller.placement={actor: {ranks: [0, 1]}, critic: {ranks: [2, 3]}}",
+        "actor_rollout_ref.actor.max_tokens_per_micro_batch=88",
+        "critic.max_tokens_per_micro_batch=null", "critic.ppo_micro_batch_size_per_gpu=3"])
+    from minihf.planner import workload
+
+    w = workload(cfg)
+    plan = configured_plan(cfg, 4, w)
+    assert [(g.roles, g.first_rank, g.devices) for g in plan.groups] == [(("actor",), 0, 2), (("critic",), 2, 2)]
+    assert dict(plan.micro_batches) == {"actor": 88 // (24 + 20), "critic": 3}   # the recipe's 24 + 20 tokens
+    small = replace(_a100(), memory_bytes=1e6)
+    with pytest.raises(ConfigError, match=r"predicted peak memory [\d.]+ GB per device for roles \['actor'\] on 2 "
+                                          r"device\(s\) exceeds the 0.0 GB of a A100-80GB .*"
+                                          r"actor_rollout_ref.actor.max_tokens_per_micro_batch \(now 88\).*"
+                                          r"trainer.memory_check=false"):
+        check_memory(cfg, 4, small)
+    check_memory(cfg, 4, _a100())   # a tiny model on 80 GB: fits

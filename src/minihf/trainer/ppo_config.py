@@ -279,6 +279,7 @@ class PPOTrainerConfig:
     log_samples_n: int = 4               # rows per logged step (one sample of each of the first prompts)
     balance_batch: bool = True           # even out each mini-batch's tokens over the actor's DP ranks (rows move between ranks, not mini-batches)
     max_skipped_steps: int = 3           # steps in a row with a NaN/Inf gradient (update skipped) before the run stops; 0: never
+    memory_check: bool = True            # on CUDA, refuse at start-up a placement whose predicted peak memory exceeds a device's (minihf.planner's model)
 
     def __post_init__(self):
         check_run_length(self.total_epochs, self.total_training_steps)

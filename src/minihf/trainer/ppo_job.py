@@ -116,6 +116,10 @@ def rl_job(cfg: PPOJobConfig, device, trainer=None):
     try:
         prepare_job(cfg, device)
         check_paths(cfg)
+        if device.type == "cuda" and cfg.trainer.memory_check:  # before any role loads a model
+            from minihf.planner.startup import check_memory, device_profile
+
+            check_memory(cfg, dist.get_world_size(), device_profile(device))
         return run(ppo_driver(cfg, trainer=trainer), ppo_roles(cfg), cfg.controller, device=device)
     finally:
         if dist.get_rank() == 0:

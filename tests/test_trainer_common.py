@@ -154,5 +154,5 @@ def test_summary_says_when_only_one_validation_ran():
                        ([0.35, 0.5, 0.9], "validation score: 0.3500 (first) -> 0.9000 (last)")):
         lines = []
         PPOTrainer.summary(SimpleNamespace(history=[{"val-core/mean": v} for v in vals],
-                                           phase_totals={"gen": 1.0}, log=lines.append), 2.0)
+                                           phase_totals={"gen": 1.0}, groups={}, log=lines.append), 2.0)
         assert lines[0].startswith(want) and lines[1] == "wall time 2.0s; by phase: gen 1.0s"

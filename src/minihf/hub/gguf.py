@@ -134,7 +134,7 @@ def convert_gguf(gguf_file: str | Path, out_dir: str | Path, dtype: str = "float
     unless ``overwrite``. Raises FileNotFoundError / FileExistsError / ValueError naming the
     path or the unsupported architecture.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     from minihf.data.tokenizer import save_tokenizer
     from minihf.utils.files import staged_dir
@@ -155,11 +155,13 @@ def convert_gguf(gguf_file: str | Path, out_dir: str | Path, dtype: str = "float
     # trust_remote_code=False: minihf never runs code from a model dir (nor asks to)
     where = dict(pretrained_model_name_or_path=str(src.parent), gguf_file=src.name,
                  trust_remote_code=False)
-    config = AutoConfig.from_pretrained(**where)
+    # one parse for the config and the weights (each from_pretrained reads the whole header,
+    # tens of thousands of vocabulary entries, again); the architecture was checked above
+    hf_model = AutoModelForCausalLM.from_pretrained(**where, dtype=DTYPES[dtype])
+    config = hf_model.config
     if config.model_type not in ARCH_PREFIX:
         raise ValueError(f"{src}: transformers reads it as model_type {config.model_type!r}, "
                          f"which minihf does not implement; supported: {sorted(ARCH_PREFIX)}")
-    hf_model = AutoModelForCausalLM.from_pretrained(**where, config=config, dtype=DTYPES[dtype])
     tokenizer = AutoTokenizer.from_pretrained(**where)
     gen = hf_model.generation_config
     align_special_tokens(tokenizer, gen.bos_token_id, gen.eos_token_id, gen.pad_token_id)

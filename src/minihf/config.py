@@ -370,6 +370,13 @@ def _recipe_relative(value: Any, folder: Path) -> Any:
     return value
 
 
+def section_of(cfg: Any, dotted: str) -> Any:
+    """The config section at a dotted path (a mapping's entries indexed, e.g. ``roles.teacher``)."""
+    for part in dotted.split("."):
+        cfg = cfg[part] if isinstance(cfg, dict) else getattr(cfg, part)
+    return cfg
+
+
 def split_cli_args(args: list[str]) -> tuple[str | None, list[str]]:
     """Split script arguments into the ``recipe=NAME`` value and the other overrides."""
     recipes = [a.partition("=")[2] for a in args if a.startswith("recipe=")]

@@ -12,7 +12,7 @@ full-length rows). ``trainer.memory_check=false`` turns it off (the model is an 
 
 from __future__ import annotations
 
-from minihf.config import ConfigError
+from minihf.config import ConfigError, section_of
 from minihf.planner.cost import Group, Plan, estimate
 from minihf.planner.job import workload
 from minihf.planner.profiles import BUILTIN, DeviceProfile
@@ -23,12 +23,6 @@ MICRO = {"actor": ("actor_rollout_ref.actor", "ppo_micro_batch_size_per_gpu"),
          "cost_critic": ("cost_critic", "ppo_micro_batch_size_per_gpu"),
          "reward_model": ("reward_model", "micro_batch_size_per_gpu"),
          "cost_model": ("cost_model", "micro_batch_size_per_gpu")}
-
-
-def _section(cfg, dotted: str):
-    for part in dotted.split("."):
-        cfg = getattr(cfg, part)
-    return cfg
 
 
 def configured_plan(cfg, world: int, w) -> Plan:
@@ -45,7 +39,7 @@ def configured_plan(cfg, world: int, w) -> Plan:
     tokens = w.prompt_len + w.response_len
     for name in names:
         section, key = MICRO[name]
-        s = _section(cfg, section)
+        s = section_of(cfg, section)
         budget = s.max_tokens_per_micro_batch
         micro.append((name, max(1, budget // tokens) if budget is not None else getattr(s, key) or 1))
     return Plan(groups, cfg.actor_rollout_ref.rollout.tensor_model_parallel_size, tuple(micro))
@@ -78,7 +72,7 @@ def check_memory(cfg, world: int, profile: DeviceProfile) -> None:
     keys = []
     for r in group.roles:
         section, key = MICRO[r]
-        budget = _section(cfg, section).max_tokens_per_micro_batch
+        budget = section_of(cfg, section).max_tokens_per_micro_batch
         keys.append(f"{section}.max_tokens_per_micro_batch (now {budget})" if budget is not None
                     else f"{section}.{key} (now {dict(plan.micro_batches)[r]})")
     raise ConfigError(

@@ -131,7 +131,7 @@ class Plugin:
         from minihf.config import ConfigError, from_dict
 
         self.ctx = ctx
-        settings = ctx.cfg.algorithm.plugin_config.get(self.key(), {}) if ctx.cfg is not None else {}
+        settings = ctx.cfg.algorithm.plugin_config.get(self.key(), {})
         if self.Config is None:
             if settings:
                 raise ConfigError(f"algorithm.plugin_config.{self.key()}: plug-in {self.key()} takes "

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from minihf.algorithms import AdaptiveKLController, FixedKLController, apply_kl_penalty
+from minihf.config import section_of
 from minihf.protocol import Batch
 from minihf.trainer.common import Log, MetricsLog, config_json, every, format_line, run_dir
 from minihf.trainer.loggers import Console, Trackers
@@ -47,7 +48,7 @@ from minihf.trainer.ppo_config import PPOConfig
 from minihf.trainer.reward import RuleReward, load_reward
 from minihf.trainer.advantage import estimate_advantages
 from minihf.trainer.balance import balance_batch
-from minihf.trainer.roles import role_groups, role_table, section_of
+from minihf.trainer.roles import role_groups, role_table
 from minihf.trainer.scoring import mean_by_source, score_responses
 from minihf.trainer.watch import RunWatch, SkipCounter
 

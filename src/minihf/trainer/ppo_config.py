@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional, Union
 
-from minihf.config import ConfigError
+from minihf.config import ConfigError, section_of
 from minihf.trainer.algorithm_config import AlgorithmConfig
 from minihf.controller.config import ControllerConfig, refuse_tp
 from minihf.trainer.common import check_run_length
@@ -295,8 +295,6 @@ class PPOConfig:
         """Batch sizes that do not fit the ranks fail here, naming the key and what works.
         ``ranks``: each trained role's section (``"critic"``, ``"actor_rollout_ref.actor"``)
         -> the DP ranks that train it (the role table's ``trains``)."""
-        from minihf.trainer.roles import section_of
-
         rows = self.data.train_batch_size * self.actor_rollout_ref.rollout.n
         for section, n_ranks in ranks.items():
             key, mini = f"{section}.ppo_mini_batch_size", section_of(self, section).ppo_mini_batch_size

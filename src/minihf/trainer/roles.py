@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from minihf.config import section_of
+
 
 def _always(cfg) -> bool:
     return True
@@ -47,13 +49,6 @@ class RoleDef:
         import minihf.workers
 
         return getattr(minihf.workers, self.worker)
-
-
-def section_of(cfg, dotted: str) -> Any:
-    """The config section at a dotted path (``roles.teacher`` indexes the roles mapping)."""
-    for part in dotted.split("."):
-        cfg = cfg[part] if isinstance(cfg, dict) else getattr(cfg, part)
-    return cfg
 
 
 CORE_ROLES = (

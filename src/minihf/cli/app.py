@@ -104,7 +104,7 @@ def make_data(
 
 @app.command()
 def generate(
-    model_dir: str = typer.Argument(..., help="HF model dir (config.json, safetensors, tokenizer), or a training checkpoint (…/global_step_N)."),
+    model_dir: str = typer.Argument(..., help="HF model dir (config.json, safetensors, tokenizer), a PEFT adapter dir, or a training checkpoint (…/global_step_N)."),
     prompt: list[str] = typer.Option(..., "--prompt", "-p", help="Prompt text; repeat for a batch."),
     max_tokens: int = typer.Option(64, help="New tokens at most."),
     temperature: float = typer.Option(0.0, help="0 = greedy."),
@@ -195,8 +195,11 @@ def export(
     out: str = typer.Argument(..., help="Directory for the Hugging Face model (config, safetensors, tokenizer)."),
     dtype: str = typer.Option("float32", help="float32 | bfloat16 | float16"),
     overwrite: bool = typer.Option(False, help="Replace a non-empty OUT."),
+    merge: bool = typer.Option(False, help="A LoRA checkpoint: merge the adapters into the base (an HF "
+                                           "model dir) instead of writing a PEFT adapter dir."),
 ) -> None:
-    """Export a sharded training checkpoint as an HF model dir that transformers loads."""
+    """Export a sharded training checkpoint as an HF model dir that transformers loads (a LoRA
+    checkpoint: a PEFT adapter dir that peft loads, or merged with --merge)."""
     import torch
 
     from minihf.hub import export_hf
@@ -206,16 +209,16 @@ def export(
     if Path(out).is_dir() and any(Path(out).iterdir()) and not overwrite:
         raise typer.BadParameter(f"{out} is not empty; pass --overwrite to replace it, or choose a new dir")
     try:
-        path = export_hf(ckpt, out, dtype=getattr(torch, dtype))
-    except (FileNotFoundError, FileExistsError) as exc:
+        path = export_hf(ckpt, out, dtype=getattr(torch, dtype), merge=merge)
+    except (FileNotFoundError, FileExistsError, ValueError) as exc:
         raise typer.BadParameter(str(exc)) from exc
     typer.echo(f"exported {ckpt} to {path}")
 
 
 @app.command("eval")
 def eval_(
-    model: str = typer.Argument(..., help="HF model dir (the base model, `minihf export` of a checkpoint) or a training "
-                                          "checkpoint (outputs/RUN/global_step_N)."),
+    model: str = typer.Argument(..., help="HF model dir (the base model, `minihf export` of a checkpoint), a PEFT "
+                                          "adapter dir, or a training checkpoint (outputs/RUN/global_step_N)."),
     files: list[str] = typer.Argument(None, help="Prompt files in verl's format (parquet/jsonl)."),
     data: list[str] = typer.Option(None, help="A prompt file (repeatable); the same as listing it after MODEL."),
     n: int = typer.Option(4, "--n", "-n", help="Sampled answers per prompt, scored as mean@n and pass@k (0: none)."),

@@ -1,6 +1,11 @@
 """Training checkpoints out as Hugging Face model dirs: :func:`export_hf` (the ``minihf
 export`` command), and :func:`model_dir_of`, which lets every command that takes a model
-dir take a checkpoint too."""
+dir take a checkpoint too.
+
+A LoRA checkpoint holds the adapters only (and a critic's value head); its base model is
+the dir ``meta.json`` names (``lora.base``). It exports as a PEFT adapter dir, or with
+``merge`` as a plain model dir with ``W + B A * alpha / r`` in each adapted weight. A PEFT
+adapter dir given where a model dir is expected is merged into its base the same way."""
 
 from __future__ import annotations
 
@@ -9,7 +14,9 @@ from pathlib import Path
 
 import torch
 
-from minihf.models import build_model, load_args, save_hf
+from minihf.hub.peft import is_adapter_dir, read_adapter_dir, write_adapter_dir
+from minihf.models import build_model, load_args, load_hf, save_hf
+from minihf.models.lora import apply_lora, merge_lora_state, trained_with_lora
 from minihf.utils.checkpoint import TOKENIZER_FILES, load_model_state
 from minihf.utils.files import check_output_dir, read_json, staged_dir
 
@@ -28,7 +35,8 @@ def role_checkpoint(path: str | Path) -> Path | None:
     return roles[0] if len(roles) == 1 else None
 
 
-def export_hf(ckpt: str | Path, out: str | Path, dtype: torch.dtype | None = None) -> Path:
+def export_hf(ckpt: str | Path, out: str | Path, dtype: torch.dtype | None = None,
+              merge: bool = False) -> Path:
     """Write the model of checkpoint ``ckpt`` as an HF dir at ``out`` (single process).
 
     ``ckpt``: a role's checkpoint dir (``meta.json``), or an RL run's ``global_step_N``,
@@ -36,7 +44,8 @@ def export_hf(ckpt: str | Path, out: str | Path, dtype: torch.dtype | None = Non
 
     ``dtype`` casts the weights (e.g. ``torch.bfloat16``); default keeps the stored fp32.
     The dir is written under a temporary name and renamed into place, so an interrupted
-    export leaves no half-written model behind (a rerun exports again).
+    export leaves no half-written model behind (a rerun exports again). A LoRA checkpoint
+    is written as a PEFT adapter dir, or (``merge``) merged into its base model.
     """
     found, out = role_checkpoint(ckpt), Path(out)
     if found is None:
@@ -45,21 +54,82 @@ def export_hf(ckpt: str | Path, out: str | Path, dtype: torch.dtype | None = Non
                                 ".../global_step_N/critic)")
     ckpt = found
     check_output_dir(out, "export target")
-    head = read_json(ckpt / "meta.json", "the checkpoint was not written completely; export an earlier "
-                     "global_step_N").get("head")
+    meta = read_json(ckpt / "meta.json", "the checkpoint was not written completely; export an earlier "
+                     "global_step_N")
+    head, lora = meta.get("head"), meta.get("lora")
+    if lora:
+        return _export_lora(ckpt, out, head, lora, dtype, merge)
     model = build_model(load_args(ckpt / "hf"), head)
     state = model.state_dict()
     load_model_state(ckpt, state)
     model.load_state_dict(state)
     model.tie_weights()
+    return _write_model(model, ckpt / "hf", out, dtype)
+
+
+def _write_model(model, files: Path, out: Path, dtype: torch.dtype | None) -> Path:
+    """``model`` as an HF dir at ``out``, with the tokenizer files of ``files``."""
     if dtype is not None:
         model.to(dtype)
     with staged_dir(out) as tmp:
         save_hf(model, tmp)
         for name in TOKENIZER_FILES:
-            if (ckpt / "hf" / name).exists() and name != "config.json":
-                shutil.copy2(ckpt / "hf" / name, tmp / name)
+            if (files / name).exists() and name != "config.json":
+                shutil.copy2(files / name, tmp / name)
     return out
+
+
+def _base_dir(base: str | None, where: str) -> Path:
+    if not base or not (Path(base) / "config.json").is_file():
+        raise FileNotFoundError(f"{where}: the base model {base!r} is not a model dir (no "
+                                "config.json); LoRA adapters need the base they were trained on, "
+                                "put it back there (or point the field at a copy of it)")
+    return Path(base)
+
+
+def _export_lora(ckpt: Path, out: Path, head: str, lora: dict, dtype, merge: bool) -> Path:
+    """A LoRA checkpoint as a PEFT adapter dir, or merged into its base (``merge``)."""
+    base = _base_dir(lora.get("base"), f"{ckpt / 'meta.json'} lora.base")
+    if not merge and head != "lm":
+        raise ValueError(f"{ckpt} is a LoRA {head} model: its {head} head was trained in full, "
+                         "which a PEFT causal-LM adapter dir cannot hold; export it with --merge")
+    model = load_hf(base, head=head) if merge else build_model(load_args(ckpt / "hf"), head, device="meta")
+    apply_lora(model, lora["rank"], lora["alpha"], lora["modules"])
+    trained = {n: torch.empty(t.shape) for n, t in model.state_dict().items()
+               if trained_with_lora(n, head)}
+    load_model_state(ckpt, trained)
+    if not merge:
+        adapters = {n: t if dtype is None else t.to(dtype) for n, t in trained.items()}
+        return write_adapter_dir(out, adapters, rank=lora["rank"], alpha=lora["alpha"],
+                                 target_modules=lora["target_modules"], base=str(base))
+    return _merged(base, head, {**model.state_dict(), **trained}, lora["alpha"] / lora["rank"],
+                   ckpt / "hf", out, dtype)
+
+
+def _merged(base: Path, head: str, state: dict, scaling: float, files: Path, out: Path,
+            dtype) -> Path:
+    plain = build_model(load_args(base), head)
+    plain.load_state_dict(merge_lora_state(state, scaling))
+    plain.tie_weights()
+    return _write_model(plain, files, out, dtype)
+
+
+def merge_adapter_dir(adapter: str | Path, out: str | Path) -> Path:
+    """A PEFT LoRA adapter dir merged into its base model (``base_model_name_or_path``, a
+    local dir) as an HF model dir at ``out``."""
+    cfg, adapters = read_adapter_dir(adapter)
+    base = _base_dir(cfg.get("base_model_name_or_path"),
+                     f"{Path(adapter) / 'adapter_config.json'} base_model_name_or_path")
+    model = load_hf(base)
+    names = sorted({n.rpartition(".")[0] for n in adapters})
+    apply_lora(model, int(cfg["r"]), float(cfg["lora_alpha"]), names)
+    state = model.state_dict()
+    for n, t in adapters.items():
+        if tuple(state[n].shape) != tuple(t.shape):
+            raise ValueError(f"{adapter}: {n} has shape {tuple(t.shape)}, the base model {base} "
+                             f"needs {tuple(state[n].shape)} (an adapter for another model?)")
+    return _merged(base, "lm", {**state, **{n: t.float() for n, t in adapters.items()}},
+                   float(cfg["lora_alpha"]) / int(cfg["r"]), base, Path(out), None)
 
 
 def model_dir_of(path: str | Path, scratch: Path) -> Path:
@@ -67,8 +137,11 @@ def model_dir_of(path: str | Path, scratch: Path) -> Path:
     an RL run, its ``actor``, or an SFT ``global_step_N``) exported under ``scratch``."""
     path = Path(path)
     if role_checkpoint(path) is not None:
-        return export_hf(path, scratch / "hf")
+        return export_hf(path, scratch / "hf", merge=True)
+    if is_adapter_dir(path):
+        return merge_adapter_dir(path, scratch / "hf")
     if (path / "config.json").is_file():
         return path
-    raise FileNotFoundError(f"{path} is neither an HF model dir (config.json) nor a training checkpoint "
-                            "(meta.json, or actor/meta.json); pass e.g. outputs/RUN/global_step_N")
+    raise FileNotFoundError(f"{path} is neither an HF model dir (config.json), a PEFT adapter dir "
+                            "(adapter_config.json) nor a training checkpoint (meta.json, or "
+                            "actor/meta.json); pass e.g. outputs/RUN/global_step_N")

@@ -7,6 +7,16 @@ sleep, freeing its weights and KV cache before training resumes. The engine's mo
 built once, on the meta device, and rewritten for TP (``tp_rewrite``); it never holds
 weights it was not given.
 
+A LoRA actor (``minihf.models.lora``): the engine's model carries the same adapters,
+unmerged, sliced for TP like the layers they adapt (``placement``), and adds their term to
+each product as the trainer does; merging them into a kept copy of the base weights was
+the alternative, but it would hold a second copy of every adapted weight, cost a merge of
+every adapted matrix per step, and round differently from the trainer's forward. The
+base weights never change, so the engine keeps them while asleep (only the KV cache is
+freed) and each later sync moves the adapters alone (``adapter_buckets``): per-step
+traffic is the adapter bytes. ``rollout.free_base_weights`` frees them too; the next
+sync then gathers everything again.
+
 Randomness comes from the caller: sample j of the prompt with uid u at global step s draws
 from ``request_seed(rollout.seed, s, u, j)``, whatever its row, replica or call. So DP
 replicas never share streams, the n samples of a prompt differ wherever they land, and a
@@ -21,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from minihf.models import build_model
+from minihf.models.lora import apply_lora, is_lora_param, lora_modules
 from minihf.parallel.fsdp import reshard as fsdp_reshard
 from minihf.parallel.tp import tp_rewrite
 from minihf.protocol import Batch
@@ -65,10 +76,21 @@ class HybridEngine:
         args = fsdp_model.args
         shapes = {n: tuple(p.shape) for n, p in fsdp_model.named_parameters()}  # global shapes
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        self.buckets = plan_reshard(shapes, _size(all_group), self.tp, mode=cfg.reshard,
-                                    tied_lm_head=bool(args.tie_word_embeddings),
-                                    itemsize=itemsize, bucket_bytes=cfg.reshard_bucket_mb << 20)
+
+        def plan(names) -> list:
+            return plan_reshard({n: shapes[n] for n in names}, _size(all_group), self.tp,
+                                mode=cfg.reshard, tied_lm_head=bool(args.tie_word_embeddings),
+                                itemsize=itemsize, bucket_bytes=cfg.reshard_bucket_mb << 20)
+
+        self.buckets = plan(shapes)  # every weight: the first sync, and every sync without LoRA
+        adapted = lora_modules(fsdp_model)
+        self.adapter_buckets = plan([n for n in shapes if is_lora_param(n)]) if adapted else None
+        self.base_loaded = False  # whether the engine holds the (frozen) base weights now
         model = build_model(args, "lm", device="meta", dtype=self.dtype)
+        if adapted:
+            first = next(iter(adapted.values()))
+            rank = first.lora_A.shape[0]
+            apply_lora(model, rank, first.scaling * rank, list(adapted))
         tp_rewrite(model, tp_group if self.tp > 1 else None)
         self.engine = Engine(
             model, device=device, max_num_seqs=cfg.max_num_seqs,
@@ -80,16 +102,25 @@ class HybridEngine:
 
     # -- weights --------------------------------------------------------------------------
     def sync_weights(self) -> None:
-        """Wake the engine up and load the FSDP model's current weights into it."""
+        """Wake the engine up and load the FSDP model's current weights into it (a LoRA
+        model's adapters alone while the engine still holds its base weights)."""
         fsdp_reshard(self.fsdp_model)  # every parameter a DTensor shard again
         self.engine.wake_up()
+        buckets = self.adapter_buckets if self.base_loaded else self.buckets
         dest = dict(self.engine.model.named_parameters())
         self.last_reshard = reshard_into(
-            self.fsdp_model, self.buckets, dest, gather_group=self.gather_group,
+            self.fsdp_model, buckets, dest, gather_group=self.gather_group,
             all_group=self.all_group, tp_rank=self.tp_rank, tp=self.tp, dtype=self.dtype)
+        self.base_loaded = self.adapter_buckets is not None
 
     def sleep(self) -> None:
+        """Free the KV cache and the weights (a LoRA engine keeps its base weights, unless
+        ``rollout.free_base_weights``)."""
+        if self.adapter_buckets is not None and not self.cfg.free_base_weights:
+            self.engine.free(weights=False)
+            return
         self.engine.sleep()
+        self.base_loaded = False
 
     def engine_weight_bytes(self) -> int:
         """Bytes of weights the engine holds now (0 asleep)."""
@@ -156,6 +187,7 @@ class HybridEngine:
             out.non_tensors.update(batch.non_tensors)
             out.tensors["sample_index"] = index
         out.meta.update({"timing_s/reshard": t1 - t0, "timing_s/gen": t2 - t1, "rollout/n": n,
+                         "perf/reshard_bytes": self.last_reshard.get("bytes_received", 0),
                          "temperature": temperature if temperature > 0 else 1.0})
         return out
 
@@ -186,7 +218,8 @@ def build_output(batch: Batch, seqs, response_length: int, pad_token_id: int) ->
     })
 
 
-MAX_META = ("timing_s/reshard", "timing_s/gen")  # replicas run at once: the slowest counts
+# replicas run at once: the slowest counts (and the most bytes one rank received)
+MAX_META = ("timing_s/reshard", "timing_s/gen", "perf/reshard_bytes")
 
 
 def collect_rollout(layout, outputs: list, ctx) -> Batch:

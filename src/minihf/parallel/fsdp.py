@@ -133,15 +133,24 @@ def local_range(param: DTensor) -> tuple[int, int, int]:
 
 
 @torch.no_grad()
-def load_sharded(model: nn.Module, reader) -> nn.Module:
-    """Fill ``model`` (built on meta, sharded by :func:`apply_fsdp`, then materialised with
-    ``to_empty``) from ``reader`` (``minihf.models.CheckpointReader``): each rank reads only
-    its own rows of each parameter from the files. Returns ``model``."""
+def load_sharded(model: nn.Module, reader, extra: dict[str, torch.Tensor] | None = None) -> nn.Module:
+    """Fill ``model`` (built on meta, sharded by :func:`apply_fsdp` or not, then materialised
+    with ``to_empty``) from ``reader`` (``minihf.models.CheckpointReader``): each rank reads
+    only its own rows of each parameter from the files. ``extra``: full tensors for
+    parameters the checkpoint does not hold (LoRA adapters), sliced alike. Returns ``model``."""
+    extra = extra or {}
     params = dict(model.named_parameters())  # tied weights once
-    reader.check({n: tuple(p.shape) for n, p in params.items()})
+    reader.check({n: tuple(p.shape) for n, p in params.items() if n not in extra})
+
+    def read(name: str, dim: int | None = None, start: int = 0, end: int | None = None):
+        if name not in extra:
+            return reader.read(name, dim, start, end)
+        full = extra[name]
+        return full if dim is None else full.narrow(dim, start, end - start)
+
     for name, p in params.items():
         if not isinstance(p, DTensor):
-            p.copy_(reader.read(name))
+            p.copy_(read(name))
             continue
         dim, start, end = local_range(p)
         local = p.to_local()
@@ -149,5 +158,5 @@ def load_sharded(model: nn.Module, reader) -> nn.Module:
             raise RuntimeError(f"{name}: FSDP holds {local.shape[dim]} rows on this rank, "
                                f"expected {end - start} (rows {start}:{end} of {p.shape[dim]})")
         if end > start:
-            local.copy_(reader.read(name, dim, start, end))
+            local.copy_(read(name, dim, start, end))
     return model

@@ -10,6 +10,11 @@ reshard planner (``minihf.reshard``) reads both, so the three can never disagree
   and sliced when resharding); bias replicated.
 * ``lm_head.weight``: vocab-parallel (TP dim 0) when the vocabulary divides by the TP size,
   else replicated; FSDP dim 0.
+* LoRA adapters (``<module>.lora_A`` [r, in], ``<module>.lora_B`` [out, r]) follow the
+  layer they adapt: a column-parallel layer's ``lora_B`` is split on dim 0 with its weight
+  and its ``lora_A`` replicated; a row-parallel layer's ``lora_A`` is split on dim 1 (its
+  input features) and its ``lora_B`` replicated, so each TP rank's partial sum includes its
+  adapter term before the one all-reduce.
 * Everything else (embedding, norms, value/score heads): replicated under TP, FSDP dim 0.
   The embedding stays replicated because a vocab-parallel lookup would need an all-reduce
   per forward for a table the engine reads only B rows of.
@@ -31,9 +36,9 @@ def tp_role(name: str) -> int | None:
     """The dim TP would slice ``name`` on if sizes allow (0 column/vocab, 1 row), else None."""
     module, leaf = _module_leaf(name)
     if module in COLUMN_PARALLEL:
-        return 0
-    if module in ROW_PARALLEL:
-        return 1 if leaf == "weight" else None  # a row-parallel bias is added once, after the sum
+        return None if leaf == "lora_A" else 0
+    if module in ROW_PARALLEL:  # its bias is added once, after the sum; its lora_B is replicated
+        return 1 if leaf in ("weight", "lora_A") else None
     if module in VOCAB_PARALLEL and leaf == "weight":
         return 0
     return None

@@ -17,6 +17,10 @@ Two steps (STYLE rule 2: the engine's model is built on the meta device, then fi
 are unchanged (``...q_proj.weight``), so a TP model's state dict holds shards under the HF
 keys. The layers are for inference (rollout): the collectives are not autograd-aware. The
 same code runs on gloo (CPU) and NCCL (CUDA).
+
+A LoRA layer (``minihf.models.lora``) keeps its adapter unmerged under TP: the column and
+row layers then hold this rank's ``lora_A``/``lora_B`` slices (``placement``) and add
+``(x A^T) B^T * scaling`` to their local product, before the row layer's all-reduce.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from minihf.models.linear import linear
+from minihf.models.lora import lora_delta
 from minihf.parallel.placement import COLUMN_PARALLEL, ROW_PARALLEL, tp_dim
 
 
@@ -43,29 +48,51 @@ def shard_tensor(t: torch.Tensor, dim: int | None, rank: int, world_size: int) -
     return t.narrow(dim, rank * step, step).clone()
 
 
-class ColumnParallelLinear(nn.Module):
-    """``y_local = x @ W_local^T + b_local``: this rank's output features; input replicated."""
+def _frozen(t: torch.Tensor | None) -> nn.Parameter | None:
+    return nn.Parameter(t, requires_grad=False) if t is not None else None
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+
+class _Adapted(nn.Module):
+    """A TP layer's optional LoRA adapter (this rank's slices) and its term."""
+
+    def _set_lora(self, lora: tuple[torch.Tensor, torch.Tensor, float] | None) -> None:
+        self.lora_A = self.lora_B = None  # instance attributes: a class one would shadow the parameters
+        if lora is not None:
+            self.lora_A, self.lora_B = _frozen(lora[0]), _frozen(lora[1])
+            self.scaling = lora[2]
+
+    def _plus_lora(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        if self.lora_A is None:
+            return y
+        return y + lora_delta(x, self.lora_A, self.lora_B, self.scaling)
+
+
+class ColumnParallelLinear(_Adapted):
+    """``y_local = x @ W_local^T + b_local``: this rank's output features; input replicated.
+    ``lora``: (A [r, in], B_local [out/t, r], scaling)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, lora=None):
         super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)
-        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+        self.weight, self.bias = _frozen(weight), _frozen(bias)
+        self._set_lora(lora)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return self._plus_lora(linear(x, self.weight, self.bias), x)
 
 
-class RowParallelLinear(nn.Module):
-    """``y = all_reduce(x_local @ W_local^T) + b``: input split on features, output replicated."""
+class RowParallelLinear(_Adapted):
+    """``y = all_reduce(x_local @ W_local^T) + b``: input split on features, output replicated.
+    ``lora``: (A_local [r, in/t], B [out, r], scaling); each rank's adapter term is a partial
+    sum too (``x A^T = sum of x_local A_local^T``), reduced with the product."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group, lora=None):
         super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)
-        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+        self.weight, self.bias = _frozen(weight), _frozen(bias)
         self.group = group
+        self._set_lora(lora)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight)
+        y = self._plus_lora(linear(x, self.weight), x)
         dist.all_reduce(y, group=self.group)
         return y + self.bias if self.bias is not None else y
 
@@ -157,11 +184,15 @@ def tp_rewrite(model: nn.Module, tp_group) -> nn.Module:
             return torch.empty(shape, dtype=t.dtype, device=t.device)
 
         weight = empty(f"{name}.weight", w)
+        lora = None
+        if getattr(module, "lora_A", None) is not None:  # a LoRA layer: its adapter's slices
+            lora = (empty(f"{name}.lora_A", module.lora_A), empty(f"{name}.lora_B", module.lora_B),
+                    module.scaling)
         if leaf in COLUMN_PARALLEL:
-            new = ColumnParallelLinear(weight, empty(f"{name}.bias", module.bias))
+            new = ColumnParallelLinear(weight, empty(f"{name}.bias", module.bias), lora)
         elif leaf in ROW_PARALLEL:
             bias = module.bias
-            new = RowParallelLinear(weight, None if bias is None else torch.empty_like(bias), tp_group)
+            new = RowParallelLinear(weight, None if bias is None else torch.empty_like(bias), tp_group, lora)
         else:
             new = VocabParallelLMHead(weight, tp_group, world)
         _set_submodule(model, name, new)

@@ -195,6 +195,8 @@ class PPOTrainer(RunLoop):
         batch, gen_meta = self._generate(batch, {"global_step": ctx.step})
         reshard = gen_meta.get("timing_s/reshard", 0.0)  # inside gen's time, reported apart
         ctx.metrics["timing_s/reshard"] = ctx.metrics.get("timing_s/reshard", 0.0) + reshard
+        moved = gen_meta.get("perf/reshard_bytes", 0)  # one rank's, received (LoRA: the adapters)
+        ctx.metrics["perf/reshard_bytes"] = ctx.metrics.get("perf/reshard_bytes", 0) + moved
         batch.meta["global_step"] = ctx.step
         return batch
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from minihf.config import section_of
+from minihf.workers.actor import reference_source
 
 
 def _always(cfg) -> bool:
@@ -53,7 +54,10 @@ class RoleDef:
 
 CORE_ROLES = (
     RoleDef("actor", "ActorRolloutRefWorker", "actor_rollout_ref", trains="actor_rollout_ref.actor",
-            checkpointed=True, kwargs=lambda cfg: {"with_ref": cfg.use_ref}),
+            checkpointed=True, kwargs=lambda cfg: {
+                "with_ref": cfg.use_ref,
+                # a LoRA actor's reference is its own model with the adapters off
+                "reference": reference_source(cfg.actor_rollout_ref.model)}),
     RoleDef("critic", "CriticWorker", "critic", lambda cfg: cfg.critic.enable, trains="critic",
             checkpointed=True),
     RoleDef("reward_model", "RewardModelWorker", "reward_model", lambda cfg: cfg.reward_model.enable),

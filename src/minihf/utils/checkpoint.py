@@ -7,7 +7,11 @@ Layout of a checkpoint dir::
     extra/rank_R.pt   per rank: LR-scheduler state, RNG states, caller's extra state
                       (data-sampler position, global step, ...)
     hf/               config.json (+ tokenizer files copied from the source model dir)
-    meta.json         world size and head kind, for loading and export
+    meta.json         world size and head kind (+ the LoRA settings), for loading and export
+
+A model with frozen parameters (LoRA: the base weights) saves its trained ones only (the
+adapters, a critic's value head) and their optimizer state; the base comes from the
+model dir on resume and on export (``meta.json``'s ``lora.base``).
 
 Resuming restores everything an optimizer step depends on, so the next step is
 bit-identical to an uninterrupted run on CPU. Loading runs no code from the files
@@ -29,8 +33,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
 
 from minihf.utils.files import CorruptFileError, short_write
 from minihf.utils.safe_load import (SafeFileSystemReader, SafeLoadPlanner, UnsafeCheckpointError,
@@ -76,17 +81,26 @@ def _rank(group) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
+def _options(model: torch.nn.Module, load: bool = False) -> StateDictOptions | None:
+    """Trained parameters only when some are frozen (LoRA); None (everything) otherwise."""
+    if all(p.requires_grad for p in model.parameters()):
+        return None
+    return StateDictOptions(ignore_frozen_params=True, strict=not load)
+
+
 def save_checkpoint(path: str | Path, model: torch.nn.Module, optimizer=None, lr_scheduler=None,
-                    *, group=None, extra: dict | None = None, hf_source: str | Path | None = None) -> Path:
+                    *, group=None, extra: dict | None = None, hf_source: str | Path | None = None,
+                    meta: dict | None = None) -> Path:
     """Save a (sharded) training state to ``path``; every rank of ``group`` must call it.
 
     ``extra`` is this rank's own picklable state (sampler position, step, ...), returned by
     :func:`load_checkpoint`. ``hf_source``: a model dir whose tokenizer files are copied
-    into ``hf/`` so ``minihf.hub.export_hf`` writes a complete model dir.
+    into ``hf/`` so ``minihf.hub.export_hf`` writes a complete model dir. ``meta``: more
+    keys for ``meta.json`` (a LoRA model's settings).
     """
     path = Path(path)
     try:
-        _save(path, model, optimizer, lr_scheduler, group, extra, hf_source)
+        _save(path, model, optimizer, lr_scheduler, group, extra, hf_source, meta)
     except (Exception, CheckpointException) as exc:
         short = short_write(exc, path, "the checkpoint", KEPT)
         if short is None:
@@ -99,11 +113,11 @@ KEPT = ("it is incomplete and never used: latest_checkpointed_iteration.txt stil
         "complete checkpoint, which is intact; free space, then rerun the same command to resume from it")
 
 
-def _save(path, model, optimizer, lr_scheduler, group, extra, hf_source) -> None:
+def _save(path, model, optimizer, lr_scheduler, group, extra, hf_source, meta) -> None:
     rank, world = _rank(group)
     with _quiet_single_process(group is None):
-        dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(path / "model"),
-                 process_group=group)
+        dcp.save({"model": get_model_state_dict(model, options=_options(model))},
+                 checkpoint_id=str(path / "model"), process_group=group)
         if optimizer is not None:
             dcp.save({"optim": get_optimizer_state_dict(model, optimizer)},
                      checkpoint_id=str(path / "optim"), process_group=group)
@@ -121,7 +135,8 @@ def _save(path, model, optimizer, lr_scheduler, group, extra, hf_source) -> None
             for name in TOKENIZER_FILES:
                 if (Path(hf_source) / name).exists():
                     shutil.copy2(Path(hf_source) / name, hf / name)
-        (path / "meta.json").write_text(json.dumps({"world_size": world, "head": model.head}) + "\n")
+        (path / "meta.json").write_text(json.dumps({"world_size": world, "head": model.head,
+                                                    **(meta or {})}) + "\n")
     if group is not None and dist.is_initialized():
         dist.barrier(group=group)
 
@@ -177,9 +192,9 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer=None, lr
         raise FileNotFoundError(f"{path} has no optimizer state (optim/); it was saved "
                                 "without an optimizer")
     with _quiet_single_process(group is None):
-        state = {"model": get_model_state_dict(model)}
+        state = {"model": get_model_state_dict(model, options=_options(model))}
         _dcp_load(state, path / "model", group)
-        set_model_state_dict(model, state["model"])
+        set_model_state_dict(model, state["model"], options=_options(model, load=True))
         if optimizer is not None:
             ostate = {"optim": get_optimizer_state_dict(model, optimizer)}
             _dcp_load(ostate, path / "optim", group)

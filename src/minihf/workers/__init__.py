@@ -18,7 +18,7 @@ _HOMES = {"ActorRolloutRefWorker": "actor", "CriticWorker": "critic", "RewardMod
           "LogProbWorker": "log_prob",
           **{name: "config" for name in ("ActorConfig", "ActorRolloutRefConfig", "CriticConfig", "FSDPConfig",
                                           "LogProbConfig", "ModelConfig", "PolicyLossConfig", "RefConfig", "RewardModelConfig",
-                                          "RLModelConfig", "RolloutConfig", "ValKwargs")}}
+                                          "RLModelConfig", "RolloutConfig", "TrainedModelConfig", "ValKwargs")}}
 __all__ = sorted(_HOMES)
 
 

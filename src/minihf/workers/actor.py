@@ -15,7 +15,9 @@ Methods the driver calls (dispatch ``DP_COMPUTE`` unless noted):
   ``prompts, responses, input_ids, attention_mask, position_ids, response_mask,
   rollout_log_probs``; ``batch.meta["global_step"]`` seeds the samples.
 * ``compute_log_prob(batch) -> Batch{old_log_probs[, entropys][, log_prob_bound]}``
-* ``compute_ref_log_prob(batch) -> Batch{ref_log_prob}``
+* ``compute_ref_log_prob(batch) -> Batch{ref_log_prob}``: under a model of its own, or
+  (``reference="adapters_off"``, a LoRA actor's) under the actor's own model with its
+  adapters switched off: the base model, with no second copy of its weights.
 * ``update_actor(batch) -> metrics`` (DP_COMPUTE_EXACT) (``actor/pg_loss``, ``actor/pg_clipfrac``,
   ``actor/ppo_kl``, ``actor/entropy``, ``actor/kl_loss``, ``actor/grad_norm``,
   ``actor/lr``), reduced over ranks, from DP rank 0.
@@ -39,6 +41,8 @@ size: no rank computes another's rows.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 
 from minihf.algorithms import (agg_loss, get_policy_loss_fn, kl_penalty, logprob_rounding_bound,
@@ -47,6 +51,7 @@ from minihf.algorithms.policy_loss import check_takes_is_weights
 from minihf.controller import Dispatch, Worker, register
 from minihf.hybrid import HybridEngine, collect_rollout
 from minihf.hybrid.engine import rollout_dtype
+from minihf.models.lora import adapters_disabled
 from minihf.parallel.fsdp import default_mixed_precision
 from minihf.protocol import Batch
 from minihf.rollout.llm import eos_ids_from_dir
@@ -60,21 +65,39 @@ UPDATE_KEYS = INPUT_KEYS + ("response_mask", "old_log_probs", "advantages")
 GENERATE_KEYS = ("input_ids", "attention_mask", "position_ids", "sample_index", "uid")
 
 
+REFERENCES = ("model", "adapters_off")
+
+
+def reference_source(model_cfg) -> str:
+    """How the reference policy is computed: a LoRA actor's is its base (adapters off)."""
+    return "adapters_off" if getattr(model_cfg, "lora", False) else "model"
+
+
 class ActorRolloutRefWorker(Worker):
-    def __init__(self, config: ActorRolloutRefConfig, with_ref: bool = True):
+    def __init__(self, config: ActorRolloutRefConfig, with_ref: bool = True,
+                 reference: str | None = None):
+        """``reference``: ``model`` (a frozen copy loaded from ``model.path``) or
+        ``adapters_off`` (LoRA); None: :func:`reference_source` of the config."""
         super().__init__()
         if self.tp_size != 1:
             raise ValueError(f"placement.{self.role}.tp_size={self.tp_size}: the actor trains "
                              "over all its ranks; set the generation TP size with "
                              "actor_rollout_ref.rollout.tensor_model_parallel_size instead")
+        reference = reference or reference_source(config.model)
+        if reference not in REFERENCES or (reference == "adapters_off") != (
+                reference_source(config.model) == "adapters_off"):
+            raise ValueError(f"reference={reference!r}: use 'adapters_off' with a LoRA actor "
+                             "(model.lora_rank > 0) and 'model' without")
         self.config = config
         self.with_ref = with_ref
+        self.reference = reference
         self.state: TrainState | None = None  # the trained policy (model, optimizer, schedule)
         self.actor = self.ref = None           # self.actor is self.state.model
         self.rollout: HybridEngine | None = None
 
     @classmethod
-    def declare_layouts(cls, config: ActorRolloutRefConfig, with_ref: bool = True) -> dict[str, int]:
+    def declare_layouts(cls, config: ActorRolloutRefConfig, with_ref: bool = True,
+                        reference: str | None = None) -> dict[str, int]:
         return {"rollout": config.rollout.tensor_model_parallel_size}
 
     # -- set-up ---------------------------------------------------------------------------
@@ -87,7 +110,9 @@ class ActorRolloutRefWorker(Worker):
                                       group=self.group, device=self.device,
                                       total_steps=total_training_steps)
         self.actor = self.state.model
-        if self.with_ref:
+        if self.with_ref and self.reference == "adapters_off":
+            self.ref = self.actor
+        elif self.with_ref:
             self.ref = build_fsdp_model(cfg.model, cfg.ref.fsdp, head="lm", group=self.group,
                                         device=self.device, trainable=False)
         r = cfg.rollout
@@ -167,8 +192,10 @@ class ActorRolloutRefWorker(Worker):
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         """Log-probs of the response tokens under the frozen reference policy."""
         r = self.config.ref
-        out = self._log_probs(self._require("ref"), batch, r.log_prob_micro_batch_size_per_gpu,
-                              r.max_tokens_per_micro_batch, False)
+        ref = self._require("ref")
+        with adapters_disabled(ref) if self.reference == "adapters_off" else nullcontext():
+            out = self._log_probs(ref, batch, r.log_prob_micro_batch_size_per_gpu,
+                                  r.max_tokens_per_micro_batch, False)
         return Batch({"ref_log_prob": out["log_probs"].cpu()})
 
     # -- update ---------------------------------------------------------------------------

@@ -8,7 +8,7 @@ Every field has verl's name where verl has one.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 from minihf.algorithms import LOSS_AGG_MODES
 from minihf.algorithms.kl import KL_PENALTIES
@@ -42,6 +42,35 @@ class RLModelConfig(ModelConfig):
     def shares_prompt(self) -> bool:
         """Whether forwards share prompts: only packed ones can."""
         return self.use_remove_padding and self.share_prompt
+
+
+@dataclass
+class TrainedModelConfig(RLModelConfig):
+    """A trained RL role's model (actor, critic), optionally with LoRA adapters (verl's
+    names; ``minihf.models.lora``): ``lora_rank`` > 0 freezes the base weights and trains
+    adapters on the ``target_modules`` only (a critic's value head is trained in full)."""
+    lora_rank: int = 0                   # LoRA rank r; 0 = train every weight
+    lora_alpha: float = 16.0             # adapter scale: alpha / r
+    target_modules: Union[str, list[str]] = "all-linear"  # all-linear (q/k/v/o/gate/up/down) or module names
+    exclude_modules: Optional[list[str]] = None  # module names left out of target_modules
+    lora_adapter_path: Optional[str] = None  # start from this PEFT adapter dir (adapter_config.json)
+
+    @property
+    def lora(self) -> bool:
+        return self.lora_rank > 0
+
+    def __post_init__(self):
+        if not isinstance(self.lora_rank, int) or self.lora_rank < 0:
+            raise ValueError(f"lora_rank={self.lora_rank!r} must be an int >= 0 (0 = no LoRA)")
+        if not self.lora_alpha > 0:
+            raise ValueError(f"lora_alpha={self.lora_alpha} must be > 0")
+        if self.lora_rank == 0:
+            stray = [k for k, v in (("target_modules", self.target_modules != "all-linear"),
+                                    ("exclude_modules", self.exclude_modules is not None),
+                                    ("lora_adapter_path", self.lora_adapter_path is not None)) if v]
+            if stray:
+                raise ValueError(f"{', '.join(stray)} set but lora_rank=0 (LoRA is off); set "
+                                 "lora_rank > 0 (e.g. 16) or drop them")
 
 
 def _check_micro(micro: Optional[int], max_tokens: Optional[int]) -> None:
@@ -188,6 +217,7 @@ class RolloutConfig:
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
     seed: int = 0                        # base of every sample's seed (with step, uid, sample index)
     check_log_probs: Literal["off", "warn", "error"] = "off"  # engine vs trainer log-probs within rounding, every step
+    free_base_weights: bool = False      # LoRA actor: sleeping frees the engine's base weights too (gathered again each step); default keeps them, so only the adapters move
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
 
     def __post_init__(self):
@@ -213,7 +243,7 @@ class RolloutConfig:
 @dataclass
 class ActorRolloutRefConfig:
     """The hybrid actor/rollout/reference worker."""
-    model: RLModelConfig = field(default_factory=RLModelConfig)
+    model: TrainedModelConfig = field(default_factory=TrainedModelConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     ref: RefConfig = field(default_factory=RefConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -222,7 +252,7 @@ class ActorRolloutRefConfig:
 @dataclass
 class CriticConfig:
     """PPO value-function update (model.path may be a causal-LM checkpoint)."""
-    model: RLModelConfig = field(default_factory=RLModelConfig)
+    model: TrainedModelConfig = field(default_factory=TrainedModelConfig)
     ppo_mini_batch_size: int = 16        # sequences per critic optimizer step, global
     ppo_micro_batch_size_per_gpu: Optional[int] = 4  # rows per forward/backward (when no token budget)
     max_tokens_per_micro_batch: Optional[int] = None  # token budget per micro-batch (wins when set)

@@ -15,7 +15,10 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn as nn
 
-from minihf.models import CheckpointReader, build_model, load_hf, materialize
+from minihf.hub.peft import read_adapter_dir
+from minihf.models import CheckpointReader, build_model, materialize
+from minihf.models.lora import (apply_lora, init_lora_state, is_lora_param, module_names,
+                                trained_with_lora)
 from minihf.parallel.fsdp import apply_fsdp, fsdp_mesh, load_sharded, reshard
 from minihf.workers.config import FSDPConfig, ModelConfig
 from minihf.workers.packing import response_prompt_groups
@@ -24,20 +27,57 @@ from minihf.workers.train_step import plan_micro_batches, take_rows
 
 def build_fsdp_model(model_cfg: ModelConfig, fsdp_cfg: FSDPConfig, *, head: str, group,
                      device: torch.device, trainable: bool = True) -> nn.Module:
-    """``model_cfg.path`` with ``head``, sharded over ``group``'s ranks (meta -> FSDP ->
-    materialise -> this rank's rows). ``group`` None: one process, the whole model."""
+    """``model_cfg.path`` with ``head``, sharded over ``group``'s ranks (meta -> LoRA ->
+    FSDP -> materialise -> this rank's rows). ``group`` None: one process, the whole model.
+    A trained model whose config sets ``lora_rank`` gets adapters (``minihf.models.lora``):
+    its base weights are frozen, the adapters (and a value or score head) train."""
     if not model_cfg.path:
         raise ValueError("model.path is empty; set it to an HF checkpoint dir (e.g. one "
                          "written by `minihf init-model`)")
-    if group is None:
-        return load_hf(model_cfg.path, dtype=torch.float32, device=device,
-                       head=head).requires_grad_(trainable)
     reader = CheckpointReader(model_cfg.path, head)
     model = build_model(reader.args, head, device="meta", dtype=torch.float32)
-    model.requires_grad_(trainable)
-    shard_model(model, fsdp_cfg, group=group, device=device, trainable=trainable)
-    materialize(model, "cpu" if fsdp_cfg.param_offload else device)  # offload: shards on the host
-    return load_sharded(model, reader)
+    lora = trainable and getattr(model_cfg, "lora", False)
+    if lora:
+        apply_lora(model, model_cfg.lora_rank, model_cfg.lora_alpha,
+                   module_names(model, model_cfg.target_modules, model_cfg.exclude_modules,
+                                "model.target_modules"))
+    model.requires_grad_(trainable and not lora)
+    for name, p in model.named_parameters():
+        if lora and trained_with_lora(name, head):
+            p.requires_grad_(True)
+    if group is not None:
+        shard_model(model, fsdp_cfg, group=group, device=device, trainable=trainable)
+    materialize(model, "cpu" if fsdp_cfg.param_offload and group is not None else device)
+    return load_sharded(model, reader, adapter_state(model_cfg, model) if lora else None)
+
+
+def adapter_state(model_cfg, model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapters' starting values (full tensors): peft's initialisation (the adapted
+    model starts equal to its base), or the PEFT dir ``model.lora_adapter_path``, checked
+    against the config and the model."""
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters() if is_lora_param(n)}
+    path = model_cfg.lora_adapter_path
+    if path is None:
+        return init_lora_state(shapes, seed=0)
+    cfg, state = read_adapter_dir(path)
+    where = f"model.lora_adapter_path={path!r}"
+    for key, ours, theirs in (("lora_rank", model_cfg.lora_rank, cfg.get("r")),
+                              ("lora_alpha", model_cfg.lora_alpha, cfg.get("lora_alpha"))):
+        if theirs is None or float(ours) != float(theirs):
+            raise ValueError(f"{where} was trained with {key}={theirs!r} but model.{key}={ours!r}; "
+                             f"set model.{key}={theirs!r}")
+    if set(state) != set(shapes):
+        theirs = sorted({n.rpartition(".")[0] for n in state})
+        ours = sorted({n.rpartition(".")[0] for n in shapes})
+        raise ValueError(f"{where} adapts {len(theirs)} modules ({theirs[:3]}...) but "
+                         f"model.target_modules / exclude_modules select {len(ours)} "
+                         f"({ours[:3]}...); set them to the adapter's target_modules "
+                         f"{cfg.get('target_modules')!r}")
+    for name, shape in shapes.items():
+        if tuple(state[name].shape) != shape:
+            raise ValueError(f"{where}: {name} has shape {tuple(state[name].shape)}, this model's "
+                             f"is {shape} (an adapter for another base model?)")
+    return {n: t.float() for n, t in state.items()}
 
 
 def shard_model(model: nn.Module, fsdp_cfg: FSDPConfig, *, group, device: torch.device,

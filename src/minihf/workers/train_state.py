@@ -20,11 +20,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 import torch.nn as nn
 
+from minihf.models.lora import TARGETS, lora_modules, target_list
 from minihf.utils import checkpoint as ckpt
 from minihf.workers.config import FSDPConfig, ModelConfig
 from minihf.workers.engine import build_fsdp_model
@@ -37,13 +40,16 @@ from minihf.workers.train_step import (LossFn, global_normalizer, global_token_c
 
 class TrainState:
     def __init__(self, model: nn.Module, optim: OptimConfig, *, group=None,
-                 total_steps: int | None = None, hf_source: str | None = None):
+                 total_steps: int | None = None, hf_source: str | None = None,
+                 lora: dict | None = None):
         """``total_steps`` (the run's optimizer steps, from the driver) fills
         ``optim.total_training_steps`` when the config leaves it unset (cosine needs it).
-        ``group`` None: one unsharded process, no collectives."""
+        ``group`` None: one unsharded process, no collectives. ``lora``: a LoRA model's
+        settings (:func:`lora_meta`), kept in the checkpoint's ``meta.json``."""
         if total_steps is not None and optim.total_training_steps is None:
             optim = dataclasses.replace(optim, total_training_steps=total_steps)
         self.model, self.optim, self.group, self.hf_source = model, optim, group, hf_source
+        self.lora = lora
         self.optimizer = build_optimizer(model.parameters(), optim)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, optim)
 
@@ -52,7 +58,8 @@ class TrainState:
               head: str, group, device: torch.device,
               total_steps: int | None = None) -> "TrainState":
         model = build_fsdp_model(model_cfg, fsdp_cfg, head=head, group=group, device=device)
-        return cls(model, optim, group=group, total_steps=total_steps, hf_source=model_cfg.path)
+        return cls(model, optim, group=group, total_steps=total_steps, hf_source=model_cfg.path,
+                   lora=lora_meta(model_cfg, model))
 
     def step(self, micro_batches: Sequence[dict], loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step; metrics summed over micro-batches and ranks (+ grad_norm, lr)."""
@@ -94,7 +101,8 @@ class TrainState:
         """Sharded model + optimizer + schedule + RNG (+ ``extra``) under ``path``; every
         rank of the group calls it."""
         ckpt.save_checkpoint(path, self.model, self.optimizer, self.lr_scheduler,
-                             group=self.group, extra=dict(extra or {}), hf_source=self.hf_source)
+                             group=self.group, extra=dict(extra or {}), hf_source=self.hf_source,
+                             meta={"lora": self.lora} if self.lora else None)
         return str(path)
 
     def load(self, path: str) -> dict:
@@ -102,6 +110,7 @@ class TrainState:
         the next step comes from this run's schedule at the saved step, not from the saved
         optimizer: a resumed run with a changed length (``total_epochs``) is on its new
         schedule from its first step (with an unchanged one, the two are the same numbers)."""
+        self._check_lora(path)
         extra = ckpt.load_checkpoint(path, self.model, self.optimizer, self.lr_scheduler,
                                      group=self.group)
         sched = self.lr_scheduler
@@ -110,6 +119,23 @@ class TrainState:
             group["lr"] = lr
         sched._last_lr = lrs
         return extra
+
+    def _check_lora(self, path: str) -> None:
+        """One clear error when the checkpoint's LoRA settings differ from this model's."""
+        meta = Path(path) / "meta.json"
+        if not meta.is_file():
+            return  # load_checkpoint explains
+        saved = json.loads(meta.read_text()).get("lora")
+        keys = ("rank", "modules")
+        if (saved or {}).get("rank") == (self.lora or {}).get("rank") and (
+                not saved or all(saved[k] == self.lora[k] for k in keys)):
+            return
+        def said(lora):
+            return (f"lora_rank={lora['rank']} on {len(lora['modules'])} modules" if lora
+                    else "full parameters (lora_rank=0)")
+        raise ValueError(f"checkpoint {path} was trained with {said(saved)}, this run has "
+                         f"{said(self.lora)}; set model.lora_rank / target_modules / "
+                         "exclude_modules as they were, or start a new run")
 
     @contextlib.contextmanager
     def optimizer_on_host(self, enabled: bool = True):
@@ -123,6 +149,19 @@ class TrainState:
             yield
         finally:
             move_optimizer_state(self.optimizer, device)
+
+
+def lora_meta(model_cfg, model: nn.Module) -> dict | None:
+    """A LoRA model's settings for its checkpoints (None without LoRA): rank, alpha, the
+    adapted modules, ``target_modules`` for a PEFT adapter config, the base model dir."""
+    if not getattr(model_cfg, "lora", False):
+        return None
+    names = list(lora_modules(model))
+    adaptable = [n for n, m in model.named_modules()
+                 if isinstance(m, nn.Linear) and n.rpartition(".")[2] in TARGETS]
+    return {"rank": model_cfg.lora_rank, "alpha": model_cfg.lora_alpha, "modules": names,
+            "target_modules": target_list(names, adaptable),
+            "base": str(Path(model_cfg.path).resolve())}
 
 
 def move_optimizer_state(optimizer, device: torch.device | str) -> None:

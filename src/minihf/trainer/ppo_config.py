@@ -225,6 +225,10 @@ class PPOConfig:
                              "trainer's recomputed old log-probs, but actor.recompute_log_prob="
                              "false uses the engine's as the old ones (verl's bypass mode, "
                              "nothing to correct); set recompute_log_prob to null or true")
+        if r.free_base_weights and not self.actor_rollout_ref.model.lora:
+            raise ValueError("actor_rollout_ref.rollout.free_base_weights frees a LoRA actor's base "
+                             "weights (actor_rollout_ref.model.lora_rank > 0); without LoRA every "
+                             "weight is freed anyway: drop it")
         refuse_tp(self.controller.placement, "generation's tensor parallelism is actor_rollout_"
                   "ref.rollout.tensor_model_parallel_size; drop tp_size")
         self._check_safe()

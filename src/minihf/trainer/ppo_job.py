@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from minihf.config import ConfigError
+from minihf.config import ConfigError, section_of
 from minihf.trainer.common import check_run_dir, run_dir, run_dir_lock
 from minihf.trainer.ppo_config import PPOConfig
 from minihf.trainer.prepare import PrepareConfig, file_list, on_rank0, prepare_job
@@ -59,6 +59,7 @@ def check_paths(cfg: PPOConfig) -> None:
                           f"paths are from {Path.cwd()}); pass an HF checkpoint dir (offline: "
                           "`minihf init-model DIR --task digits`, then `minihf sft`)")
     check_rollout_tp(cfg)
+    check_lora(cfg)
     check_run_dir(run_dir(cfg.trainer), "trainer.default_local_dir")
     for key, section in (("reward_model", cfg.reward_model), ("cost_model", cfg.cost_model)):
         if section.enable and not Path(section.model.path or "", "config.json").is_file():
@@ -99,6 +100,35 @@ def check_rollout_tp(cfg: PPOConfig) -> None:
                        where=f"the model at {cfg.actor_rollout_ref.model.path}")
     except ValueError as exc:
         raise ConfigError(f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}: {exc}") from None
+
+
+def check_lora(cfg: PPOConfig) -> None:
+    """The LoRA keys of the trained roles against their models, before any worker starts:
+    module names that match nothing, a ``lora_adapter_path`` that is no PEFT dir or does not
+    fit (its rank, alpha, modules, shapes)."""
+    from minihf.hub.peft import is_adapter_dir
+    from minihf.models import build_model, load_args
+    from minihf.models.lora import apply_lora, module_names
+    from minihf.workers.engine import adapter_state
+
+    for section, enabled, head in (("actor_rollout_ref", True, "lm"),
+                                   ("critic", cfg.critic.enable, "value"),
+                                   ("cost_critic", cfg.cost_critic.enable, "value")):
+        m = section_of(cfg, section).model
+        if not enabled or not m.lora:
+            continue
+        key = f"{section}.model"
+        path = m.lora_adapter_path
+        if path is not None and not is_adapter_dir(path):
+            raise ConfigError(f"{key}.lora_adapter_path={path!r} is not a PEFT adapter dir (no "
+                              f"adapter_config.json; relative paths are from {Path.cwd()})")
+        model = build_model(load_args(m.path), head, device="meta")
+        try:
+            apply_lora(model, m.lora_rank, m.lora_alpha, module_names(
+                model, m.target_modules, m.exclude_modules, f"{key}.target_modules"))
+            adapter_state(m, model, key)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
 
 
 def rl_job(cfg: PPOJobConfig, device, trainer=None):

@@ -88,6 +88,18 @@ def _options(model: torch.nn.Module, load: bool = False) -> StateDictOptions | N
     return StateDictOptions(ignore_frozen_params=True, strict=not load)
 
 
+def _model_state(model: torch.nn.Module) -> dict:
+    """The model's state dict to save or load into: its trained parameters only when some
+    are frozen. DCP's ``ignore_frozen_params`` keeps a frozen tied alias (the LM head of a
+    tied embedding: ``named_parameters`` lists it once), so the keys are filtered here too."""
+    options = _options(model)
+    state = get_model_state_dict(model, options=options)
+    if options is None:
+        return state
+    trained = {n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+    return {k: v for k, v in state.items() if k in trained}
+
+
 def save_checkpoint(path: str | Path, model: torch.nn.Module, optimizer=None, lr_scheduler=None,
                     *, group=None, extra: dict | None = None, hf_source: str | Path | None = None,
                     meta: dict | None = None) -> Path:
@@ -116,7 +128,7 @@ KEPT = ("it is incomplete and never used: latest_checkpointed_iteration.txt stil
 def _save(path, model, optimizer, lr_scheduler, group, extra, hf_source, meta) -> None:
     rank, world = _rank(group)
     with _quiet_single_process(group is None):
-        dcp.save({"model": get_model_state_dict(model, options=_options(model))},
+        dcp.save({"model": _model_state(model)},
                  checkpoint_id=str(path / "model"), process_group=group)
         if optimizer is not None:
             dcp.save({"optim": get_optimizer_state_dict(model, optimizer)},
@@ -192,7 +204,7 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer=None, lr
         raise FileNotFoundError(f"{path} has no optimizer state (optim/); it was saved "
                                 "without an optimizer")
     with _quiet_single_process(group is None):
-        state = {"model": get_model_state_dict(model, options=_options(model))}
+        state = {"model": _model_state(model)}
         _dcp_load(state, path / "model", group)
         set_model_state_dict(model, state["model"], options=_options(model, load=True))
         if optimizer is not None:

@@ -51,26 +51,26 @@ def build_fsdp_model(model_cfg: ModelConfig, fsdp_cfg: FSDPConfig, *, head: str,
     return load_sharded(model, reader, adapter_state(model_cfg, model) if lora else None)
 
 
-def adapter_state(model_cfg, model: nn.Module) -> dict[str, torch.Tensor]:
+def adapter_state(model_cfg, model: nn.Module, section: str = "model") -> dict[str, torch.Tensor]:
     """The adapters' starting values (full tensors): peft's initialisation (the adapted
     model starts equal to its base), or the PEFT dir ``model.lora_adapter_path``, checked
-    against the config and the model."""
+    against the config and the model (errors name the keys under ``section``)."""
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters() if is_lora_param(n)}
     path = model_cfg.lora_adapter_path
     if path is None:
         return init_lora_state(shapes, seed=0)
     cfg, state = read_adapter_dir(path)
-    where = f"model.lora_adapter_path={path!r}"
+    where = f"{section}.lora_adapter_path={path!r}"
     for key, ours, theirs in (("lora_rank", model_cfg.lora_rank, cfg.get("r")),
                               ("lora_alpha", model_cfg.lora_alpha, cfg.get("lora_alpha"))):
         if theirs is None or float(ours) != float(theirs):
-            raise ValueError(f"{where} was trained with {key}={theirs!r} but model.{key}={ours!r}; "
-                             f"set model.{key}={theirs!r}")
+            raise ValueError(f"{where} was trained with {key}={theirs!r} but {section}.{key}="
+                             f"{ours!r}; set {section}.{key}={theirs!r}")
     if set(state) != set(shapes):
         theirs = sorted({n.rpartition(".")[0] for n in state})
         ours = sorted({n.rpartition(".")[0] for n in shapes})
         raise ValueError(f"{where} adapts {len(theirs)} modules ({theirs[:3]}...) but "
-                         f"model.target_modules / exclude_modules select {len(ours)} "
+                         f"{section}.target_modules / exclude_modules select {len(ours)} "
                          f"({ours[:3]}...); set them to the adapter's target_modules "
                          f"{cfg.get('target_modules')!r}")
     for name, shape in shapes.items():

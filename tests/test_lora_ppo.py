@@ -1,0 +1,96 @@
+"""The RL job with LoRA (2 gloo ranks, the main job's digits task on the tiny model):
+GRPO with a LoRA actor stopped after step 2 of 4 and resumed equals the uninterrupted run
+(adapters bitwise, metrics exactly); every sync after the first moves the adapters only;
+PPO with a LoRA actor and a LoRA critic runs; bad LoRA keys fail at start-up naming them."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from minihf.config import ConfigError
+from minihf.models import build_model, load_args
+from minihf.models.lora import apply_lora, module_names
+from minihf.testing import spawn_ranks
+
+from test_ppo import _runs, job_config, tiny_job  # noqa: F401  (tiny_job: a fixture)
+
+LORA = {"actor_rollout_ref.model.lora_rank": 8, "actor_rollout_ref.model.lora_alpha": 16,
+        "actor_rollout_ref.actor.optim.lr": 1e-2}
+
+
+def adapter_bytes(model_dir, rank=8) -> int:
+    model = build_model(load_args(model_dir), "lm", device="meta")
+    apply_lora(model, rank, 16.0, module_names(model, "all-linear"))
+    return sum(p.numel() * 4 for n, p in model.named_parameters() if ".lora_" in n)
+
+
+def test_lora_grpo_resume_and_ppo_with_lora_critic(tiny_job, tmp_path):
+    from minihf.hub import export_hf
+
+    model, data = tiny_job
+    extra = {**LORA, "trainer.total_training_steps": 4, "trainer.save_freq": 2}
+    critic = {**LORA, "critic.model.lora_rank": 4, "critic.model.target_modules": "[q_proj,v_proj]"}
+    cases = [("full", "grpo", None, "full", extra), ("first", "grpo", 2, "resumed", extra),
+             ("rest", "grpo", None, "resumed", extra), ("ppo", "ppo", None, "ppo", critic)]
+    res = spawn_ranks(_runs, 2, model, data, str(tmp_path), cases, timeout_s=600)[0]
+
+    def strip(h):  # (a resumed engine syncs every weight once more: perf/reshard_bytes differs)
+        return {k: v for k, v in h.items() if not k.startswith(("timing_s/", "perf/"))}
+    assert [strip(h) for h in res["full"]] == [strip(h) for h in res["first"] + res["rest"]]
+    for run in ("full", "resumed"):
+        export_hf(tmp_path / run / "global_step_4", tmp_path / f"{run}_adapter")
+    a, b = (load_file(str(tmp_path / f"{r}_adapter" / "adapter_model.safetensors"))
+            for r in ("full", "resumed"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    steps = [h for h in res["full"] if h["step"] > 0]
+    # the validation before step 1 synced every weight; each step after moves the adapters
+    # only: half of them reach each rank (2 ranks, rollout TP 1)
+    assert all(h["perf/reshard_bytes"] == adapter_bytes(model) // 2 for h in steps), steps
+    assert steps[-1]["actor/grad_norm"] > 0 and "actor/kl_loss" in steps[-1]
+    ckpt = tmp_path / "full" / "global_step_4" / "actor"
+    meta = json.loads((ckpt / "meta.json").read_text())
+    assert meta["lora"]["rank"] == 8 and meta["lora"]["base"] == str(Path(model).resolve())
+    # the checkpoint holds the adapters alone, model and optimizer state (AdamW: 2 moments each)
+    from torch.distributed.checkpoint import FileSystemReader
+
+    def stored(sub):
+        md = FileSystemReader(str(ckpt / sub)).read_metadata().state_dict_metadata
+        return {k: v for k, v in md.items() if hasattr(v, "size") and len(v.size) == 2}
+    weights = stored("model")
+    assert all(".lora_" in k for k in weights)
+    assert sum(math.prod(v.size) * 4 for v in weights.values()) == adapter_bytes(model)
+    moments = stored("optim")
+    assert all(".lora_" in k for k in moments) and len(moments) == 2 * len(weights)
+    ppo = [h for h in res["ppo"] if h["step"] > 0]
+    assert len(ppo) == 3 and all("critic/vf_loss" in h for h in ppo)
+    critic_meta = json.loads((tmp_path / "ppo" / "global_step_3" / "critic" / "meta.json").read_text())
+    assert critic_meta["lora"]["target_modules"] == ["q_proj", "v_proj"]
+
+
+@pytest.mark.parametrize("override,message", [
+    ({"actor_rollout_ref.model.target_modules": "[q_proj,lm_head]"},
+     "actor_rollout_ref.model.target_modules: 'lm_head' names no adaptable module"),
+    ({"actor_rollout_ref.model.exclude_modules": "[qproj]"},
+     "actor_rollout_ref.model.exclude_modules: 'qproj'"),
+    ({"actor_rollout_ref.model.lora_adapter_path": "nowhere"},
+     "actor_rollout_ref.model.lora_adapter_path='nowhere' is not a PEFT adapter dir"),
+])
+def test_bad_lora_keys_fail_at_start(tiny_job, tmp_path, override, message):
+    from minihf.trainer.ppo_job import check_paths
+
+    model, data = tiny_job
+    cfg = job_config(model, data, tmp_path / "out", "grpo", **LORA, **override)
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("(", r"\(")):
+        check_paths(cfg)
+
+
+def test_lora_config_errors(tiny_job, tmp_path):
+    model, data = tiny_job
+    with pytest.raises(ConfigError, match="free_base_weights frees a LoRA actor's base"):
+        job_config(model, data, tmp_path, "grpo", **{"actor_rollout_ref.rollout.free_base_weights": True})
+    with pytest.raises(ConfigError, match="actor_rollout_ref.model: lora_adapter_path set but lora_rank=0"):
+        job_config(model, data, tmp_path, "grpo", **{"actor_rollout_ref.model.lora_adapter_path": "x"})

@@ -2,6 +2,7 @@
 
     python scripts/bench_reshard.py                      # N = 2, 4; ~30M and ~100M models
     python scripts/bench_reshard.py --ranks 2 --models 30M --repeats 2
+    python scripts/bench_reshard.py --lora 16            # + a LoRA actor's per-step sync
 
 N local processes (gloo on CPU; NCCL when CUDA has N GPUs) shard a random-init Llama-style
 model with FSDP2 over all N ranks; for every generation TP size t dividing N, the
@@ -16,6 +17,12 @@ by other load on a shared machine), with:
 * ``engine MB``: weight bytes the engine holds during generation, next to ``model/t +
   replicated x (1 - 1/t)`` (the replicated tensors are whole on every TP rank);
 * ``peak MB``: engine weights + this rank's FSDP shard + the largest temporary buffer.
+
+``--lora R``: the model gets rank-R adapters on every projection (``minihf.models.lora``)
+and a third mode runs, ``lora``: the engine keeps its base weights between syncs (as a
+LoRA actor's does) and each sync moves the adapters alone, next to the same formula over
+the adapter tensors. The ``hybrid`` and ``naive`` rows then move base and adapters
+(``rollout.free_base_weights``: every weight each time).
 
 Rank 0 prints the table; the figures of every rank are equal by symmetry up to uneven
 shards.
@@ -35,13 +42,28 @@ MODELS = {  # name: (hidden, layers, heads, kv_heads, intermediate, vocab); unti
 MB = 1 << 20
 
 
-def _rank(rank, world, names, repeats):
+def recv_formula(shapes: dict, world: int, t: int, itemsize: int) -> float:
+    """Bytes one rank receives syncing the tensors ``shapes`` (the hybrid plan):
+    ``(N/t - 1)/(N/t) x sharded/t + (N - 1)/N x (replicated + misaligned)``."""
+    from minihf.hybrid.plan import plan_tensor
+    from minihf.parallel.placement import tp_dim
+
+    total = sum(torch.Size(s).numel() * itemsize for s in shapes.values())
+    replicated = sum(torch.Size(s).numel() * itemsize for n, s in shapes.items()
+                     if tp_dim(n, s, t) is None)
+    misaligned = sum(torch.Size(s).numel() * itemsize for n, s in shapes.items()
+                     if tp_dim(n, s, t) is not None and plan_tensor(n, s, world, t).over == "all")
+    g = world // t
+    return (g - 1) / g * (total - replicated - misaligned) / t + (world - 1) / world * (replicated + misaligned)
+
+
+def _rank(rank, world, names, repeats, lora):
     import torch.distributed as dist
 
     from minihf.hybrid.engine import HybridEngine
-    from minihf.hybrid.plan import plan_tensor
     from minihf.hybrid.reshard import rollout_groups
     from minihf.models import ModelArgs, build_model, init_weights
+    from minihf.models.lora import apply_lora, init_lora_state, is_lora_param, module_names
     from minihf.parallel.fsdp import apply_fsdp, fsdp_mesh
     from minihf.parallel.placement import tp_dim
     from minihf.workers.config import RolloutConfig
@@ -56,7 +78,14 @@ def _rank(rank, world, names, repeats):
         args = ModelArgs(arch="llama", vocab_size=vocab, hidden_size=h, num_hidden_layers=layers,
                          num_attention_heads=heads, num_key_value_heads=kv, intermediate_size=inter,
                          max_position_embeddings=1024, tie_word_embeddings=False)
-        model = init_weights(build_model(args, "lm"), seed=0).to(device)
+        model = init_weights(build_model(args, "lm"), seed=0)
+        if lora:
+            apply_lora(model, lora, 2.0 * lora, module_names(model, "all-linear"))
+            adapters = {n: tuple(p.shape) for n, p in model.named_parameters() if is_lora_param(n)}
+            with torch.no_grad():
+                for n, value in init_lora_state(adapters, seed=0).items():
+                    model.get_parameter(n).copy_(value)
+        model = model.to(device)
         shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
         itemsize = 2 if cuda else 4  # the rollout dtype: bf16 on CUDA, fp32 on CPU
         total = sum(p.numel() for p in model.parameters()) * itemsize
@@ -66,16 +95,15 @@ def _rank(rank, world, names, repeats):
             replicated = sum(torch.Size(s).numel() * itemsize for n, s in shapes.items()
                              if tp_dim(n, s, t) is None)
             sharded = total - replicated
-            misaligned = sum(torch.Size(s).numel() * itemsize for n, s in shapes.items()
-                             if tp_dim(n, s, t) is not None
-                             and plan_tensor(n, s, world, t).over == "all")
-            g = world // t
-            formula_recv = ((g - 1) / g * (sharded - misaligned) / t
-                            + (world - 1) / world * (replicated + misaligned))
+            formula = {"hybrid": recv_formula(shapes, world, t, itemsize)}
+            if lora:
+                formula["lora"] = recv_formula(adapters, world, t, itemsize)
             engines, best = {}, {}
-            for mode in ("hybrid", "naive"):
+            for mode in ("hybrid", "naive") + (("lora",) if lora else ()):
                 gather, tp_group, tp_rank = groups[t]
-                cfg = RolloutConfig(tensor_model_parallel_size=t, reshard=mode,
+                cfg = RolloutConfig(tensor_model_parallel_size=t,
+                                    reshard="naive" if mode == "naive" else "hybrid",
+                                    free_base_weights=mode != "lora",
                                     prompt_length=8, response_length=8)  # no generation here
                 engines[mode] = HybridEngine(fsdp, cfg, all_group=dist.group.WORLD,
                                              gather_group=gather, tp_group=tp_group,
@@ -100,7 +128,8 @@ def _rank(rank, world, names, repeats):
                         best[mode] = stats
             for mode, s in best.items():
                 rows.append(dict(model=name, N=world, t=t, mode=mode, time_ms=s["time"] * 1e3,
-                                 recv=s["bytes_received"] / MB, recv_formula=formula_recv / MB,
+                                 recv=s["bytes_received"] / MB,
+                                 recv_formula=formula.get(mode, float("nan")) / MB,
                                  engine=s["engine"] / MB,
                                  engine_formula=(sharded / t + replicated) / MB,
                                  peak=(s["engine"] + shard + s["peak_buffer"]) / MB,
@@ -116,6 +145,7 @@ def main() -> None:
     p.add_argument("--models", default="30M,100M", help=f"comma-separated, of {list(MODELS)}")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--lora", type=int, default=0, help="adapter rank R: add the LoRA sync (0: off)")
     a = p.parse_args()
     names = a.models.split(",")
     bad = [n for n in names if n not in MODELS]
@@ -124,18 +154,21 @@ def main() -> None:
     print(f"{'model':>6} {'N':>2} {'t':>2} {'mode':>7} {'ms':>8} {'recv MB':>8} {'formula':>8} "
           f"{'engine MB':>9} {'formula':>8} {'peak MB':>8} {'coll':>5}  hybrid/naive time")
     for world in (int(x) for x in a.ranks.split(",")):
-        rows = spawn_ranks(_rank, world, names, a.repeats, threads=a.threads, timeout_s=3600)[0]
+        rows = spawn_ranks(_rank, world, names, a.repeats, a.lora, threads=a.threads, timeout_s=3600)[0]
         by = {(r["model"], r["t"], r["mode"]): r for r in rows}
         for r in rows:
             ratio = ""
-            if r["mode"] == "hybrid":
+            if r["mode"] != "naive":
                 ratio = f"  {r['time_ms'] / by[r['model'], r['t'], 'naive']['time_ms']:.2f}"
             print(f"{r['model']:>6} {r['N']:>2} {r['t']:>2} {r['mode']:>7} {r['time_ms']:>8.1f} "
-                  f"{r['recv']:>8.1f} {r['recv_formula'] if r['mode'] == 'hybrid' else float('nan'):>8.1f} "
+                  f"{r['recv']:>8.3f} {r['recv_formula']:>8.3f} "
                   f"{r['engine']:>9.1f} {r['engine_formula']:>8.1f} {r['peak']:>8.1f} "
                   f"{r['collectives']:>5}{ratio}")
     print("model MB = full model in the rollout dtype; formula (recv, hybrid) = (N/t-1)/(N/t) x "
           "sharded/t + (N-1)/N x (replicated + misaligned); engine formula = sharded/t + replicated")
+    if a.lora:
+        print("lora: the engine kept its base weights, the sync moved the adapters; formula = the same "
+              "over the adapter tensors (hybrid/naive rows: base + adapters, every weight)")
 
 
 if __name__ == "__main__":

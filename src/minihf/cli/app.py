@@ -198,8 +198,10 @@ def export(
     merge: bool = typer.Option(False, help="A LoRA checkpoint: merge the adapters into the base (an HF "
                                            "model dir) instead of writing a PEFT adapter dir."),
 ) -> None:
-    """Export a sharded training checkpoint as an HF model dir that transformers loads (a LoRA
-    checkpoint: a PEFT adapter dir that peft loads, or merged with --merge)."""
+    """Export a training checkpoint as an HF model dir (LoRA: a PEFT adapter dir, or --merge).
+
+    A LoRA checkpoint is written as a PEFT adapter dir that peft loads on its base model, or
+    with --merge as a plain model dir with the adapters folded into the weights."""
     import torch
 
     from minihf.hub import export_hf

@@ -156,3 +156,27 @@ def test_fsdp_lora_update_matches_one_process(tmp_path):
         for s, s_ref in zip(r["stats"], r["ref_stats"]):
             assert s["grad_norm"] == pytest.approx(s_ref["grad_norm"], rel=1e-5)
             assert s["loss"] == pytest.approx(s_ref["loss"], rel=1e-5)
+
+
+def test_start_from_a_peft_adapter_dir_and_merge_it(llama_dir, tmp_path):
+    from minihf.hub import model_dir_of
+    from minihf.workers.engine import build_fsdp_model
+
+    pm, ours = peft_pair(llama_dir)
+    pm.save_pretrained(tmp_path / "adapter")  # base_model_name_or_path: llama_dir
+    tokens = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(6))
+
+    def build(**kw):
+        cfg = TrainedModelConfig(path=llama_dir, **{"lora_rank": 4, "lora_alpha": 8.0,
+                                                    "lora_adapter_path": str(tmp_path / "adapter"), **kw})
+        return build_fsdp_model(cfg, FSDPConfig(), head="lm", group=None, device=torch.device("cpu"))
+    assert torch.equal(build()(tokens), ours(tokens))  # the same values through the same ops
+    with pytest.raises(ValueError, match="trained with lora_rank=4 but model.lora_rank=8; set model.lora_rank=4"):
+        build(lora_rank=8)
+    with pytest.raises(ValueError, match="adapts 14 modules .* select 4 .* set model.target_modules='all-linear'"):
+        build(target_modules=["q_proj", "v_proj"])
+    # `minihf eval` / `generate` given the adapter dir: merged into its base model
+    merged = load_hf(model_dir_of(tmp_path / "adapter", tmp_path / "scratch"))
+    want = ours(tokens)
+    err = (merged(tokens) - want).abs().max().item()
+    assert err < 1e-5 * max(1.0, want.abs().max().item()), err  # merging rounds once more (test_lora_actor)

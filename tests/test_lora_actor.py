@@ -196,3 +196,7 @@ def _check_exports(base, ckpt, tmp_path):
     # the bound is relative to the logits' scale: 1e-5 of it is ~140 ulp of max |z|
     err = (hf(input_ids=tokens).logits - want).abs().max().item()
     assert err < 1e-5 * max(1.0, want.abs().max().item()), err
+    # `minihf eval` / `generate` given the LoRA checkpoint: the same merged model
+    from minihf.hub import model_dir_of
+    again = load_hf(model_dir_of(ckpt, tmp_path / "scratch"))
+    assert torch.equal(again(tokens), load_hf(merged_dir)(tokens))

@@ -38,7 +38,8 @@ def read_adapter_dir(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     where = str(path / CONFIG)
     if cfg.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{where}: peft_type={cfg.get('peft_type')!r}; only LORA adapters load")
-    unsupported = {"use_dora": False, "use_rslora": False, "bias": "none", "fan_in_fan_out": False,
+    unsupported = {"use_dora": False, "use_rslora": False, "bias": "none", "lora_bias": False,
+                   "fan_in_fan_out": False,
                    "rank_pattern": {}, "alpha_pattern": {}, "modules_to_save": None}
     for key, plain in unsupported.items():
         value = cfg.get(key, plain)

@@ -17,8 +17,8 @@ import torch.nn as nn
 
 from minihf.hub.peft import read_adapter_dir
 from minihf.models import CheckpointReader, build_model, materialize
-from minihf.models.lora import (apply_lora, init_lora_state, is_lora_param, module_names,
-                                trained_with_lora)
+from minihf.models.lora import (ALL_LINEAR, TARGETS, apply_lora, init_lora_state, is_lora_param,
+                                module_names, target_list, trained_with_lora)
 from minihf.parallel.fsdp import apply_fsdp, fsdp_mesh, load_sharded, reshard
 from minihf.workers.config import FSDPConfig, ModelConfig
 from minihf.workers.packing import response_prompt_groups
@@ -69,10 +69,14 @@ def adapter_state(model_cfg, model: nn.Module, section: str = "model") -> dict[s
     if set(state) != set(shapes):
         theirs = sorted({n.rpartition(".")[0] for n in state})
         ours = sorted({n.rpartition(".")[0] for n in shapes})
+        adaptable = [n for n, m in model.named_modules()
+                     if isinstance(m, nn.Linear) and n.rpartition(".")[2] in TARGETS]
+        fix = (ALL_LINEAR if sorted(theirs) == sorted(adaptable)
+               else target_list([n for n in adaptable if n in theirs], adaptable))
         raise ValueError(f"{where} adapts {len(theirs)} modules ({theirs[:3]}...) but "
                          f"{section}.target_modules / exclude_modules select {len(ours)} "
-                         f"({ours[:3]}...); set them to the adapter's target_modules "
-                         f"{cfg.get('target_modules')!r}")
+                         f"({ours[:3]}...); set {section}.target_modules={fix!r} (and no "
+                         "exclude_modules)")
     for name, shape in shapes.items():
         if tuple(state[name].shape) != shape:
             raise ValueError(f"{where}: {name} has shape {tuple(state[name].shape)}, this model's "

@@ -94,3 +94,18 @@ def test_lora_config_errors(tiny_job, tmp_path):
         job_config(model, data, tmp_path, "grpo", **{"actor_rollout_ref.rollout.free_base_weights": True})
     with pytest.raises(ConfigError, match="actor_rollout_ref.model: lora_adapter_path set but lora_rank=0"):
         job_config(model, data, tmp_path, "grpo", **{"actor_rollout_ref.model.lora_adapter_path": "x"})
+
+
+def test_planner_counts_the_adapters_alone(tiny_job, tmp_path):
+    from minihf.planner.cost import Group, resident_bytes
+    from minihf.planner.job import workload
+
+    model, data = tiny_job
+    full = workload(job_config(model, data, tmp_path, "grpo"))
+    lora = workload(job_config(model, data, tmp_path, "grpo", **LORA))
+    actor = lora.role("actor")
+    assert actor.lora_params == adapter_bytes(model) // 4 and full.role("actor").lora_params is None
+    group, p = Group(("actor",), 0, 2), actor.model.params
+    # grpo uses a reference: a copy of the weights without LoRA, the base itself with it
+    assert resident_bytes(full, group) == (16 * p + 4 * p) / 2
+    assert resident_bytes(lora, group) == (4 * p + 12 * actor.lora_params) / 2

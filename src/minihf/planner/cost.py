@@ -42,8 +42,9 @@ that share one host's cores (a measured CPU profile: ``host_cores``) are slowed 
 group's ranks, or both groups' in an overlapped phase.
 
 Memory per device of a group: resident, each trained role's fp32 shards ``16 P / g``
-(parameter, gradient, two AdamW moments) and each frozen role's ``4 P / g`` (the actor's
-reference too); plus, at the phase's peak, the largest of: generation's engine weights
+(parameter, gradient, two AdamW moments; with LoRA ``(4 P + 12 A) / g`` for A adapter
+parameters, and no reference copy: the reference is the base) and each frozen role's
+``4 P / g`` (the actor's reference too); plus, at the phase's peak, the largest of: generation's engine weights
 ``P b / t`` and KV cache; a training micro-batch's gathered FSDP unit (two in flight, with
 fp32 gradients), activations (``b (8 h + 3 ffn)`` per token and layer; ``b h`` with
 activation checkpointing, plus one layer's full set) and the LM head's logits in fp32
@@ -119,12 +120,15 @@ def _together(compute: float, comm: float, profile: DeviceProfile) -> float:
 
 def update_seconds(role: Role, micro: int, w: Workload, g: int, link: float, profile: DeviceProfile) -> float:
     p, b = role.model.params, profile.bytes_per_param
-    compute = (8 if role.activation_checkpointing else 6) * p * w.forward_tokens / (g * profile.flops)
+    # forward 2P, backward 4P per token (input and weight gradients); a frozen base (LoRA)
+    # skips its weight gradients: 2P; recomputation adds a forward
+    flops = (2 if role.activation_checkpointing else 0) + (6 if role.lora_params is None else 4)
+    compute = flops * p * w.forward_tokens / (g * profile.flops)
     comm = 0.0
     if g > 1:  # per micro-batch: two all-gathers and a reduce-scatter of every unit
         comm = math.ceil(w.sequences / g / micro) * (gathered(p, g, 2 * b + 4) / link
                                                      + 3 * units(role) * profile.collective_latency)
-    adamw = math.ceil(w.sequences / role.mini_batch) * 32 * p / g / profile.memory_bandwidth
+    adamw = math.ceil(w.sequences / role.mini_batch) * 32 * role.trained_params / g / profile.memory_bandwidth
     return role.epochs * (_together(compute, comm, profile) + adamw)
 
 
@@ -133,8 +137,9 @@ def resident_bytes(w: Workload, group: Group) -> float:
     total = 0.0
     for name in group.roles:
         role = w.role(name)
-        total += (16 if role.trains else 4) * role.model.params / group.devices
-        if name == "actor" and w.use_ref:
+        # fp32 weights, and gradient + two AdamW moments of what trains
+        total += (4 * role.model.params + (12 * role.trained_params if role.trains else 0)) / group.devices
+        if name == "actor" and w.use_ref and role.lora_params is None:  # LoRA: the base is the reference
             total += 4 * role.model.params / group.devices
     return total
 
@@ -260,7 +265,10 @@ def estimate(w: Workload, plan: Plan, profile: DeviceProfile) -> Estimate:
         transient = [gen_peak] if g is actor_group else []
         for name in g.roles:
             role = w.role(name)
-            transient.append(micro_batch_bytes(role, plan.micro(name), w, b, role.trains))
+            # a LoRA actor's engine keeps its base weights through training (unless
+            # rollout.free_base_weights; counted as kept)
+            kept = role.model.params * b / plan.rollout_tp if name == "actor" and role.lora_params else 0.0
+            transient.append(micro_batch_bytes(role, plan.micro(name), w, b, role.trains) + kept)
         peaks[i] = resident_bytes(w, g) + max(transient)
     fits = all(p <= profile.memory_bytes for p in peaks.values()) and math.isfinite(step)
     return Estimate(plan, phases, step, peaks, fits)

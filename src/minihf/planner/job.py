@@ -48,20 +48,25 @@ class ModelShape:
         return 2 * self.layers * self.kv_dim * itemsize
 
 
+def _args(spec: str):
+    from minihf.models import ModelArgs, load_args
+
+    if spec in NAMED_SHAPES:
+        return ModelArgs(arch="llama", vocab_size=32000, head_dim=NAMED_SHAPES[spec]["hidden_size"]
+                         // NAMED_SHAPES[spec]["num_attention_heads"], max_position_embeddings=4096,
+                         **NAMED_SHAPES[spec])
+    if Path(spec, "config.json").is_file():
+        return load_args(spec)
+    raise ValueError(f"model {spec!r}: no config.json there, and not a named shape "
+                     f"({', '.join(NAMED_SHAPES)}); pass a model dir or a name")
+
+
 @lru_cache(maxsize=32)
 def model_shape(spec: str, head: str = "lm") -> ModelShape:
     """The shape of ``spec`` (a model dir, or a name in ``NAMED_SHAPES``) with ``head``."""
-    from minihf.models import ModelArgs, build_model, load_args
+    from minihf.models import build_model
 
-    if spec in NAMED_SHAPES:
-        args = ModelArgs(arch="llama", vocab_size=32000, head_dim=NAMED_SHAPES[spec]["hidden_size"]
-                         // NAMED_SHAPES[spec]["num_attention_heads"], max_position_embeddings=4096,
-                         **NAMED_SHAPES[spec])
-    elif Path(spec, "config.json").is_file():
-        args = load_args(spec)
-    else:
-        raise ValueError(f"model {spec!r}: no config.json there, and not a named shape "
-                         f"({', '.join(NAMED_SHAPES)}); pass a model dir or a name")
+    args = _args(spec)
     model = build_model(args, head, device="meta")
     shapes = tuple((n, tuple(p.shape)) for n, p in model.named_parameters())
     block = max(sum(p.numel() for p in layer.parameters()) for layer in model.model.layers)
@@ -69,6 +74,19 @@ def model_shape(spec: str, head: str = "lm") -> ModelShape:
                       args.num_key_value_heads * args.head_dim, args.num_attention_heads,
                       args.num_key_value_heads, args.vocab_size, args.intermediate_size, block, shapes,
                       args.tie_word_embeddings)
+
+
+def lora_params(spec: str, head: str, rank: int, targets, exclude) -> int:
+    """Parameters of rank-``rank`` adapters on the modules ``targets``/``exclude`` select in
+    ``spec``'s model (``minihf.models.lora``), plus a value or score head (trained in full)."""
+    from minihf.models import build_model
+    from minihf.models.lora import module_names, trained_with_lora
+
+    model = build_model(_args(spec), head, device="meta")
+    adapters = sum(rank * (m.in_features + m.out_features)
+                   for m in map(model.get_submodule, module_names(model, targets, exclude)))
+    return adapters + sum(p.numel() for n, p in model.named_parameters()
+                          if trained_with_lora(n, head))
 
 
 @dataclass(frozen=True)
@@ -81,6 +99,12 @@ class Role:
     activation_checkpointing: bool = False
     wrap_blocks: bool = True
     token_budget: bool = False           # the config cuts micro-batches by tokens (max_tokens_per_micro_batch)
+    lora_params: int | None = None       # LoRA: the adapters' parameters (the base is frozen); None: all train
+
+    @property
+    def trained_params(self) -> int:
+        """Parameters with gradients and AdamW state."""
+        return self.model.params if self.lora_params is None else self.lora_params
 
 
 @dataclass(frozen=True)
@@ -121,17 +145,20 @@ def workload(cfg, models: dict[str, str] | None = None) -> Workload:
     def shape(name: str, path: str) -> ModelShape:
         return model_shape(models.get(name, models.get("all", path)), ROLE_HEADS[name])
 
-    def trained(name, section, fsdp, model_path):
-        return Role(name, shape(name, model_path), True, section.ppo_epochs, section.ppo_mini_batch_size,
+    def trained(name, section, fsdp, model_cfg):
+        spec = models.get(name, models.get("all", model_cfg.path))
+        lora = (lora_params(spec, ROLE_HEADS[name], model_cfg.lora_rank, model_cfg.target_modules,
+                            model_cfg.exclude_modules) if model_cfg.lora else None)
+        return Role(name, shape(name, model_cfg.path), True, section.ppo_epochs, section.ppo_mini_batch_size,
                     fsdp.activation_checkpointing, fsdp.wrap_blocks,
-                    section.max_tokens_per_micro_batch is not None)
+                    section.max_tokens_per_micro_batch is not None, lora)
 
-    roles = [trained("actor", a.actor, a.actor.fsdp, a.model.path)]
+    roles = [trained("actor", a.actor, a.actor.fsdp, a.model)]
     if c.enable:
-        roles.append(trained("critic", c, c.fsdp, c.model.path))
+        roles.append(trained("critic", c, c.fsdp, c.model))
     if cfg.cost_critic.enable:
         cc = cfg.cost_critic
-        roles.append(trained("cost_critic", cc, cc.fsdp, cc.model.path))
+        roles.append(trained("cost_critic", cc, cc.fsdp, cc.model))
     for name in ("reward_model", "cost_model"):
         section = getattr(cfg, name)
         if section.enable:

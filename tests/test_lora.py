@@ -180,3 +180,22 @@ def test_start_from_a_peft_adapter_dir_and_merge_it(llama_dir, tmp_path):
     want = ours(tokens)
     err = (merged(tokens) - want).abs().max().item()
     assert err < 1e-5 * max(1.0, want.abs().max().item()), err  # merging rounds once more (test_lora_actor)
+
+
+def test_resuming_with_other_lora_settings_is_refused(tmp_path):
+    import json
+
+    from minihf.workers.train_state import TrainState
+
+    saved = {"rank": 8, "modules": ["model.layers.0.self_attn.q_proj"]}
+    (tmp_path / "meta.json").write_text(json.dumps({"world_size": 1, "head": "lm", "lora": saved}))
+    state = TrainState.__new__(TrainState)  # the check alone: no model needed
+    state.lora = dict(saved)
+    state._check_lora(str(tmp_path))  # the same settings: no error
+    state.lora = {"rank": 4, "modules": saved["modules"]}
+    with pytest.raises(ValueError, match="trained with lora_rank=8 on 1 modules, this run has "
+                                         "lora_rank=4 on 1 modules; set model.lora_rank"):
+        state._check_lora(str(tmp_path))
+    state.lora = None
+    with pytest.raises(ValueError, match=r"this run has full parameters \(lora_rank=0\)"):
+        state._check_lora(str(tmp_path))

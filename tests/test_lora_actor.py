@@ -196,6 +196,13 @@ def _check_exports(base, ckpt, tmp_path):
     # the bound is relative to the logits' scale: 1e-5 of it is ~140 ulp of max |z|
     err = (hf(input_ids=tokens).logits - want).abs().max().item()
     assert err < 1e-5 * max(1.0, want.abs().max().item()), err
+    # the command: `minihf export CKPT OUT --merge` writes the same merged dir
+    from typer.testing import CliRunner
+
+    from minihf.cli.app import app
+    done = CliRunner().invoke(app, ["export", str(ckpt), str(tmp_path / "cli"), "--merge"])
+    assert done.exit_code == 0, done.output
+    assert torch.equal(load_hf(tmp_path / "cli")(tokens), load_hf(merged_dir)(tokens))
     # `minihf eval` / `generate` given the LoRA checkpoint: the same merged model
     from minihf.hub import model_dir_of
     again = load_hf(model_dir_of(ckpt, tmp_path / "scratch"))

@@ -34,8 +34,8 @@ def test_lora_grpo_resume_and_ppo_with_lora_critic(tiny_job, tmp_path):
     model, data = tiny_job
     extra = {**LORA, "trainer.total_training_steps": 4, "trainer.save_freq": 2}
     critic = {**LORA, "critic.model.lora_rank": 4, "critic.model.target_modules": "[q_proj,v_proj]"}
-    cases = [("full", "grpo", None, "full", extra), ("first", "grpo", 2, "resumed", extra),
-             ("rest", "grpo", None, "resumed", extra), ("ppo", "ppo", None, "ppo", critic)]
+    cases = [("full", "grpo_lora", None, "full", extra), ("first", "grpo_lora", 2, "resumed", extra),
+             ("rest", "grpo_lora", None, "resumed", extra), ("ppo", "ppo", None, "ppo", critic)]
     res = spawn_ranks(_runs, 2, model, data, str(tmp_path), cases, timeout_s=600)[0]
 
     def strip(h):  # (a resumed engine syncs every weight once more: perf/reshard_bytes differs)
@@ -109,3 +109,30 @@ def test_planner_counts_the_adapters_alone(tiny_job, tmp_path):
     # grpo uses a reference: a copy of the weights without LoRA, the base itself with it
     assert resident_bytes(full, group) == (16 * p + 4 * p) / 2
     assert resident_bytes(lora, group) == (4 * p + 12 * actor.lora_params) / 2
+
+
+@pytest.mark.slow
+def test_main_job_learns_with_lora(tmp_path):
+    """The main job with a LoRA policy (``recipe=grpo_lora``) from scratch in an empty dir:
+    measured 0.35 -> 0.72 in 322 s on a 2-core AMD EPYC (full parameters: 0.89), so it
+    must gain >= 0.2 and end >= 0.6 within 10 minutes."""
+    import os
+    import re
+    import subprocess
+    import sys
+    import time
+
+    root = Path(__file__).resolve().parent.parent
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--local-addr=127.0.0.1",
+           "--nproc_per_node=2", str(root / "scripts" / "train_ppo.py"), "recipe=grpo_lora"]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                          capture_output=True, text=True, timeout=1200)
+    elapsed = time.monotonic() - t0
+    log = f"exit {proc.returncode} after {elapsed:.0f}s\n{proc.stdout}\n{proc.stderr}"
+    assert proc.returncode == 0, log
+    found = re.search(r"validation score: ([0-9.]+) \(first\) -> ([0-9.]+) \(last\)", proc.stdout)
+    assert found, log
+    before, after = float(found.group(1)), float(found.group(2))
+    print(f"main job with LoRA: validation {before:.3f} -> {after:.3f} in {elapsed:.0f}s")
+    assert after - before >= 0.2 and after >= 0.6 and elapsed <= 600, log

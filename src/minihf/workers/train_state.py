@@ -11,7 +11,8 @@ which loss and which rows:
   exact normalisation across micro-batches and ranks).
 * :meth:`update`: a PPO-style update call, ``epochs`` x mini-batches x micro-batches.
 * :meth:`save` / :meth:`load`: the sharded checkpoint (model, optimizer, schedule, RNG and
-  the caller's ``extra``; ``minihf.utils.checkpoint``).
+  the caller's ``extra``; ``minihf.utils.checkpoint``). A LoRA model's checkpoint holds
+  its adapters, and its settings in ``meta.json``; resuming with other settings is refused.
 * :meth:`optimizer_on_host`: park the optimizer state on the host while something else
   (the rollout engine) needs the accelerator.
 """
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -29,6 +29,7 @@ import torch.nn as nn
 
 from minihf.models.lora import TARGETS, lora_modules, target_list
 from minihf.utils import checkpoint as ckpt
+from minihf.utils.files import read_json
 from minihf.workers.config import FSDPConfig, ModelConfig
 from minihf.workers.engine import build_fsdp_model
 from minihf.workers.optim import OptimConfig, build_lr_scheduler, build_optimizer
@@ -125,11 +126,15 @@ class TrainState:
         meta = Path(path) / "meta.json"
         if not meta.is_file():
             return  # load_checkpoint explains
-        saved = json.loads(meta.read_text()).get("lora")
-        keys = ("rank", "modules")
-        if (saved or {}).get("rank") == (self.lora or {}).get("rank") and (
-                not saved or all(saved[k] == self.lora[k] for k in keys)):
+        saved = read_json(meta, "the checkpoint was not written completely; resume an earlier "
+                          "global_step_N").get("lora")
+
+        def settings(lora):
+            return (lora["rank"], list(lora["modules"])) if lora else None
+
+        if settings(saved) == settings(self.lora):
             return
+
         def said(lora):
             return (f"lora_rank={lora['rank']} on {len(lora['modules'])} modules" if lora
                     else "full parameters (lora_rank=0)")

@@ -190,6 +190,24 @@ def test_runs_set_the_cuda_guard_from_the_main_thread(tmp_path):
     assert "guard set from ['MainThread', 'MainThread']" in job.stdout, job.log
 
 
+def run_main_job(cwd, *overrides) -> tuple[float, float, float, str]:
+    """The README's main job (2 processes) in ``cwd`` with ``overrides``, to the end:
+    (first validation, last validation, seconds, log); fails the test if it fails."""
+    import re
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--local-addr=127.0.0.1",
+           "--nproc_per_node=2", str(ROOT / "scripts" / "train_ppo.py"), *overrides]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, cwd=cwd, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                          capture_output=True, text=True, timeout=1200)
+    elapsed = time.monotonic() - t0
+    log = f"exit {proc.returncode} after {elapsed:.0f}s\n{proc.stdout}\n{proc.stderr}"
+    assert proc.returncode == 0, log
+    found = re.search(r"validation score: ([0-9.]+) \(first\) -> ([0-9.]+) \(last\)", proc.stdout)
+    assert found, log
+    return float(found.group(1)), float(found.group(2)), elapsed, log
+
+
 @pytest.mark.slow
 def test_main_job_learns(tmp_path):
     """The README's main job from scratch (in an empty dir, so everything under outputs/ is
@@ -198,20 +216,7 @@ def test_main_job_learns(tmp_path):
     10 minutes of wall time. With ``rollout.check_log_probs=error`` (an observation: the
     same training), so every step's rollout log-probs are also within rounding of the
     trainer's."""
-    import re
-
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--local-addr=127.0.0.1",
-           "--nproc_per_node=2", str(ROOT / "scripts" / "train_ppo.py"),
-           "actor_rollout_ref.rollout.check_log_probs=error"]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    t0 = time.monotonic()
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1200)
-    elapsed = time.monotonic() - t0
-    log = f"exit {proc.returncode} after {elapsed:.0f}s\n{proc.stdout}\n{proc.stderr}"
-    assert proc.returncode == 0, log
-    found = re.search(r"validation score: ([0-9.]+) \(first\) -> ([0-9.]+) \(last\)", proc.stdout)
-    assert found, log
-    before, after = float(found.group(1)), float(found.group(2))
+    before, after, elapsed, log = run_main_job(tmp_path, "actor_rollout_ref.rollout.check_log_probs=error")
     print(f"main job: validation {before:.3f} -> {after:.3f} in {elapsed:.0f}s")
     assert after - before >= 0.3 and after >= 0.75, log
     assert elapsed <= 600, log

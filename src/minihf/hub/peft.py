@@ -46,10 +46,10 @@ def read_adapter_dir(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
         if value not in (plain, None, {}, []):
             raise ValueError(f"{where}: {key}={value!r} is not supported (plain LoRA only: "
                              f"{key}={plain!r})")
-    files = [path / WEIGHTS] if (path / WEIGHTS).is_file() else []
-    if not files:
+    weights = path / WEIGHTS
+    if not weights.is_file():
         raise FileNotFoundError(f"{path} has no {WEIGHTS} (the adapter's tensors)")
-    return cfg, from_peft_state(load_file(str(files[0])), str(files[0]))
+    return cfg, from_peft_state(load_file(str(weights)), str(weights))
 
 
 def write_adapter_dir(out: str | Path, adapters: dict[str, torch.Tensor], *, rank: int,

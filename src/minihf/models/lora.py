@@ -69,6 +69,12 @@ class LoRALinear(Linear):
         return f"{super().extra_repr()}, lora_rank={self.lora_A.shape[0]}, scaling={self.scaling:g}"
 
 
+def adaptable(model: nn.Module) -> list[str]:
+    """Names of the linear modules LoRA can adapt (the decoder's projections), in order."""
+    return [n for n, m in model.named_modules()
+            if isinstance(m, nn.Linear) and n.rpartition(".")[2] in TARGETS]
+
+
 def module_names(model: nn.Module, target_modules: str | list[str],
                  exclude_modules: list[str] | None = None, key: str = "target_modules") -> list[str]:
     """Names of the linear modules ``target_modules`` / ``exclude_modules`` select.
@@ -78,8 +84,7 @@ def module_names(model: nn.Module, target_modules: str | list[str],
     match). Raises ValueError naming ``key`` when an item matches no adaptable module or
     when nothing is left to adapt.
     """
-    linears = [n for n, m in model.named_modules()
-               if isinstance(m, nn.Linear) and n.rpartition(".")[2] in TARGETS]
+    linears = adaptable(model)
 
     def matches(item: str) -> list[str]:
         return [n for n in linears if n == item or n.endswith("." + item)]
@@ -143,7 +148,7 @@ def trained_with_lora(name: str, head: str) -> bool:
 @contextlib.contextmanager
 def adapters_disabled(model: nn.Module):
     """Inside: every adapter of ``model`` is off (its forwards are the base model's)."""
-    mods = [m for m in lora_modules(model).values()]
+    mods = list(lora_modules(model).values())
     for m in mods:
         m.adapter_enabled = False
     try:

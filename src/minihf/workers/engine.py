@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from minihf.hub.peft import read_adapter_dir
 from minihf.models import CheckpointReader, build_model, materialize
-from minihf.models.lora import (ALL_LINEAR, TARGETS, apply_lora, init_lora_state, is_lora_param,
+from minihf.models.lora import (ALL_LINEAR, adaptable, apply_lora, init_lora_state, is_lora_param,
                                 module_names, target_list, trained_with_lora)
 from minihf.parallel.fsdp import apply_fsdp, fsdp_mesh, load_sharded, reshard
 from minihf.workers.config import FSDPConfig, ModelConfig
@@ -69,10 +69,9 @@ def adapter_state(model_cfg, model: nn.Module, section: str = "model") -> dict[s
     if set(state) != set(shapes):
         theirs = sorted({n.rpartition(".")[0] for n in state})
         ours = sorted({n.rpartition(".")[0] for n in shapes})
-        adaptable = [n for n, m in model.named_modules()
-                     if isinstance(m, nn.Linear) and n.rpartition(".")[2] in TARGETS]
-        fix = (ALL_LINEAR if sorted(theirs) == sorted(adaptable)
-               else target_list([n for n in adaptable if n in theirs], adaptable))
+        every = adaptable(model)
+        fix = (ALL_LINEAR if sorted(theirs) == sorted(every)
+               else target_list([n for n in every if n in theirs], every))
         raise ValueError(f"{where} adapts {len(theirs)} modules ({theirs[:3]}...) but "
                          f"{section}.target_modules / exclude_modules select {len(ours)} "
                          f"({ours[:3]}...); set {section}.target_modules={fix!r} (and no "

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from minihf.models.lora import TARGETS, lora_modules, target_list
+from minihf.models.lora import adaptable, lora_modules, target_list
 from minihf.utils import checkpoint as ckpt
 from minihf.utils.files import read_json
 from minihf.workers.config import FSDPConfig, ModelConfig
@@ -162,10 +162,8 @@ def lora_meta(model_cfg, model: nn.Module) -> dict | None:
     if not getattr(model_cfg, "lora", False):
         return None
     names = list(lora_modules(model))
-    adaptable = [n for n, m in model.named_modules()
-                 if isinstance(m, nn.Linear) and n.rpartition(".")[2] in TARGETS]
     return {"rank": model_cfg.lora_rank, "alpha": model_cfg.lora_alpha, "modules": names,
-            "target_modules": target_list(names, adaptable),
+            "target_modules": target_list(names, adaptable(model)),
             "base": str(Path(model_cfg.path).resolve())}
 
 

@@ -51,6 +51,7 @@ from minihf.controller.group import WorkerGroup
 from minihf.controller.serve import serve
 from minihf.controller.transport import Channel
 from minihf.controller.worker import ParallelInfo, Worker, WorkerContext, create_worker
+from minihf.utils.host_memory import tune_malloc
 from minihf.utils.process_exit import die_with_launcher, restore_ctrl_c, skip_final_gc
 from minihf.utils.locks import release_all
 
@@ -344,13 +345,16 @@ def launch_job(job: Callable[[torch.device], Any], config: ControllerConfig | No
 
     ``in_process``: the Python entry points (``minihf.train``): one rank in the calling
     process, which the job leaves as it found it: an error is raised, not an exit, and
-    nothing process-wide is installed (no parent-death signal, no ``gc.freeze`` at exit)."""
+    nothing process-wide is installed (no parent-death signal, no ``gc.freeze`` at exit, no
+    malloc settings)."""
     config = config or ControllerConfig()
     if in_process:
         return _job_in_process(job, config)
     die_with_launcher()  # again: a job not started by one of the scripts
     skip_final_gc()  # a torchrun job ends when its slowest rank has exited
     rank, device = _init_from_env(config)
+    if device.type == "cpu":
+        tune_malloc()  # freed blocks reused between steps (minihf.utils.host_memory)
     processes = rank_processes()
     try:
         result = job(device)

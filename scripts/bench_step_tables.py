@@ -80,6 +80,9 @@ seconds (`tests/test_gpu_check.py`). The figures go here after the first GPU run
 """  # docs/performance.md's last section: how to run the prepared GPU check
 
 
+MODEL_SECTION = ("<!-- bench_step --model: begin -->", "<!-- bench_step --model: end -->")
+
+
 def write_docs(path: Path, lines: list[str], args) -> None:
     import platform
 
@@ -108,6 +111,10 @@ def write_docs(path: Path, lines: list[str], args) -> None:
         *lines,
         "",
     ]
+    old = path.read_text() if path.exists() else ""
+    begin, end = MODEL_SECTION
+    if begin in old and end in old:  # bench_step.py --model's section stays
+        text += [begin + old.split(begin, 1)[1].split(end, 1)[0] + end, ""]
     if args.device != "cuda":
         text += GPU_CHECK.splitlines()[1:]
     path.parent.mkdir(parents=True, exist_ok=True)

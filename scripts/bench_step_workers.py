@@ -14,12 +14,16 @@ import os
 import time
 
 PHASES = ("gen", "reward", "old_log_prob", "ref", "adv", "update_actor")
+# timed inside gen: the weight sync, and the engine's prefill and decode forwards
+GEN_PARTS = ("reshard", "gen_prefill", "gen_decode")
 
 
 def minihf_overrides(a) -> list[str]:
+    """The settings both frameworks share, over the recipe's (``--recipe``, the ``grpo``
+    recipe by default)."""
     return [
         f"actor_rollout_ref.model.path={a.model}", f"data.train_files={a.data}/train.parquet",
-        "data.val_files=null", "data.max_prompt_length=32",
+        "data.val_files=null", f"data.max_prompt_length={a.prompt_limit}",
         f"data.max_response_length={a.max_new}", f"data.train_batch_size={a.prompts}",
         f"actor_rollout_ref.rollout.n={a.samples}", "actor_rollout_ref.rollout.temperature=1.0",
         "actor_rollout_ref.rollout.top_k=-1", "actor_rollout_ref.rollout.top_p=1.0",
@@ -45,14 +49,15 @@ def run_minihf(a) -> dict:
 
     if "LOCAL_RANK" not in os.environ:
         torch.set_num_threads(a.threads)
-    cfg = load_config(PPOJobConfig, "grpo", minihf_overrides(a))
+    cfg = load_config(PPOJobConfig, a.recipe, minihf_overrides(a))
     hist = run_ppo(cfg)
     if hist is None:  # ranks != 0
         return {}
     steps = [h for h in hist if h.get("step", 0) > 1]  # step 1 is the warm-up
     return {"step_s": [h["timing_s/step"] for h in steps],
             "phases": {p: [h.get(f"timing_s/{p}", 0.0) for h in steps]
-                       for p in PHASES + ("reshard",)},
+                       for p in PHASES + GEN_PARTS},
+            "reshard_bytes": [h.get("perf/reshard_bytes", 0) for h in steps],
             "response_tokens": [h["response_length/mean"] * a.prompts * a.samples for h in steps],
             "prompt_tokens": [h["prompt_length/mean"] * a.prompts * a.samples for h in steps],
             **peak_memory()}
@@ -102,7 +107,7 @@ def run_trl(a) -> dict:
 
     torch.set_num_threads(a.threads)
     tok = load_tokenizer(a.model, padding_side="left")
-    ds = RLDataset(f"{a.data}/train.parquet", tok, max_prompt_length=32)
+    ds = RLDataset(f"{a.data}/train.parquet", tok, max_prompt_length=a.prompt_limit)
     texts = [tok.decode(ids, skip_special_tokens=False) for ids in ds.input_ids]
     same = all(tok(t, add_special_tokens=False)["input_ids"] == list(ids)
                for t, ids in zip(texts[:64], ds.input_ids[:64]))

@@ -47,7 +47,8 @@ def run_one(recipe: str, steps: int, nproc: int, workdir: Path) -> dict:
     phases = {}
     for r in train:
         for k, v in r.items():
-            if k.startswith("timing_s/") and k not in ("timing_s/step", "timing_s/testing", "timing_s/reshard"):
+            if k.startswith("timing_s/") and k not in ("timing_s/step", "timing_s/testing", "timing_s/reshard",
+                                                           "timing_s/gen_prefill", "timing_s/gen_decode"):
                 phases[k[len("timing_s/"):]] = phases.get(k[len("timing_s/"):], 0.0) + v / len(train)
     result = {"recipe": recipe, "failed": False, "val_before": vals[0], "val_after": vals[-1],
               "steps": len(train), "wall_s": wall,

@@ -15,13 +15,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import bench_step  # noqa: E402
+import bench_step_bounds  # noqa: E402
 import bench_step_tables  # noqa: E402
 import bench_step_workers  # noqa: E402
 
 
 def args(**kw):
     base = dict(rounds=2, steps=3, threads=2, samples=8, prompts=16, max_new=64, device="cpu",
-                docs=None)
+                docs=None, model=None, worker=None, recipe="grpo", prompt_limit=32)
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -58,7 +59,7 @@ def test_compare_pools_the_rounds_and_pairs_them(tmp_path):
             "trl": [run([9.0, 8.0, 10.0], [50] * 3), run([12.0, 18.0, 15.0], [50] * 3)],
             "peaks": [150.0, 140.0, 90.0, 145.0]}
     a = args(workdir=str(tmp_path), fresh=False)
-    key = json.dumps(["compare", "m", False, a.rounds, a.steps, a.threads, a.samples, a.device])
+    key = json.dumps(["compare", "m", False, "grpo", [], a.rounds, a.steps, a.threads, a.samples, a.device])
     (tmp_path / "results.json").write_text(json.dumps({key: runs}))
     out = bench_step.compare("m", "d", a, forced=False)
     assert out["minihf"]["step_s"] == 4.5 and out["trl"]["step_s"] == 11.0    # medians of 6 steps
@@ -187,3 +188,60 @@ def test_cpu_name_reads_the_first_processor(monkeypatch):
     monkeypatch.setattr("platform.processor", lambda: "")
     monkeypatch.setattr("platform.machine", lambda: "aarch64")
     assert cpu_name("") == "aarch64"  # no /proc/cpuinfo fields
+
+
+def test_phase_bounds_by_hand():
+    # 2 prompts x 2 samples (4 rows), prompts of 10 tokens (40 over the rows, 20 distinct),
+    # 3 forced new tokens each (12); 1000 matmul parameters, 1500 in all, 8 KV bytes a token
+    shape = {"matmul": 1000, "params": 1500, "kv_bytes_per_token": 8}
+    m = {"prompt_tokens": 40, "tokens": 12, "reshard_bytes": 500.0,
+         "phases": {"gen_prefill": 0.5, "gen_decode": 1.0, "ref": 0.2, "update_actor": 2.0,
+                    "reshard": 0.1}}
+    b = bench_step_bounds.phase_bounds(m, shape, peak_gflops=1e-6, bandwidth=1e4, rows=4,
+                                       samples=2, max_new=3)
+    got = {name: bound for name, _, bound, _ in b}
+    # float64 arithmetic on small integers: approx only absorbs the decimal constants' rounding
+    assert got["gen: prefill"] == pytest.approx(2 * 1000 * 20 / 1e3)         # 40 s at 1 kFLOP/s
+    # 2 decode steps: weights 4000 B each + KV 8 B x 4 rows x (10+1), then (10+2), tokens at
+    # 1e4 B/s (0.4352 s, 0.4384 s) against 8000 FLOP at 1 kFLOP/s (8 s): compute-bound
+    assert got["gen: decode"] == pytest.approx(2 * 8.0)
+    fast = bench_step_bounds.phase_bounds(m, shape, peak_gflops=1.0, bandwidth=1e4, rows=4,
+                                          samples=2, max_new=3)
+    assert fast[1][2] == pytest.approx((2 * 4000 + 8 * 4 * (11 + 12)) / 1e4)  # bandwidth-bound
+    assert got["ref"] == pytest.approx(2 * 1000 * 32 / 1e3)                  # 20 + 12 tokens
+    assert got["update_actor"] == pytest.approx(6 * 1000 * 32 / 1e3 + 7 * 4 * 1500 / 1e4)
+    assert got["reshard"] == pytest.approx(2 * 4 * 1500 / 1e4)  # every weight written once
+    lines = bench_step_bounds.bounds_lines(b, step_s=4.0, trl_step_s=12.0)
+    assert lines[2].startswith("| gen: prefill | 0.500 | 40.000 | 8000% |")
+    total = sum(got.values())
+    assert f"| **step** | 4.000 | {total:.3f} |" in lines[-1] and f"**{12.0 / total:.1f}x**" in lines[-1]
+
+
+def test_model_section_is_replaced_and_kept(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "trl", argparse.Namespace(__version__="0"))  # CI has no trl
+    doc = tmp_path / "performance.md"
+    doc.write_text("# Performance\n\ntable\n\n## The GPU check\n\nhow\n")
+    bench_step.write_model_section(doc, ["### model", "row 1"])
+    text = doc.read_text()
+    assert text.index("row 1") < text.index("## The GPU check")   # before the GPU check
+    bench_step.write_model_section(doc, ["### model", "row 2"])
+    text = doc.read_text()
+    assert "row 1" not in text and text.count("row 2") == 1 and text.count("## The GPU check") == 1
+    # the full report rewrites the file and keeps the section
+    bench_step_tables.write_docs(doc, ["new random-model rows"], args())
+    text = doc.read_text()
+    assert "new random-model rows" in text and "row 2" in text and "table" not in text
+    assert text.index("row 2") < text.index("## The GPU check")
+
+
+def test_model_row_arguments(tmp_path):
+    a = args(model=str(tmp_path), prompts=None, samples=None, recipe=None)
+    with pytest.raises(SystemExit, match="not a model directory .*convert-gguf"):
+        bench_step.check_args(a)
+    (tmp_path / "config.json").write_text("{}")
+    bench_step.check_args(a)
+    # the issue's protocol: 4 prompts x 4 samples on the SmolLM2 recipe
+    assert (a.prompts, a.samples, a.recipe) == (4, 4, "grpo_smollm2_arith")
+    a = args(prompts=None, samples=None, recipe=None)
+    bench_step.check_args(a)
+    assert (a.prompts, a.samples, a.recipe) == (16, 8, "grpo")

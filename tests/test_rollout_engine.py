@@ -203,6 +203,9 @@ def test_eos_stop_and_ignore_eos(tiny_dirs):
     assert out.token_ids == ref[: first + 1] and out.finish_reason == "stop"
     out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0].outputs[0]
     assert out.token_ids == ref and out.finish_reason == "length"
+    # the call's timers: the first token comes from the prefill, the other 9 from decode steps
+    stats = llm.engine.last_stats
+    assert stats["decode_steps"] == 9 and stats["prefill_s"] > 0 and stats["decode_s"] > 0
     out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, stop_token_ids=[ref[1]]))[0].outputs[0]
     assert out.token_ids == ref[: ref.index(ref[1]) + 1] and out.finish_reason == "stop"
     short = LLM(str(path), max_model_len=8)

@@ -188,6 +188,8 @@ class HybridEngine:
             out.tensors["sample_index"] = index
         out.meta.update({"timing_s/reshard": t1 - t0, "timing_s/gen": t2 - t1, "rollout/n": n,
                          "perf/reshard_bytes": self.last_reshard.get("bytes_received", 0),
+                         "timing_s/gen_prefill": self.engine.last_stats.get("prefill_s", 0.0),
+                         "timing_s/gen_decode": self.engine.last_stats.get("decode_s", 0.0),
                          "temperature": temperature if temperature > 0 else 1.0})
         return out
 
@@ -219,7 +221,8 @@ def build_output(batch: Batch, seqs, response_length: int, pad_token_id: int) ->
 
 
 # replicas run at once: the slowest counts (and the most bytes one rank received)
-MAX_META = ("timing_s/reshard", "timing_s/gen", "perf/reshard_bytes")
+MAX_META = ("timing_s/reshard", "timing_s/gen", "perf/reshard_bytes", "timing_s/gen_prefill",
+            "timing_s/gen_decode")
 
 
 def collect_rollout(layout, outputs: list, ctx) -> Batch:

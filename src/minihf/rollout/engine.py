@@ -27,6 +27,8 @@ engine can be built on the meta device and never holds weights it was not given.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from minihf.parallel.tp import ColumnParallelLinear, RowParallelLinear, VocabParallelLMHead
@@ -111,6 +113,9 @@ class Engine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.seed = seed
         self._calls = 0
+        # the last generate call's seconds in prefill and decode forwards (sampling included;
+        # each step ends in a host sync, so the times hold on CUDA too) and its decode steps
+        self.last_stats: dict[str, float] = {}
         self.cache: SlotKVCache | None = None
         self._rows_key: tuple | None = None
         self._rows: RowParams | None = None
@@ -235,16 +240,22 @@ class Engine:
                 raise ValueError(f"prompt {i} has token ids {bad[:5]} outside the vocabulary [0, {vocab})")
         for s in seqs:
             sched.add(s)
+        stats = self.last_stats = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0}
         with torch.inference_mode():
             while sched.has_work():
                 step = sched.schedule()
                 for src, dst in step.moves:
                     seq = sched.running[dst]
                     self.cache.move(src, dst, seq.num_tokens)
+                t0 = time.perf_counter()
                 if step.prefill:
                     self._prefill(sched, step.prefill)
+                t1 = time.perf_counter()
                 if sched.num_rows:
                     self._decode(sched)
+                    stats["decode_steps"] += 1
+                stats["prefill_s"] += t1 - t0
+                stats["decode_s"] += time.perf_counter() - t1
         return groups
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence | None]) -> tuple[list[int], list[float]]:

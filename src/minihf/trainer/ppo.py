@@ -197,6 +197,9 @@ class PPOTrainer(RunLoop):
         ctx.metrics["timing_s/reshard"] = ctx.metrics.get("timing_s/reshard", 0.0) + reshard
         moved = gen_meta.get("perf/reshard_bytes", 0)  # one rank's, received (LoRA: the adapters)
         ctx.metrics["perf/reshard_bytes"] = ctx.metrics.get("perf/reshard_bytes", 0) + moved
+        for part in ("prefill", "decode"):  # inside gen's time: the engine's forwards (+ sampling)
+            key = f"timing_s/gen_{part}"
+            ctx.metrics[key] = ctx.metrics.get(key, 0.0) + gen_meta.get(key, 0.0)
         batch.meta["global_step"] = ctx.step
         return batch
 

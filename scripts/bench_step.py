@@ -308,6 +308,10 @@ def model_report(args) -> None:
     bound. Written to its own section of the docs file (the rest is the full report's)."""
     from bench_step_bounds import bounds_lines, copy_bandwidth, model_shape, phase_bounds
 
+    import torch
+    import trl
+
+    from minihf.cli.doctor import cpu_name
     from minihf.config import load_config
     from minihf.data import make_task_data
     from minihf.models.linear import use_onednn
@@ -327,8 +331,12 @@ def model_report(args) -> None:
     print(f"[bench_step] {name}: {args.prompts} prompts x {args.samples}, forced {max_new} tokens, "
           f"prompt limit {args.prompt_limit} ({args.recipe}) ...", flush=True)
     r = compare(args.model, str(data), args, True, prompts=args.prompts, max_new=max_new)
-    bandwidth = max(copy_bandwidth(args.threads) for _ in range(3))
-    peak = max(r["peaks"] + [mm_peak_gflops(args.threads, args.device)])
+    # probed right after the runs and cached with them: a report redrawn from the cache
+    # shows the rates of the run its times come from
+    probe = cached(args, ["rates", args.model, args.recipe, args.prompts], lambda: {
+        "bandwidth": max(copy_bandwidth(args.threads) for _ in range(3)),
+        "peak": mm_peak_gflops(args.threads, args.device)})
+    bandwidth, peak = probe["bandwidth"], max(r["peaks"] + [probe["peak"]])
     shape = model_shape(args.model)
     m, t = r["minihf"], r["trl"]
     bounds = phase_bounds(m, shape, peak, bandwidth, rows=args.prompts * args.samples,
@@ -344,6 +352,10 @@ def model_report(args) -> None:
         f"{peak:.0f} GFLOP/s (best of {len(r['peaks']) + 1} probes), copy bandwidth "
         f"{bandwidth / 1e9:.1f} GB/s (read + written; best of 3).",
         "",
+        f"Machine: {cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"trl {trl.__version__}"
+        + ("; its linears run oneDNN (`minihf.models.linear`)." if use_onednn() else "."),
+        "",
         "| | s/step | speed-up | speed-up per round |", "|---|---|---|---|",
         f"| minihf | {m['step_s']:.2f} | **{r['ratio']:.2f}x** | "
         f"{', '.join(f'{x:.2f}x' for x in r['round_ratios'])} |",
@@ -353,8 +365,6 @@ def model_report(args) -> None:
         "",
         *bounds_lines(bounds, m["step_s"], t["step_s"]),
     ]
-    if use_onednn():
-        lines += ["", "This CPU's linears run oneDNN (`minihf.models.linear`)."]
     print("\n".join(lines))
     if args.docs:
         write_model_section(Path(args.docs), lines)

@@ -354,7 +354,7 @@ def launch_job(job: Callable[[torch.device], Any], config: ControllerConfig | No
     skip_final_gc()  # a torchrun job ends when its slowest rank has exited
     rank, device = _init_from_env(config)
     if device.type == "cpu":
-        tune_malloc()  # freed blocks reused between steps (minihf.utils.host_memory)
+        tune_malloc()  # large blocks from the heap, kept mapped when freed (minihf.utils.host_memory)
     processes = rank_processes()
     try:
         result = job(device)

@@ -73,7 +73,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_step_tables import MODEL_SECTION, compare_row, probes, scaling_row, write_docs
+from bench_step_bounds import copy_bandwidth, model_shape, phase_bounds
+from bench_step_tables import (compare_row, model_section, probes, scaling_row, write_docs,
+                               write_model_section)
 from bench_step_workers import PHASES, run_minihf, run_trl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -132,16 +134,6 @@ def mm_peak_gflops(threads: int, device: str = "cpu") -> float:
 
     torch.set_num_threads(threads)
     return peak()
-
-
-def matmul_params(model_dir: str) -> int:
-    """Parameters that take part in a matmul per token: every Linear weight (body + head)."""
-    import torch
-
-    from minihf.models import load_hf
-
-    model = load_hf(model_dir)
-    return sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
 
 
 def median(xs):
@@ -240,7 +232,7 @@ def report(args) -> None:
         model = work / f"model-{size}"
         if not (model / "config.json").exists():
             init_model(model, size=SIZES[size], task=TASK, max_position_embeddings=512)
-        params[size] = matmul_params(str(model))
+        params[size] = model_shape(str(model))["matmul"]
         for forced in (False, True):
             print(f"[bench_step] {size} {'forced' if forced else 'eos'} ...", flush=True)
             r = results[(size, forced)] = compare(str(model), str(data), args, forced)
@@ -306,15 +298,8 @@ def model_report(args) -> None:
     """``--model DIR``: minihf vs TRL on a real checkpoint with its recipe's task and prompt
     limit (``--recipe``), forced lengths, alternating rounds; then each phase against its
     bound. Written to its own section of the docs file (the rest is the full report's)."""
-    from bench_step_bounds import bounds_lines, copy_bandwidth, model_shape, phase_bounds
-
-    import torch
-    import trl
-
-    from minihf.cli.doctor import cpu_name
     from minihf.config import load_config
     from minihf.data import make_task_data
-    from minihf.models.linear import use_onednn
     from minihf.trainer.ppo_job import PPOJobConfig
 
     cfg = load_config(PPOJobConfig, args.recipe, [])
@@ -338,54 +323,13 @@ def model_report(args) -> None:
         "peak": mm_peak_gflops(args.threads, args.device)})
     bandwidth, peak = probe["bandwidth"], max(r["peaks"] + [probe["peak"]])
     shape = model_shape(args.model)
-    m, t = r["minihf"], r["trl"]
-    bounds = phase_bounds(m, shape, peak, bandwidth, rows=args.prompts * args.samples,
+    bounds = phase_bounds(r["minihf"], shape, peak, bandwidth, rows=args.prompts * args.samples,
                           samples=args.samples, max_new=max_new)
-    lines = [
-        f"### {name} ({shape['matmul'] / 1e6:.1f}M matmul parameters): GRPO on `{task}`",
-        "",
-        f"`python scripts/bench_step.py --model {args.model} --recipe {args.recipe}`: "
-        f"{args.prompts} prompts x {args.samples} samples, every response {max_new} tokens "
-        f"(forced), prompts up to {args.prompt_limit} tokens as the recipe cuts them, a k3 KL "
-        f"loss (beta 0.04), fp32, {args.threads} threads, {args.rounds} alternating rounds x "
-        f"{args.steps} measured steps; minihf with the recipe's other settings. Matmul peak "
-        f"{peak:.0f} GFLOP/s (best of {len(r['peaks']) + 1} probes), copy bandwidth "
-        f"{bandwidth / 1e9:.1f} GB/s (read + written; best of 3).",
-        "",
-        f"Machine: {cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-        f"trl {trl.__version__}"
-        + ("; its linears run oneDNN (`minihf.models.linear`)." if use_onednn() else "."),
-        "",
-        "| | s/step | speed-up | speed-up per round |", "|---|---|---|---|",
-        f"| minihf | {m['step_s']:.2f} | **{r['ratio']:.2f}x** | "
-        f"{', '.join(f'{x:.2f}x' for x in r['round_ratios'])} |",
-        f"| TRL | {t['step_s']:.2f} | | |",
-        "",
-        "Each phase of minihf's median step against its bound (`scripts/bench_step_bounds.py`):",
-        "",
-        *bounds_lines(bounds, m["step_s"], t["step_s"]),
-    ]
+    lines = model_section(args, r, shape, bounds, name=name, task=task, max_new=max_new,
+                          peak=peak, bandwidth=bandwidth)
     print("\n".join(lines))
     if args.docs:
         write_model_section(Path(args.docs), lines)
-
-
-def write_model_section(path: Path, lines: list[str]) -> None:
-    """Put the real-model section into the docs file, replacing an earlier one; a new one
-    goes before the GPU check."""
-    begin, end = MODEL_SECTION
-    block = "\n".join([begin, "", *lines, "", end])
-    text = path.read_text() if path.exists() else ""
-    if begin in text and end in text:
-        head, rest = text.split(begin, 1)
-        text = head + block + rest.split(end, 1)[1]
-    elif "## The GPU check" in text:
-        head, tail = text.split("## The GPU check", 1)
-        text = head + block + "\n\n## The GPU check" + tail
-    else:
-        text = text + "\n" + block + "\n"
-    path.write_text(text)
-    print(f"wrote {path}")
 
 
 def check_args(args) -> None:

@@ -41,8 +41,9 @@ def copy_bandwidth(threads: int, size: int = 256 << 20, repeats: int = 10) -> fl
 
 
 def model_shape(model_dir: str) -> dict:
-    """What the bounds need of the model: matmul parameters (every Linear weight, the LM
-    head included), all parameters (tied ones once) and the KV bytes per token."""
+    """What the bounds and MFU figures need of the model: matmul parameters (every Linear
+    weight, the LM head included: the parameters each token multiplies), all parameters
+    (tied ones once) and the KV bytes per token."""
     import torch
 
     from minihf.models import load_hf

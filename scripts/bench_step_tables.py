@@ -83,6 +83,63 @@ seconds (`tests/test_gpu_check.py`). The figures go here after the first GPU run
 MODEL_SECTION = ("<!-- bench_step --model: begin -->", "<!-- bench_step --model: end -->")
 
 
+def model_section(args, r: dict, shape: dict, bounds: list, *, name: str, task: str, max_new: int,
+                  peak: float, bandwidth: float) -> list[str]:
+    """The text of ``bench_step.py --model``'s section: the run's settings and machine, the
+    comparison ``r`` (``compare``'s) and each phase against its bound (``bounds``)."""
+    import torch
+    import trl
+
+    from bench_step_bounds import bounds_lines
+
+    from minihf.models.linear import use_onednn
+
+    m, t = r["minihf"], r["trl"]
+    return [
+        f"### {name} ({shape['matmul'] / 1e6:.1f}M matmul parameters): GRPO on `{task}`",
+        "",
+        f"`python scripts/bench_step.py --model {args.model} --recipe {args.recipe}`: "
+        f"{args.prompts} prompts x {args.samples} samples, every response {max_new} tokens "
+        f"(forced), prompts up to {args.prompt_limit} tokens as the recipe cuts them, a k3 KL "
+        f"loss (beta 0.04), fp32, {args.threads} threads, {args.rounds} alternating rounds x "
+        f"{args.steps} measured steps; minihf with the recipe's other settings. Matmul peak "
+        f"{peak:.0f} GFLOP/s (best of {len(r['peaks']) + 1} probes), copy bandwidth "
+        f"{bandwidth / 1e9:.1f} GB/s (read + written; best of 3).",
+        "",
+        f"Machine: {cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"trl {trl.__version__}"
+        + ("; its linears run oneDNN (`minihf.models.linear`)." if use_onednn() else "."),
+        "",
+        "| | s/step | speed-up | speed-up per round |", "|---|---|---|---|",
+        f"| minihf | {m['step_s']:.2f} | **{r['ratio']:.2f}x** | "
+        f"{', '.join(f'{x:.2f}x' for x in r['round_ratios'])} |",
+        f"| TRL | {t['step_s']:.2f} | | |",
+        "",
+        "Each phase of minihf's median step against its bound (`scripts/bench_step_bounds.py`):",
+        "",
+        *bounds_lines(bounds, m["step_s"], t["step_s"]),
+    ]
+
+
+def write_model_section(path: Path, lines: list[str]) -> None:
+    """Put the real-model section into the docs file, replacing an earlier one; a new one
+    goes before the GPU check."""
+    begin, end = MODEL_SECTION
+    block = "\n".join([begin, "", *lines, "", end])
+    text = path.read_text() if path.exists() else ""
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = head + block + rest.split(end, 1)[1]
+    elif "## The GPU check" in text:
+        head, tail = text.split("## The GPU check", 1)
+        text = head + block + "\n\n## The GPU check" + tail
+    else:
+        text = text + "\n" + block + "\n"
+    path.write_text(text)
+    print(f"wrote {path}")
+
+
+
 def write_docs(path: Path, lines: list[str], args) -> None:
     import platform
 

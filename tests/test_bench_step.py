@@ -221,10 +221,10 @@ def test_model_section_is_replaced_and_kept(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "trl", argparse.Namespace(__version__="0"))  # CI has no trl
     doc = tmp_path / "performance.md"
     doc.write_text("# Performance\n\ntable\n\n## The GPU check\n\nhow\n")
-    bench_step.write_model_section(doc, ["### model", "row 1"])
+    bench_step_tables.write_model_section(doc, ["### model", "row 1"])
     text = doc.read_text()
     assert text.index("row 1") < text.index("## The GPU check")   # before the GPU check
-    bench_step.write_model_section(doc, ["### model", "row 2"])
+    bench_step_tables.write_model_section(doc, ["### model", "row 2"])
     text = doc.read_text()
     assert "row 1" not in text and text.count("row 2") == 1 and text.count("## The GPU check") == 1
     # the full report rewrites the file and keeps the section

@@ -139,7 +139,6 @@ def write_model_section(path: Path, lines: list[str]) -> None:
     print(f"wrote {path}")
 
 
-
 def write_docs(path: Path, lines: list[str], args) -> None:
     import platform
 

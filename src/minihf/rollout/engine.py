@@ -28,6 +28,7 @@ engine can be built on the meta device and never holds weights it was not given.
 from __future__ import annotations
 
 import time
+from typing import Protocol
 
 import torch
 
@@ -36,6 +37,21 @@ from minihf.parallel.tp import ColumnParallelLinear, RowParallelLinear, VocabPar
 from .kv_cache import SlotKVCache
 from .sampling import RowParams, SamplingParams, sample, sequence_key
 from .scheduler import Scheduler, Sequence
+
+
+class TurnHandler(Protocol):
+    """The caller's side of a multi-turn generation (``minihf.rollout.multi_turn``).
+
+    ``end_turn(seq)``: ``seq`` paused at a turn end; start its environment step (off the
+    decode loop). ``poll(wait)``: the steps done since the last poll, as ``(seq, tokens,
+    reason)``: observation ``tokens`` to append, or ``None`` to finish it with ``reason``;
+    ``wait``: block until at least one is done (the engine has nothing else to run). Under
+    TP every rank of a replica must get the same answers in the same engine step.
+    """
+
+    def end_turn(self, seq: Sequence) -> None: ...
+
+    def poll(self, wait: bool) -> list[tuple[Sequence, list[int] | None, str]]: ...
 
 
 _LINEARS = (torch.nn.Linear, ColumnParallelLinear, RowParallelLinear, VocabParallelLMHead)
@@ -198,8 +214,13 @@ class Engine:
             torch.cuda.empty_cache()
 
     # -- generation ----------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[Sequence]]:
-        """Sequences for each prompt (``n`` each), finished, with tokens, log-probs and reasons."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 turns: TurnHandler | None = None) -> list[list[Sequence]]:
+        """Sequences for each prompt (``n`` each), finished, with tokens, log-probs and reasons.
+
+        With ``turns``, a stop/EOS token ends a turn: the sequence keeps its slot and KV
+        cache while ``turns`` runs the environment, then the observation's tokens alone are
+        prefilled (an extend forward) and decoding resumes; the others keep decoding."""
         if self.model is None:
             raise RuntimeError("this engine was freed; build a new one (LLM(...)) to generate again")
         if not self.awake:
@@ -220,7 +241,7 @@ class Engine:
                 group.append(Sequence(
                     seq_id=r * 1_000_003 + j, prompt=list(prompt), max_tokens=sp.max_tokens,
                     stop_ids=frozenset(sp.stop_token_ids), eos_ids=self.eos_token_ids,
-                    ignore_eos=sp.ignore_eos, params=(sp, key),
+                    ignore_eos=sp.ignore_eos, params=(sp, key), multi_turn=turns is not None,
                 ))
             groups.append(group)
             longest = max(longest, len(prompt) + sp.max_tokens)
@@ -240,9 +261,18 @@ class Engine:
                 raise ValueError(f"prompt {i} has token ids {bad[:5]} outside the vocabulary [0, {vocab})")
         for s in seqs:
             sched.add(s)
-        stats = self.last_stats = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0}
+        stats = self.last_stats = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0,
+                                   "extend_s": 0.0, "extend_tokens": 0, "wait_s": 0.0}
         with torch.inference_mode():
             while sched.has_work():
+                if turns is not None and any(s.paused for s in sched.running.values()):
+                    idle = not sched.decodable() and not sched.extend_rows() and not sched.can_admit()
+                    t0 = time.perf_counter()
+                    for seq, obs, reason in turns.poll(wait=idle):
+                        sched.resume(seq, obs, reason)
+                    stats["wait_s"] += time.perf_counter() - t0
+                    if not sched.has_work():
+                        break
                 step = sched.schedule()
                 for src, dst in step.moves:
                     seq = sched.running[dst]
@@ -251,11 +281,20 @@ class Engine:
                 if step.prefill:
                     self._prefill(sched, step.prefill)
                 t1 = time.perf_counter()
-                if sched.num_rows:
+                extend = sched.extend_rows() if turns is not None else []
+                if extend:
+                    stats["extend_tokens"] += sum(s.pending + 1 for s in extend)
+                    self._extend(sched, extend)
+                t2 = time.perf_counter()
+                if sched.decodable():
                     self._decode(sched)
                     stats["decode_steps"] += 1
                 stats["prefill_s"] += t1 - t0
-                stats["decode_s"] += time.perf_counter() - t1
+                stats["extend_s"] += t2 - t1
+                stats["decode_s"] += time.perf_counter() - t2
+                if turns is not None:
+                    for seq in sched.take_paused():
+                        turns.end_turn(seq)
         return groups
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence | None]) -> tuple[list[int], list[float]]:
@@ -302,6 +341,38 @@ class Engine:
                 self.cache.move(uniq[u].slot, s.slot, len(s.prompt))
         toks, logps = self._sample(logits[torch.tensor(src, device=dev)], seqs)
         sched.record_prefill(seqs, toks, logps)
+
+    def _extend(self, sched: Scheduler, seqs: list[Sequence]) -> None:
+        """Write resumed sequences' new tokens (the turn's last sampled token and the
+        observation) to the cache in their own slots, attending to their cached history,
+        and sample each one's first token of the next turn. Right-padded in length buckets;
+        a bucket whose padding would run past the cache goes one sequence at a time."""
+        dev = self.device
+        feeds = [s.tokens[-(s.pending + 1):] for s in seqs]
+        groups = []
+        for group in length_buckets([len(f) for f in feeds]):
+            T = max(len(feeds[i]) for i in group)
+            if max(seqs[i].cached for i in group) + T > self.cache.max_len:
+                groups.extend([i] for i in group)
+            else:
+                groups.append(group)
+        last_hidden: list[torch.Tensor | None] = [None] * len(seqs)
+        for group in groups:
+            part = [seqs[i] for i in group]
+            lens = [len(feeds[i]) for i in group]
+            T = max(lens)
+            tokens = torch.tensor([feeds[i] + [0] * (T - len(feeds[i])) for i in group], dtype=torch.long, device=dev)
+            starts = torch.tensor([s.cached for s in part], dtype=torch.long, device=dev)
+            positions = starts[:, None] + torch.arange(T, device=dev)
+            self.cache.begin_extend(torch.tensor([s.slot for s in part], device=dev), starts,
+                                    T, max(s.cached for s in part) + T)
+            hidden = self.model.forward_hidden(tokens, positions, kv_cache=self.cache)  # [g, T, H]
+            last = hidden[torch.arange(len(part), device=dev), torch.tensor(lens, device=dev) - 1]
+            for i, h in zip(group, last):
+                last_hidden[i] = h
+        logits = self.model.lm_head(torch.stack(last_hidden))  # [k, V]
+        toks, logps = self._sample(logits, seqs)
+        sched.record_extend(seqs, toks, logps)
 
     def _decode(self, sched: Scheduler) -> None:
         dev = self.cache.k.device  # the model's; cheaper than walking parameters every step

@@ -12,6 +12,8 @@ mode it is in, and the mask is built once per forward rather than once per layer
   only the used prefix ``[:rows, :, :kv_len]`` of the buffer (``kv_len`` = longest row),
   with ``mask[b, s] = s <= position[b]`` hiding other rows' longer tails and stale entries
   left by a slot's previous occupant.
+* extend (multi-turn): sequences already in ``slots`` append T tokens (right-padded) from
+  their own start positions; attention reads each slot's cached prefix plus the new keys.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class SlotKVCache:
         self._keys = torch.arange(max_len, device=device)
         self._base = (torch.arange(num_slots * n_kv_heads, device=device) * max_len).view(num_slots, n_kv_heads)
         self._prefill_slots: torch.Tensor | None = None
+        self._extend_slots: torch.Tensor | None = None
         self._rows = 0
         self._kv_len = 0
         self._mask: torch.Tensor | None = None
@@ -46,7 +49,7 @@ class SlotKVCache:
     # -- the engine sets the mode before each forward -------------------------------------
     def begin_prefill(self, slots: torch.Tensor, T: int) -> None:
         """Next forward writes prompts (right-padded to ``T``) into ``slots`` [k]."""
-        self._prefill_slots = slots
+        self._prefill_slots, self._extend_slots = slots, None
         idx = torch.arange(T, device=slots.device)
         self._mask = (idx[None, :] <= idx[:, None])[None, None]  # [1, 1, T, T]
 
@@ -55,7 +58,7 @@ class SlotKVCache:
         ``kv_len`` = 1 + the largest position (passed in: the host knows it, no device sync).
         ``same_length``: every row is at position ``kv_len - 1``, so every key is attended to
         and no mask is needed (batch 1 always; saves the mask and its use in every layer)."""
-        self._prefill_slots = None
+        self._prefill_slots = self._extend_slots = None
         self._rows = positions.shape[0]
         self._kv_len = kv_len
         self._mask = None if same_length else \
@@ -63,8 +66,27 @@ class SlotKVCache:
         # one index_copy_ per layer (cheaper than an advanced-index put), index built once per step
         self._flat = (self._base[: self._rows] + positions[:, None]).reshape(-1)
 
+    def begin_extend(self, slots: torch.Tensor, starts: torch.Tensor, T: int, kv_len: int) -> None:
+        """Next forward writes T tokens per sequence into ``slots`` [k] at positions
+        ``starts[b] .. starts[b] + T - 1`` (``kv_len`` >= every ``starts[b] + T``, at most
+        ``max_len``; padding writes land past a row's real tokens, where later tokens
+        overwrite them before they are read)."""
+        if kv_len > self.max_len:
+            raise ValueError(f"extend reaches position {kv_len} but the cache holds {self.max_len}")
+        self._prefill_slots, self._extend_slots = None, slots
+        self._kv_len = kv_len
+        q_pos = starts[:, None] + torch.arange(T, device=slots.device)            # [k, T]
+        self._mask = (self._keys[None, None, :kv_len] <= q_pos[:, :, None])[:, None]  # [k, 1, T, S]
+
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
         """Write ``k, v`` [B, n_kv, T, hd] at ``positions`` [B, T]; return keys, values, mask."""
+        if self._extend_slots is not None:
+            slots = self._extend_slots
+            rows = slots[:, None].expand_as(positions)
+            self.k[layer][rows, :, positions] = k.transpose(1, 2)
+            self.v[layer][rows, :, positions] = v.transpose(1, 2)
+            S = self._kv_len
+            return self.k[layer][slots, :, :S], self.v[layer][slots, :, :S], self._mask
         if self._prefill_slots is not None:
             rows = self._prefill_slots[:, None].expand_as(positions)
             self.k[layer][rows, :, positions] = k.transpose(1, 2)

@@ -14,6 +14,12 @@ Rules:
 * When nothing waits and the running slots have holes, the highest running slot is moved
   into the lowest free one, so decode steps run over a dense prefix ``[0, num_rows)`` of
   the cache instead of paying for idle rows during a long tail.
+* Multi-turn (``Sequence.multi_turn``): a stop or EOS token ends the *turn*, not the
+  sequence. The sequence pauses and keeps its slot (and KV cache) while the caller runs the
+  environment; :meth:`Scheduler.resume` then appends the observation tokens (``pending``
+  until the engine's extend forward writes them to the cache) or finishes it. A paused
+  slot is a hole in the decode rows. ``max_tokens`` caps everything after the prompt,
+  observations included.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from dataclasses import dataclass, field
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
+FINISH_ABORT = "abort"  # the turn handler ended it (e.g. an environment error)
 
 
 @dataclass
@@ -41,11 +48,28 @@ class Sequence:
     params: object = None  # the engine's sampling parameters for this sequence (opaque here)
     slot: int | None = None
     finish_reason: str | None = None
+    multi_turn: bool = False  # a stop/EOS token pauses it for the environment instead of finishing
+    paused: bool = False  # waiting for the caller's resume()
+    pending: int = 0  # trailing tokens appended by resume() and not in the KV cache yet
+    observations: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of appended tokens
 
     @property
     def num_tokens(self) -> int:
         """Prompt plus generated tokens: the position the next token is written at."""
         return len(self.prompt) + len(self.tokens)
+
+    @property
+    def cached(self) -> int:
+        """Positions whose keys/values are in the KV cache (all but the last token, and all
+        but the observation tokens waiting for the extend forward)."""
+        return self.num_tokens - 1 - self.pending
+
+    def token_mask(self) -> list[int]:
+        """1 on sampled tokens, 0 on appended observation tokens."""
+        mask = [1] * len(self.tokens)
+        for start, end in self.observations:
+            mask[start:end] = [0] * (end - start)
+        return mask
 
 
 @dataclass
@@ -77,6 +101,7 @@ class Scheduler:
         self.running: dict[int, Sequence] = {}  # slot -> sequence
         self._free: list[int] = list(range(max_num_seqs))  # heap of free slots
         self.finished: list[Sequence] = []
+        self.paused: list[Sequence] = []  # paused since the caller last took them (take_paused)
 
     # -- intake ------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -93,6 +118,13 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def decodable(self) -> bool:
+        """Whether some running sequence takes part in the next decode."""
+        return any(not s.paused and not s.pending for s in self.running.values())
+
+    def can_admit(self) -> bool:
+        return bool(self.waiting and self._free)
 
     @property
     def num_rows(self) -> int:
@@ -134,16 +166,60 @@ class Scheduler:
         seq.tokens.append(token)
         seq.logprobs.append(logprob)
         if token in seq.stop_ids or (not seq.ignore_eos and token in seq.eos_ids):
-            seq.finish_reason = FINISH_STOP
-        elif len(seq.tokens) >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
-            seq.finish_reason = FINISH_LENGTH
-        else:
-            return False
+            if seq.multi_turn:  # the turn ends; the caller resumes or finishes the sequence
+                seq.paused = True
+                self.paused.append(seq)
+                return False
+            return self.finish(seq, FINISH_STOP)
+        if len(seq.tokens) >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+            return self.finish(seq, FINISH_LENGTH)
+        return False
+
+    def finish(self, seq: Sequence, reason: str) -> bool:
+        """End ``seq`` with ``reason`` and free its slot."""
+        seq.finish_reason = reason
+        seq.paused = False
         del self.running[seq.slot]
         heapq.heappush(self._free, seq.slot)
         seq.slot = None
         self.finished.append(seq)
         return True
+
+    def take_paused(self) -> list[Sequence]:
+        """The sequences paused at a turn end since the last call."""
+        out, self.paused = self.paused, []
+        return out
+
+    def resume(self, seq: Sequence, tokens: list[int] | None, reason: str = FINISH_STOP) -> None:
+        """Continue paused ``seq`` after appending observation ``tokens``; ``None`` finishes
+        it (``reason``). Observations that leave no room for one more sampled token finish it
+        as ``length`` (nothing is appended)."""
+        if not seq.paused:
+            raise RuntimeError(f"sequence {seq.seq_id} is not paused")
+        if tokens is None:
+            self.finish(seq, reason)
+            return
+        room = min(seq.max_tokens - len(seq.tokens), self.max_model_len - seq.num_tokens)
+        if not tokens or len(tokens) >= room:
+            self.finish(seq, FINISH_LENGTH)
+            return
+        start = len(seq.tokens)
+        seq.tokens.extend(tokens)
+        seq.logprobs.extend([0.0] * len(tokens))
+        seq.observations.append((start, len(seq.tokens)))
+        seq.pending = len(tokens)
+        seq.paused = False
+
+    def extend_rows(self) -> list[Sequence]:
+        """Resumed sequences whose observation tokens the engine must write to the cache
+        (an extend forward over ``tokens[-(pending + 1):]`` from position ``cached``)."""
+        return [s for s in self.running.values() if s.pending]
+
+    def record_extend(self, seqs: list[Sequence], tokens: list[int], logprobs: list[float]) -> None:
+        """First sampled token of each extended sequence's new turn."""
+        for seq, tok, lp in zip(seqs, tokens, logprobs, strict=True):
+            seq.pending = 0
+            self.append(seq, tok, lp)
 
     def record_prefill(self, seqs: list[Sequence], tokens: list[int], logprobs: list[float] | None = None) -> None:
         """First sampled token of each newly admitted sequence (same order as ``seqs``)."""
@@ -155,11 +231,16 @@ class Scheduler:
         """Inputs of the next decode over rows ``[0, num_rows)``: last token, its position, sequence.
 
         Holes (free slots below ``num_rows``) get token 0 at position 0; their outputs are
-        ignored and their cache rows are rewritten by the next prefill into that slot.
+        ignored and their cache rows are rewritten by the next prefill into that slot. A
+        paused or pending sequence's row is a hole too, writing at its first uncached
+        position (rewritten by its extend forward).
         """
         n = self.num_rows
         tokens, positions, seqs = [0] * n, [0] * n, [None] * n
         for slot, seq in self.running.items():
+            if seq.paused or seq.pending:
+                positions[slot] = seq.cached
+                continue
             tokens[slot] = seq.tokens[-1]
             positions[slot] = seq.num_tokens - 1
             seqs[slot] = seq
@@ -170,5 +251,5 @@ class Scheduler:
         logprobs = logprobs if logprobs is not None else [0.0] * len(tokens)
         for slot in range(len(tokens)):
             seq = self.running.get(slot)
-            if seq is not None:
+            if seq is not None and not seq.paused and not seq.pending:
                 self.append(seq, tokens[slot], logprobs[slot])

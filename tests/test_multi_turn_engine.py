@@ -1,7 +1,6 @@
 """The engine's multi-turn path (pause at a turn end, append an observation, prefill only
 the observation, resume) against a from-scratch forward over the whole trajectory."""
 
-
 import pytest
 import torch
 

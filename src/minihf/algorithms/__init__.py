@@ -14,7 +14,7 @@ from minihf.algorithms.kl_ctrl import (AdaptiveKLController, FixedKLController, 
 from minihf.algorithms.logprob import (LOGPROB_ROUNDING_MULTIPLE, entropy_from_logits,
                                        logit_abs_scale, logprob_rounding_bound,
                                        logprobs_from_logits)
-from minihf.algorithms.loss_agg import (LOSS_AGG_MODES, agg_loss, loss_normalizer, masked_mean,
+from minihf.algorithms.loss_agg import (LOSS_AGG_MODES, agg_loss, last_index, loss_normalizer, masked_mean,
                                         masked_var, masked_whiten)
 from minihf.algorithms.policy_loss import (POLICY_LOSSES, compute_policy_loss,
                                            compute_policy_loss_gspo, get_policy_loss_fn,
@@ -31,6 +31,6 @@ __all__ = [
     "compute_reinforce_plus_plus_outcome_advantage", "compute_remax_outcome_advantage",
     "compute_rloo_outcome_advantage", "compute_value_loss", "entropy_from_logits",
     "get_adv_estimator_fn", "get_policy_loss_fn", "kl_penalty", "logit_abs_scale", "logprob_rounding_bound", "logprobs_from_logits",
-    "loss_normalizer", "masked_mean", "masked_var", "masked_whiten", "register_adv_est",
+    "last_index", "loss_normalizer", "masked_mean", "masked_var", "masked_whiten", "register_adv_est",
     "register_policy_loss", "vanilla_policy_loss",
 ]

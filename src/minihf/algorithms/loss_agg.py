@@ -82,6 +82,13 @@ def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str
     return total / normalizer
 
 
+def last_index(mask: torch.Tensor) -> torch.Tensor:
+    """Index of each row's last nonzero entry of ``mask`` [B, T] (-1 for an empty row): a
+    response's last token, also when a multi-turn mask has gaps (observations)."""
+    T = mask.shape[-1]
+    return torch.where(mask.bool(), torch.arange(T, device=mask.device), -1).max(-1).values
+
+
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``sum(values * mask) / max(sum(mask), 1)`` over all elements."""
     mask = mask.to(values.dtype)

@@ -27,10 +27,13 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
+from minihf.algorithms import last_index
 from minihf.models import build_model
+from minihf.multi_turn.loop import ENV_ROW_KEYS
 from minihf.models.lora import apply_lora, is_lora_param, lora_modules
 from minihf.parallel.fsdp import reshard as fsdp_reshard
 from minihf.parallel.tp import tp_rewrite
@@ -64,8 +67,9 @@ class HybridEngine:
 
     def __init__(self, fsdp_model: torch.nn.Module, cfg, *, all_group, gather_group, tp_group,
                  tp_rank: int, device: torch.device, eos_token_ids: tuple[int, ...],
-                 pad_token_id: int):
+                 pad_token_id: int, multi_turn=None):
         self.fsdp_model, self.cfg, self.device = fsdp_model, cfg, device
+        self.multi_turn = multi_turn  # minihf.multi_turn.MultiTurn, or None: single-turn
         self.all_group, self.gather_group, self.tp_rank = all_group, gather_group, tp_rank
         self.tp = _size(tp_group)
         self.dtype = rollout_dtype(cfg.dtype, device)
@@ -174,15 +178,23 @@ class HybridEngine:
                                  ignore_eos=bool(s["ignore_eos"]),
                                  seed=request_seed(self.cfg.seed, global_step, str(u), int(j)))
                   for u, j in zip(uids, index.tolist())]
+        runner = None
+        if self.multi_turn is not None:
+            runner = self.multi_turn.runner(env_rows(batch), list(uids), prompts, self.cfg.prompt_length)
+            if runner.prompts != prompts:  # an environment's reset() added to a prompt
+                prompts = runner.prompts
+                batch = with_prompts(batch, prompts, self.cfg.prompt_length, self.pad_token_id)
         t0 = time.perf_counter()
         self.sync_weights()
         t1 = time.perf_counter()
-        groups = self.engine.generate(prompts, params)
+        groups = self.engine.generate(prompts, params, turns=runner)
         t2 = time.perf_counter()
         if self.cfg.free_cache_engine:
             self.sleep()
-        out = build_output(batch, [g[0] for g in groups], int(s["response_length"]),
-                           self.pad_token_id)
+        seqs = [g[0] for g in groups]
+        out = build_output(batch, seqs, int(s["response_length"]), self.pad_token_id)
+        if runner is not None:
+            episode_outputs(out, runner, seqs, self.cfg.multi_turn.turn_rewards)
         if n > 1:
             out.non_tensors.update(batch.non_tensors)
             out.tensors["sample_index"] = index
@@ -190,6 +202,10 @@ class HybridEngine:
                          "perf/reshard_bytes": self.last_reshard.get("bytes_received", 0),
                          "timing_s/gen_prefill": self.engine.last_stats.get("prefill_s", 0.0),
                          "timing_s/gen_decode": self.engine.last_stats.get("decode_s", 0.0),
+                         **({"timing_s/env": runner.env_seconds,
+                             "timing_s/gen_extend": self.engine.last_stats["extend_s"],
+                             "multi_turn/extend_tokens": self.engine.last_stats["extend_tokens"]}
+                            if runner is not None else {}),
                          "temperature": temperature if temperature > 0 else 1.0})
         return out
 
@@ -198,26 +214,98 @@ def build_output(batch: Batch, seqs, response_length: int, pad_token_id: int) ->
     """verl's rollout tensors: ``prompts`` [B, P] (as given, left-padded), ``responses``
     [B, R] right-padded with ``pad_token_id``, ``input_ids`` = prompts ++ responses,
     ``attention_mask`` and ``position_ids`` [B, P + R] (response positions continue after
-    each prompt's last), ``response_mask`` [B, R] (1 on generated tokens, EOS included),
-    ``rollout_log_probs`` [B, R] (0 on padding)."""
+    each prompt's last), ``response_mask`` [B, R] (1 on generated tokens, EOS included;
+    0 on a multi-turn trajectory's observation tokens, which the attention mask keeps),
+    ``rollout_log_probs`` [B, R] (0 on padding and observations)."""
     prompts = batch.tensors["input_ids"]
     B, R = len(seqs), response_length
     responses = torch.full((B, R), pad_token_id, dtype=prompts.dtype)
     logps = torch.zeros(B, R, dtype=torch.float32)
     lengths = torch.tensor([len(s.tokens) for s in seqs], dtype=torch.long)
+    mask_dtype = batch.tensors["attention_mask"].dtype
+    response_attn = (torch.arange(R)[None, :] < lengths[:, None]).to(mask_dtype)
+    response_mask = response_attn.clone()
     for i, s in enumerate(seqs):
         responses[i, :len(s.tokens)] = torch.tensor(s.tokens, dtype=prompts.dtype)
         logps[i, :len(s.logprobs)] = torch.tensor(s.logprobs, dtype=torch.float32)
-    response_mask = (torch.arange(R)[None, :] < lengths[:, None]).to(batch.tensors["attention_mask"].dtype)
+        for start, end in s.observations:
+            response_mask[i, start:end] = 0
     last = batch.tensors["position_ids"][:, -1:]                                 # [B, 1]
     positions = torch.cat([batch.tensors["position_ids"], last + torch.arange(1, R + 1)[None, :]], 1)
     return Batch({
         "prompts": prompts, "responses": responses,
         "input_ids": torch.cat([prompts, responses], dim=1),
-        "attention_mask": torch.cat([batch.tensors["attention_mask"], response_mask], dim=1),
+        "attention_mask": torch.cat([batch.tensors["attention_mask"], response_attn], dim=1),
         "position_ids": positions, "response_mask": response_mask,
         "rollout_log_probs": logps,
     })
+
+
+
+def env_rows(batch: Batch) -> list[dict]:
+    """Each sample's dataset row as an environment receives it: ``prompt`` (messages),
+    ``data_source``, ``reward_model: {ground_truth}``, ``extra_info``, ``index``."""
+    nt = batch.non_tensors
+    rows = []
+    for i in range(len(batch)):
+        row = {k: nt[k][i] for k in ENV_ROW_KEYS if k in nt}
+        row["prompt"] = row.get("raw_prompt")
+        row["reward_model"] = {"ground_truth": row.pop("ground_truth", None)}
+        rows.append(row)
+    return rows
+
+
+def with_prompts(batch: Batch, prompts: list[list[int]], width: int, pad_token_id: int) -> Batch:
+    """``batch`` with its prompt tensors rebuilt from ``prompts``, left-padded to ``width``
+    (the rollout's prompt length, the same on every replica)."""
+    ids = torch.full((len(prompts), width), pad_token_id, dtype=batch.tensors["input_ids"].dtype)
+    mask = torch.zeros((len(prompts), width), dtype=batch.tensors["attention_mask"].dtype)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p, dtype=ids.dtype)
+        mask[i, width - len(p):] = 1
+    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    return Batch({**batch.tensors, "input_ids": ids, "attention_mask": mask, "position_ids": positions},
+                 batch.non_tensors, batch.meta)
+
+
+def episode_outputs(out: Batch, runner, seqs, turn_rewards: bool) -> None:
+    """Add a multi-turn generation's per-sample results to ``out``: ``env_rewards`` [B, R]
+    (each step's reward on its turn's last token with ``turn_rewards``, else their sum on
+    the last assistant token), ``multi_turn_{turns,tool_calls,tool_errors}`` [B] and the
+    non-tensors ``multi_turn_finish`` and ``multi_turn_messages`` (the conversation)."""
+    R = out.tensors["responses"].shape[1]
+    env_rewards = torch.zeros(len(seqs), R, dtype=torch.float32)
+    last = last_index(out.tensors["response_mask"])
+    stats = {k: torch.zeros(len(seqs), dtype=torch.float32) for k in ("turns", "tool_calls", "tool_errors")}
+    finish, messages = [], []
+    episodes = runner.episodes or [None] * len(seqs)  # a TP follower's output is not collected
+    for i, (seq, ep) in enumerate(zip(seqs, episodes)):
+        if ep is None:
+            finish.append(seq.finish_reason)
+            messages.append([])
+            continue
+        partial = seq.finish_reason == "length" and len(seq.tokens) > ep.turn_start
+        if partial:  # the turn the length cap cut off
+            ep.messages.append({"role": "assistant", "content": runner.mt.tokenizer.decode(
+                seq.tokens[ep.turn_start:], skip_special_tokens=True)})
+        if turn_rewards:
+            for at, r in ep.rewards:
+                env_rewards[i, at] += r
+        elif last[i] >= 0:
+            env_rewards[i, last[i]] = sum(r for _, r in ep.rewards)
+        stats["turns"][i] = ep.turns + partial
+        stats["tool_calls"][i] = getattr(ep.env, "tool_calls", 0)
+        stats["tool_errors"][i] = getattr(ep.env, "tool_errors", 0)
+        finish.append(seq.finish_reason)
+        messages.append(ep.messages)
+    out.tensors["env_rewards"] = env_rewards
+    for k, v in stats.items():
+        out.tensors[f"multi_turn_{k}"] = v
+    out.non_tensors["multi_turn_finish"] = np.array(finish, dtype=object)
+    msgs = np.empty(len(messages), dtype=object)
+    msgs[:] = messages
+    out.non_tensors["multi_turn_messages"] = msgs
+
 
 
 # replicas run at once: the slowest counts (and the most bytes one rank received)

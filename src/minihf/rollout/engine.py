@@ -54,6 +54,7 @@ class TurnHandler(Protocol):
     def poll(self, wait: bool) -> list[tuple[Sequence, list[int] | None, str]]: ...
 
 
+SEQ_STRIDE = 1_000_003  # seq_id = prompt index * SEQ_STRIDE + sample index
 _LINEARS = (torch.nn.Linear, ColumnParallelLinear, RowParallelLinear, VocabParallelLMHead)
 
 
@@ -229,6 +230,9 @@ class Engine:
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts; pass one or one per prompt")
+        if turns is not None and any(sp.n != 1 for sp in plist):
+            raise ValueError("a multi-turn generation takes n=1 per prompt (one environment per "
+                             "sample): repeat the prompts instead")
         self._calls += 1
         self._rows_key = None  # ids of dead sequences may be reused by this call's
         call_key = sequence_key(self.seed, self._calls)
@@ -237,9 +241,9 @@ class Engine:
         for r, (prompt, sp) in enumerate(zip(prompts, plist)):
             group = []
             for j in range(sp.n):
-                key = sequence_key(sp.seed, j) if sp.seed is not None else sequence_key(call_key, r * 1_000_003 + j)
+                key = sequence_key(sp.seed, j) if sp.seed is not None else sequence_key(call_key, r * SEQ_STRIDE + j)
                 group.append(Sequence(
-                    seq_id=r * 1_000_003 + j, prompt=list(prompt), max_tokens=sp.max_tokens,
+                    seq_id=r * SEQ_STRIDE + j, prompt=list(prompt), max_tokens=sp.max_tokens,
                     stop_ids=frozenset(sp.stop_token_ids), eos_ids=self.eos_token_ids,
                     ignore_eos=sp.ignore_eos, params=(sp, key), multi_turn=turns is not None,
                 ))

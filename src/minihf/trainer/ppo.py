@@ -36,6 +36,7 @@ import torch
 
 from minihf.algorithms import AdaptiveKLController, FixedKLController, apply_kl_penalty
 from minihf.config import section_of
+from minihf.multi_turn.loop import ENV_ROW_KEYS, multi_turn_metrics
 from minihf.protocol import Batch
 from minihf.trainer.common import Log, MetricsLog, config_json, every, format_line, run_dir
 from minihf.trainer.loggers import Console, Trackers
@@ -157,8 +158,10 @@ class PPOTrainer(RunLoop):
         without its prompt tensors (``input_ids`` etc. now include the responses). When the
         actor repeats prompts itself (``meta["n"]``, validation's ``val_kwargs.n``), the rest
         of ``batch`` is repeated to match. Returns (batch, the generation's meta)."""
+        rows = ENV_ROW_KEYS if self.cfg.actor_rollout_ref.rollout.multi_turn.enable else ()
         gen_in = Batch({k: batch.tensors[k] for k in PROMPT_KEYS + ("sample_index",)
-                        if k in batch.tensors}, {"uid": batch.non_tensors["uid"]}, meta)
+                        if k in batch.tensors},
+                       {k: v for k, v in batch.non_tensors.items() if k == "uid" or k in rows}, meta)
         out = self.actor.generate_sequences(gen_in)
         rest = Batch({k: v for k, v in batch.tensors.items() if k not in PROMPT_KEYS},
                      batch.non_tensors)
@@ -197,9 +200,11 @@ class PPOTrainer(RunLoop):
         ctx.metrics["timing_s/reshard"] = ctx.metrics.get("timing_s/reshard", 0.0) + reshard
         moved = gen_meta.get("perf/reshard_bytes", 0)  # one rank's, received (LoRA: the adapters)
         ctx.metrics["perf/reshard_bytes"] = ctx.metrics.get("perf/reshard_bytes", 0) + moved
-        for part in ("prefill", "decode"):  # inside gen's time: the engine's forwards (+ sampling)
-            key = f"timing_s/gen_{part}"
-            ctx.metrics[key] = ctx.metrics.get(key, 0.0) + gen_meta.get(key, 0.0)
+        for key in ("timing_s/gen_prefill", "timing_s/gen_decode", "timing_s/gen_extend", "timing_s/env"):
+            if key in gen_meta:  # inside gen's time: the engine's forwards (+ sampling), environments
+                ctx.metrics[key] = ctx.metrics.get(key, 0.0) + gen_meta[key]
+        if "multi_turn_turns" in batch.tensors:
+            m.update(multi_turn_metrics(batch))
         batch.meta["global_step"] = ctx.step
         return batch
 
@@ -210,6 +215,11 @@ class PPOTrainer(RunLoop):
         else:
             batch.tensors["token_level_scores"], metrics, _ = self.reward(batch)
             m.update(metrics)
+        if "env_rewards" in batch.tensors:  # multi-turn: the environment's step rewards
+            env_only = (self.cfg.actor_rollout_ref.rollout.multi_turn.environment
+                        and not self.cfg.custom_reward_function.path and rm is None)
+            scores = batch["env_rewards"]
+            batch.tensors["token_level_scores"] = scores if env_only else batch["token_level_scores"] + scores
 
     def _rollout_phase(self, ctx: StepContext, _: Batch, m: dict) -> Batch:
         batch, metrics = ctx.rollout(self.loader.next_batch(), 0)

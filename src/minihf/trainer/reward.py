@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import torch
 
+from minihf.algorithms import last_index
 from minihf.data import compute_score, default_reward_fn, load_reward_fn
 from minihf.protocol import Batch
 
@@ -24,10 +25,11 @@ def load_reward(path: str | None, name: str):
 
 
 def at_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """Sequence ``scores`` [B] as token-level scores [B, R] on each response's last token (a
-    response of length 0 has no token to hold it: it scores 0)."""
+    """Sequence ``scores`` [B] as token-level scores [B, R] on each response's last token
+    (its last assistant token in a multi-turn trajectory; a response of length 0 has no
+    token to hold it: it scores 0)."""
     token_scores = torch.zeros(response_mask.shape, dtype=torch.float32)
-    last = response_mask.sum(-1) - 1                                             # [B]
+    last = last_index(response_mask)                                             # [B]
     rows = torch.nonzero(last >= 0).squeeze(-1)
     token_scores[rows, last[rows]] = scores.float()[rows]
     return token_scores

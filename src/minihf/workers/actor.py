@@ -50,6 +50,7 @@ from minihf.algorithms import (agg_loss, get_policy_loss_fn, kl_penalty, logprob
 from minihf.algorithms.policy_loss import check_takes_is_weights
 from minihf.controller import Dispatch, Worker, register
 from minihf.hybrid import HybridEngine, collect_rollout
+from minihf.multi_turn.loop import ENV_ROW_KEYS
 from minihf.hybrid.engine import rollout_dtype
 from minihf.models.lora import adapters_disabled
 from minihf.parallel.fsdp import default_mixed_precision
@@ -62,7 +63,7 @@ from minihf.workers.train_state import TrainState
 
 INPUT_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
 UPDATE_KEYS = INPUT_KEYS + ("response_mask", "old_log_probs", "advantages")
-GENERATE_KEYS = ("input_ids", "attention_mask", "position_ids", "sample_index", "uid")
+GENERATE_KEYS = ("input_ids", "attention_mask", "position_ids", "sample_index", "uid") + ENV_ROW_KEYS
 
 
 REFERENCES = ("model", "adapters_off")
@@ -122,10 +123,19 @@ class ActorRolloutRefWorker(Worker):
         hf = self.actor.args.hf_config
         eos = eos_ids_from_dir(cfg.model.path, hf)
         pad = hf.get("pad_token_id")
+        multi_turn = None
+        if r.multi_turn.enable:
+            from minihf.data import load_tokenizer
+            from minihf.multi_turn import MultiTurn
+
+            multi_turn = MultiTurn(r.multi_turn, load_tokenizer(cfg.model.path), eos,
+                                   tp_group=info.tp_group if r.tensor_model_parallel_size > 1 else None,
+                                   leader=info.tp_rank == 0)
         self.rollout = HybridEngine(
             self.actor, cfg.rollout, all_group=self.group, gather_group=info.dp_group,
             tp_group=info.tp_group, tp_rank=info.tp_rank, device=self.device,
-            eos_token_ids=eos, pad_token_id=pad if pad is not None else (eos[0] if eos else 0))
+            eos_token_ids=eos, pad_token_id=pad if pad is not None else (eos[0] if eos else 0),
+            multi_turn=multi_turn)
 
     # -- generation -----------------------------------------------------------------------
     @register(dispatch=Dispatch.DP_COMPUTE, collect=collect_rollout, layout="rollout",

@@ -185,6 +185,57 @@ def _check_sampling(cfg, where: str) -> None:
 
 
 @dataclass
+class MultiTurnConfig:
+    """Multi-turn rollouts with tools or an environment (verl's names; docs/multi-turn.md).
+
+    ``tools``: tool functions (``file.py:name``, or a built-in: ``calculator``); or
+    ``environment``: an environment class (``file.py:Class``, one instance per sample).
+    ``rollout.response_length`` caps a trajectory's whole response (assistant and
+    observation tokens). A tool or user message is cut to ``max_tool_response_length``
+    characters.
+    """
+    enable: bool = False                 # multi-turn rollouts (tools or an environment)
+    tools: list[str] = field(default_factory=list)  # tool functions: file.py:name or a built-in (calculator)
+    environment: Optional[str] = None    # environment class, file.py:Class (instead of tools)
+    max_assistant_turns: Optional[int] = None  # episode ends after this many assistant turns; null: no cap
+    max_user_turns: Optional[int] = None  # episode ends before the observation past this many; null: no cap
+    max_parallel_calls: int = 1          # tool calls run per assistant turn (more are an error observation)
+    max_tool_response_length: int = 256  # characters of each tool/user message kept
+    tool_timeout_s: float = 30.0         # one tool call's limit (an error observation past it)
+    env_timeout_s: float = 120.0         # one environment step's limit (past it the run stops)
+    format: Literal["hermes"] = "hermes"  # tool-call format in the assistant's text
+    tokenization_sanity_check_mode: Literal["strict", "warn", "off"] = "strict"  # start-up check that the chat template is append-only
+    turn_rewards: bool = False           # each step's reward on its turn's last token (else their sum on the last)
+
+    def __post_init__(self):
+        if self.format != "hermes":
+            raise ValueError(f"rollout.multi_turn.format={self.format!r}; only hermes is supported")
+        if self.tokenization_sanity_check_mode not in ("strict", "warn", "off"):
+            raise ValueError(f"rollout.multi_turn.tokenization_sanity_check_mode="
+                             f"{self.tokenization_sanity_check_mode!r}; choose strict, warn or off")
+        if not isinstance(self.tools, list):
+            raise ValueError(f"rollout.multi_turn.tools={self.tools!r} must be a list of file.py:name "
+                             "references or built-in tool names")
+        if self.enable and not self.tools and not self.environment:
+            raise ValueError("rollout.multi_turn.enable=true needs rollout.multi_turn.tools (a list) "
+                             "or rollout.multi_turn.environment (file.py:Class)")
+        if self.tools and self.environment:
+            raise ValueError("set rollout.multi_turn.tools or rollout.multi_turn.environment, not both "
+                             "(an environment can call tools itself)")
+        for key in ("max_assistant_turns", "max_user_turns"):
+            v = getattr(self, key)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise ValueError(f"rollout.multi_turn.{key}={v!r} must be an int >= 1, or null")
+        for key in ("max_parallel_calls", "max_tool_response_length"):
+            v = getattr(self, key)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"rollout.multi_turn.{key}={v!r} must be an int >= 1")
+        for key in ("tool_timeout_s", "env_timeout_s"):
+            if not getattr(self, key) > 0:
+                raise ValueError(f"rollout.multi_turn.{key}={getattr(self, key)!r} must be > 0")
+
+
+@dataclass
 class RolloutConfig:
     """Generation inside the actor (the hybrid engine), verl's names.
 
@@ -219,6 +270,7 @@ class RolloutConfig:
     check_log_probs: Literal["off", "warn", "error"] = "off"  # engine vs trainer log-probs within rounding, every step
     free_base_weights: bool = False      # LoRA actor: sleeping frees the engine's base weights too (gathered again each step); default keeps them, so only the adapters move
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
     def __post_init__(self):
         _check_sampling(self, "rollout")

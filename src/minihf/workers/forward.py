@@ -19,7 +19,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 
-from minihf.algorithms import entropy_from_logits, logit_abs_scale, logprobs_from_logits
+from minihf.algorithms import entropy_from_logits, last_index, logit_abs_scale, logprobs_from_logits
 from minihf.workers.packing import next_token_labels, pack, unpack
 
 
@@ -144,10 +144,10 @@ def forward_scores(model: nn.Module, mb: dict, *, use_remove_padding: bool = Tru
     empty response)."""
     score = last_token_scores(model, mb, use_remove_padding=use_remove_padding,
                               share_prompt=share_prompt)                       # [B]
-    resp_len = mb["response_mask"].sum(-1).long()                             # [B]
+    last = last_index(mb["response_mask"])                                    # [B]
     scores = torch.zeros(mb["responses"].shape, dtype=torch.float32, device=score.device)
-    rows = (resp_len > 0).nonzero().squeeze(-1)
-    scores[rows, resp_len[rows] - 1] = score[rows]
+    rows = (last >= 0).nonzero().squeeze(-1)
+    scores[rows, last[rows]] = score[rows]
     return scores
 
 

@@ -203,8 +203,7 @@ class HybridEngine:
                          "timing_s/gen_prefill": self.engine.last_stats.get("prefill_s", 0.0),
                          "timing_s/gen_decode": self.engine.last_stats.get("decode_s", 0.0),
                          **({"timing_s/env": runner.env_seconds,
-                             "timing_s/gen_extend": self.engine.last_stats["extend_s"],
-                             "multi_turn/extend_tokens": self.engine.last_stats["extend_tokens"]}
+                             "timing_s/gen_extend": self.engine.last_stats["extend_s"]}
                             if runner is not None else {}),
                          "temperature": temperature if temperature > 0 else 1.0})
         return out
@@ -310,7 +309,7 @@ def episode_outputs(out: Batch, runner, seqs, turn_rewards: bool) -> None:
 
 # replicas run at once: the slowest counts (and the most bytes one rank received)
 MAX_META = ("timing_s/reshard", "timing_s/gen", "perf/reshard_bytes", "timing_s/gen_prefill",
-            "timing_s/gen_decode")
+            "timing_s/gen_decode", "timing_s/gen_extend", "timing_s/env")
 
 
 def collect_rollout(layout, outputs: list, ctx) -> Batch:

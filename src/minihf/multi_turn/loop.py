@@ -263,9 +263,11 @@ class EpisodeRunner:
         for m in messages:
             if len(m["content"]) > limit and not m["content"].startswith("error:"):
                 m["content"] = m["content"][:limit] + "...(truncated)"
+        tokens = self.mt.renderer.delta_ids(messages, seq.tokens[-1])
+        if len(tokens) >= seq.max_tokens - len(seq.tokens):  # no room for it and one more token
+            return None, "length"
         ep.messages.extend(messages)
         ep.observations += 1
-        tokens = self.mt.renderer.delta_ids(messages, seq.tokens[-1])
         ep.turn_start = len(seq.tokens) + len(tokens)
         return tokens, ""
 

@@ -130,7 +130,25 @@ def sample_rows(batch: Batch, step: int, kind: str, reward, tokenizer, n: int, s
                     "response": text, "score": float(scores[i]),
                     "ground_truth": batch.non_tensors["ground_truth"][i],
                     "response_length": int(batch["response_mask"][i].sum())})
+        if "multi_turn_messages" in batch.non_tensors:  # the conversation, turn by turn
+            out[-1].update(conversation(batch, i, tokenizer))
     return out
+
+
+def conversation(batch: Batch, i: int, tokenizer) -> dict:
+    """A multi-turn sample's turns (``messages``), its finish reason, and its response as
+    spans of text marked ``trained`` (assistant tokens) or not (observations)."""
+    r = batch["responses"].shape[1]
+    attn = batch["attention_mask"][i, -r:].bool()
+    ids, mask = batch["responses"][i][attn].tolist(), batch["response_mask"][i][attn].tolist()
+    spans, start = [], 0
+    for j in range(1, len(ids) + 1):
+        if j == len(ids) or mask[j] != mask[start]:
+            spans.append({"trained": bool(mask[start]),
+                          "text": tokenizer.decode(ids[start:j], skip_special_tokens=False)})
+            start = j
+    return {"messages": list(batch.non_tensors["multi_turn_messages"][i]),
+            "finish_reason": str(batch.non_tensors["multi_turn_finish"][i]), "spans": spans}
 
 
 def sent_bytes(groups: dict) -> dict[str, int]:

@@ -129,3 +129,19 @@ def test_scheduler_pause_resume_and_budget():
     assert b.finish_reason == FINISH_ABORT and not sched.has_work()
     with pytest.raises(RuntimeError, match="not paused"):
         sched.resume(b, [1])
+
+
+def test_turn_token_cap(tiny):
+    """``max_turn_tokens``: a turn also pauses after that many sampled tokens (no stop ids)."""
+    model = load_hf(tiny)
+    engine = Engine(load_hf(tiny), max_num_seqs=4)
+    sp = SamplingParams(temperature=0, max_tokens=30, max_turn_tokens=4)
+    groups = engine.generate(PROMPTS[:3], sp, turns=FixedObservations(turns=3))
+    for prompt, (seq,) in zip(PROMPTS, groups):
+        assert seq.finish_reason == "stop" and len(seq.observations) == 2
+        starts = [0] + [e for _, e in seq.observations]
+        ends = [s for s, _ in seq.observations] + [len(seq.tokens)]
+        assert [e - s for s, e in zip(starts, ends)] == [4, 4, 4]
+        assert check_against_forward(model, prompt, seq)[0] <= 1
+    with pytest.raises(ValueError, match="max_turn_tokens must be an int >= 1"):
+        SamplingParams(max_turn_tokens=0)

@@ -176,7 +176,8 @@ class HybridEngine:
         params = [SamplingParams(n=1, temperature=temperature, top_k=int(s["top_k"]),
                                  top_p=float(s["top_p"]), max_tokens=int(s["response_length"]),
                                  ignore_eos=bool(s["ignore_eos"]),
-                                 seed=request_seed(self.cfg.seed, global_step, str(u), int(j)))
+                                 seed=request_seed(self.cfg.seed, global_step, str(u), int(j)),
+                                 max_turn_tokens=self.cfg.multi_turn.max_tokens_per_turn)
                   for u, j in zip(uids, index.tolist())]
         runner = None
         if self.multi_turn is not None:

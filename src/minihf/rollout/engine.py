@@ -246,6 +246,7 @@ class Engine:
                     seq_id=r * SEQ_STRIDE + j, prompt=list(prompt), max_tokens=sp.max_tokens,
                     stop_ids=frozenset(sp.stop_token_ids), eos_ids=self.eos_token_ids,
                     ignore_eos=sp.ignore_eos, params=(sp, key), multi_turn=turns is not None,
+                    max_turn_tokens=sp.max_turn_tokens if turns is not None else None,
                 ))
             groups.append(group)
             longest = max(longest, len(prompt) + sp.max_tokens)

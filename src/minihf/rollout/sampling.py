@@ -63,7 +63,8 @@ class SamplingParams:
     disables top-k; ``top_p`` 1.0 disables nucleus sampling; ``max_tokens`` new tokens at
     most; generation stops after any of ``stop_token_ids`` (the stop token is included in
     the output) or the model's EOS unless ``ignore_eos``; ``seed`` makes the request
-    reproducible independently of batch composition.
+    reproducible independently of batch composition. ``max_turn_tokens`` (multi-turn
+    generation only): an assistant turn also ends after this many sampled tokens.
     """
 
     n: int = 1
@@ -74,6 +75,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     seed: int | None = None
+    max_turn_tokens: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.n, int) or self.n < 1:
@@ -90,6 +92,8 @@ class SamplingParams:
         bad = [t for t in self.stop_token_ids if not isinstance(t, int) or t < 0]
         if bad:
             raise ValueError(f"SamplingParams.stop_token_ids must be non-negative ints, got {bad}")
+        if self.max_turn_tokens is not None and (not isinstance(self.max_turn_tokens, int) or self.max_turn_tokens < 1):
+            raise ValueError(f"SamplingParams.max_turn_tokens must be an int >= 1 or None, got {self.max_turn_tokens!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"SamplingParams.seed must be an int or None, got {self.seed!r}")
 

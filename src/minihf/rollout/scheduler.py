@@ -52,6 +52,8 @@ class Sequence:
     paused: bool = False  # waiting for the caller's resume()
     pending: int = 0  # trailing tokens appended by resume() and not in the KV cache yet
     observations: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of appended tokens
+    max_turn_tokens: int | None = None  # a turn also ends after this many sampled tokens
+    turn_start: int = 0  # index in ``tokens`` where the current turn began
 
     @property
     def num_tokens(self) -> int:
@@ -173,6 +175,9 @@ class Scheduler:
             return self.finish(seq, FINISH_STOP)
         if len(seq.tokens) >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
             return self.finish(seq, FINISH_LENGTH)
+        if seq.max_turn_tokens is not None and len(seq.tokens) - seq.turn_start >= seq.max_turn_tokens:
+            seq.paused = True
+            self.paused.append(seq)
         return False
 
     def finish(self, seq: Sequence, reason: str) -> bool:
@@ -207,6 +212,7 @@ class Scheduler:
         seq.tokens.extend(tokens)
         seq.logprobs.extend([0.0] * len(tokens))
         seq.observations.append((start, len(seq.tokens)))
+        seq.turn_start = len(seq.tokens)
         seq.pending = len(tokens)
         seq.paused = False
 

@@ -199,6 +199,7 @@ class MultiTurnConfig:
     environment: Optional[str] = None    # environment class, file.py:Class (instead of tools)
     max_assistant_turns: Optional[int] = None  # episode ends after this many assistant turns; null: no cap
     max_user_turns: Optional[int] = None  # episode ends before the observation past this many; null: no cap
+    max_tokens_per_turn: Optional[int] = None  # an assistant turn also ends after this many tokens; null: no cap
     max_parallel_calls: int = 1          # tool calls run per assistant turn (more are an error observation)
     max_tool_response_length: int = 256  # characters of each tool/user message kept
     tool_timeout_s: float = 30.0         # one tool call's limit (an error observation past it)
@@ -222,7 +223,7 @@ class MultiTurnConfig:
         if self.tools and self.environment:
             raise ValueError("set rollout.multi_turn.tools or rollout.multi_turn.environment, not both "
                              "(an environment can call tools itself)")
-        for key in ("max_assistant_turns", "max_user_turns"):
+        for key in ("max_assistant_turns", "max_user_turns", "max_tokens_per_turn"):
             v = getattr(self, key)
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"rollout.multi_turn.{key}={v!r} must be an int >= 1, or null")

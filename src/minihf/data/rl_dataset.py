@@ -61,8 +61,17 @@ def to_messages(prompt, where: str, column: str = "prompt", allow_text: bool = T
 
 
 def render_prompts(tokenizer, messages: Sequence[list[dict]], apply_chat_template: bool,
-                   wheres: Sequence[str] | None = None) -> list[list[int]]:
-    """Token ids of each prompt (chat template with generation prompt, or plain text)."""
+                   wheres: Sequence[str] | None = None, renderer=None) -> list[list[int]]:
+    """Token ids of each prompt (chat template with generation prompt, or plain text;
+    ``renderer``: a ``minihf.multi_turn.ChatRenderer`` that adds the tools)."""
+    if renderer is not None:
+        out = []
+        for i, m in enumerate(messages):
+            try:
+                out.append(renderer.prompt_ids(m))
+            except ValueError as exc:
+                raise ValueError(f"{wheres[i] if wheres else f'prompt {i}'}: {exc}") from exc
+        return out
     if apply_chat_template:
         if tokenizer.chat_template is None:
             raise ValueError("the tokenizer has no chat_template; set apply_chat_template=False for plain-text prompts")
@@ -116,7 +125,8 @@ class RLDataset:
     """
 
     def __init__(self, files: str | Path | Sequence[str | Path], tokenizer, max_prompt_length: int = 512,
-                 truncation: str = "error", apply_chat_template: bool = True, prompt_key: str = "prompt"):
+                 truncation: str = "error", apply_chat_template: bool = True, prompt_key: str = "prompt",
+                 renderer=None):
         check_truncation(truncation)
         self.tokenizer, self.max_prompt_length, self.truncation = tokenizer, max_prompt_length, truncation
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -132,7 +142,7 @@ class RLDataset:
             messages.append(to_messages(row[prompt_key], where))
             records.append(self._record(row, where))
         wheres = [f"data file {path}, row {i}" for path, i, _ in entries]
-        all_ids = render_prompts(tokenizer, messages, apply_chat_template, wheres)
+        all_ids = render_prompts(tokenizer, messages, apply_chat_template, wheres, renderer)
         self.input_ids: list[list[int]] = []
         self.records: list[dict] = []
         for where, msgs, rec, ids in zip(wheres, messages, records, all_ids):

@@ -69,6 +69,12 @@ def load_tools(refs: list[str]) -> dict:
     return tools
 
 
+def tool_renderer(tokenizer, refs: list[str]) -> ChatRenderer:
+    """The renderer of prompts that offer the tools ``refs`` (the dataset's and the rollout's)."""
+    schemas = [tool_schema(f) for f in load_tools(refs).values()]
+    return ChatRenderer(tokenizer, schemas, hermes_system_block(schemas))
+
+
 @dataclass
 class Episode:
     """One sample's environment and what its conversation has done so far."""
@@ -89,15 +95,15 @@ class MultiTurn:
         self.tp_group, self.leader = tp_group, leader
         if cfg.environment:
             self.env_cls, self.tools = load_ref(cfg.environment, "environment class"), {}
-            schemas, role = None, "user"
+            role = "user"
         else:
             self.tools = load_tools(cfg.tools)
             self.env_cls = partial(ToolEnvironment, tools=self.tools, max_parallel_calls=cfg.max_parallel_calls,
                                    max_response_length=cfg.max_tool_response_length,
                                    timeout_s=cfg.tool_timeout_s)
-            schemas, role = [tool_schema(f) for f in self.tools.values()], "tool"
+            role = "tool"
         self.env_name = getattr(self.env_cls, "__name__", "ToolEnvironment")
-        self.renderer = ChatRenderer(tokenizer, schemas, hermes_system_block(schemas) if schemas else None)
+        self.renderer = tool_renderer(tokenizer, cfg.tools) if self.tools else ChatRenderer(tokenizer)
         if not end_tokens:
             raise ValueError("multi-turn rollouts need the end-of-turn token: the model dir's "
                              "generation_config.json (or config.json) names no eos_token_id")

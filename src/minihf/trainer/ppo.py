@@ -36,7 +36,7 @@ import torch
 
 from minihf.algorithms import AdaptiveKLController, FixedKLController, apply_kl_penalty
 from minihf.config import section_of
-from minihf.multi_turn.loop import ENV_ROW_KEYS, multi_turn_metrics
+from minihf.multi_turn.loop import ENV_ROW_KEYS, multi_turn_metrics, tool_renderer
 from minihf.protocol import Batch
 from minihf.trainer.common import Log, MetricsLog, config_json, every, format_line, run_dir
 from minihf.trainer.loggers import Console, Trackers
@@ -91,8 +91,14 @@ class PPOTrainer(RunLoop):
         cfg.check_sizes({r.trains: self.groups[r.name].dp_size for r in self.roles if r.trains})
         d = cfg.data
         tok = load_tokenizer(cfg.actor_rollout_ref.model.path, padding_side="left")
+        mt = cfg.actor_rollout_ref.rollout.multi_turn
+        # multi-turn with tools: prompts carry the tool schemas as the rollout renders them;
+        # with an environment (and no reward function or model) its rewards are the score
+        self.env_only = bool(mt.enable and mt.environment and not cfg.custom_reward_function.path
+                             and "reward_model" not in groups)
         kw = dict(max_prompt_length=d.max_prompt_length, truncation=d.truncation,
-                  apply_chat_template=d.apply_chat_template, prompt_key=d.prompt_key)
+                  apply_chat_template=d.apply_chat_template, prompt_key=d.prompt_key,
+                  renderer=tool_renderer(tok, mt.tools) if mt.enable and mt.tools else None)
         self.train = RLDataset(d.train_files, tok, **kw)
         self.val = RLDataset(d.val_files, tok, **kw) if d.val_files else None
         if len(self.train) < d.train_batch_size:
@@ -210,16 +216,16 @@ class PPOTrainer(RunLoop):
 
     def _reward_phase(self, ctx: StepContext, batch: Batch, m: dict) -> None:
         rm = ctx.groups.get("reward_model")
+        if self.env_only:  # multi-turn: the environment's step rewards are the score
+            batch.tensors["token_level_scores"] = batch["env_rewards"]
+            return
         if rm is not None:
             batch.tensors["token_level_scores"] = rm.compute_rm_score(batch)["rm_scores"]  # [B, R], at the last token
         else:
             batch.tensors["token_level_scores"], metrics, _ = self.reward(batch)
             m.update(metrics)
-        if "env_rewards" in batch.tensors:  # multi-turn: the environment's step rewards
-            env_only = (self.cfg.actor_rollout_ref.rollout.multi_turn.environment
-                        and not self.cfg.custom_reward_function.path and rm is None)
-            scores = batch["env_rewards"]
-            batch.tensors["token_level_scores"] = scores if env_only else batch["token_level_scores"] + scores
+        if "env_rewards" in batch.tensors:  # multi-turn: the environment's step rewards add
+            batch.tensors["token_level_scores"] = batch["token_level_scores"] + batch["env_rewards"]
 
     def _rollout_phase(self, ctx: StepContext, _: Batch, m: dict) -> Batch:
         batch, metrics = ctx.rollout(self.loader.next_batch(), 0)
@@ -285,7 +291,7 @@ class PPOTrainer(RunLoop):
             batch.non_tensors["uid"] = np.array([f"val{i}" for i in batch.non_tensors["index"]],
                                                 dtype=object)
             out, _ = self._generate(batch, {"validate": True, "global_step": step})
-            scored = score_responses(self.reward, out)
+            scored = score_responses(self.reward, out, self.env_only)
             if start == 0 and self.cfg.trainer.log_samples_freq > 0:
                 self.log_samples(step, sample_rows(out, step, "val", self.reward, self.tokenizer,
                                                    self.cfg.trainer.log_samples_n,

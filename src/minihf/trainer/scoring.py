@@ -21,10 +21,17 @@ class Scored:
     length: int
 
 
-def score_responses(reward, batch: Batch) -> list[Scored]:
+def score_responses(reward, batch: Batch, env_only: bool = False) -> list[Scored]:
     """One ``Scored`` per row of ``batch`` (``responses``, ``response_mask`` and the prompt
-    columns, ``data_source`` among them)."""
-    _, _, scores = reward(batch)
+    columns, ``data_source`` among them). A multi-turn batch's environment rewards
+    (``env_rewards``) are added to the rule's score, or are the score with ``env_only``."""
+    env = batch["env_rewards"].sum(-1).tolist() if "env_rewards" in batch.tensors else None
+    if env_only:
+        scores = env
+    else:
+        _, _, scores = reward(batch)
+        if env is not None:
+            scores = [s + e for s, e in zip(scores, env)]
     lengths = batch["response_mask"].sum(-1).tolist()
     return [Scored(src, s, n) for src, s, n in zip(batch.non_tensors["data_source"], scores, lengths)]
 

@@ -134,7 +134,8 @@ def test_generator_files_and_reference_answers(tmp_path, name):
         assert set(row["prompt"][0]["content"]) <= set(task.ALPHABET)
         truth = row["reward_model"]["ground_truth"]
         assert task.compute_score(row["extra_info"]["answer"], truth, row["extra_info"]) == 1.0
-    assert not {r["prompt"][0]["content"] for r in train} & {r["prompt"][0]["content"] for r in test}
+    if not getattr(task, "HIDDEN_ANSWER", False):  # else the same prompt hides another answer
+        assert not {r["prompt"][0]["content"] for r in train} & {r["prompt"][0]["content"] for r in test}
     assert [r["extra_info"]["index"] for r in test] == list(range(10))
 
 
@@ -147,3 +148,26 @@ def test_generator_is_deterministic_per_seed():
 def test_unknown_task():
     with pytest.raises(ValueError, match="choose one of"):
         get_task("sudoku")
+
+
+def test_guess_demonstrations_follow_the_feedback():
+    from minihf.data.tasks import guess
+
+    rows = generate_rows(guess, 300, 0, seed=3)["train"]
+    turns = []
+    for row in rows:
+        lo, hi = row["extra_info"]["lo"], row["extra_info"]["hi"]
+        secret = int(row["reward_model"]["ground_truth"])
+        assert lo <= secret <= hi and row["prompt"][0]["content"] == f"{lo}-{hi}"
+        msgs = row["messages"]
+        assert msgs[0] == row["prompt"][0] and msgs[-1]["role"] == "assistant"
+        low, high = lo, hi
+        for a, u in zip(msgs[1::2], msgs[2::2] + [None]):
+            g = int(a["content"])
+            assert low <= g <= high  # consistent with every answer so far
+            assert (u and u["content"]) == guess.feedback(g, secret) or (u is None)
+            low, high = (g + 1, high) if secret > g else (low, g - 1)
+        found = int(msgs[-1]["content"]) == secret
+        assert found or len(msgs) == 1 + 2 * guess.MAX_TURNS - 1
+        turns.append((len(msgs) - 1 + 1) // 2)
+    assert 1 < sum(turns) / len(turns) < guess.MAX_TURNS

@@ -291,6 +291,18 @@ def multi_turn_metrics(batch) -> dict[str, float]:
          "response_length/assistant/mean": assistant.mean().item(),
          "response_length/observation/mean": (attn.sum(-1) - assistant).mean().item()}
     finish = list(batch.non_tensors["multi_turn_finish"])
+    done = [t for t, f in zip(turns.tolist(), finish) if f == "done"]
+    if done:  # turns of the episodes the environment ended (a game won, an answer given)
+        m["multi_turn/num_turns/done_mean"] = sum(done) / len(done)
     for reason in sorted(set(finish)):
         m[f"multi_turn/finish_reason/{reason}"] = finish.count(reason) / len(finish)
     return m
+
+
+def weighted_mean(parts: list[tuple[int, dict]]) -> dict[str, float]:
+    """Per key, the mean of several batches' metrics weighted by their sizes ``(size, metrics)``."""
+    out = {}
+    for key in sorted({k for _, part in parts for k in part}):
+        n = sum(size for size, part in parts if key in part)
+        out[key] = sum(size * part[key] for size, part in parts if key in part) / n
+    return out

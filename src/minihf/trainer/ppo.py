@@ -36,7 +36,7 @@ import torch
 
 from minihf.algorithms import AdaptiveKLController, FixedKLController, apply_kl_penalty
 from minihf.config import section_of
-from minihf.multi_turn.loop import ENV_ROW_KEYS, multi_turn_metrics, tool_renderer
+from minihf.multi_turn.loop import ENV_ROW_KEYS, multi_turn_metrics, tool_renderer, weighted_mean
 from minihf.protocol import Batch
 from minihf.trainer.common import Log, MetricsLog, config_json, every, format_line, run_dir
 from minihf.trainer.loggers import Console, Trackers
@@ -286,6 +286,7 @@ class PPOTrainer(RunLoop):
         size = self.cfg.data.val_batch_size or len(self.val)
         figures: dict[str, list] = {"reward": []}  # + the plug-ins' (Safe-RLHF: "cost")
         rows: list = []
+        mt_parts: list = []
         for start in range(0, len(self.val), size):
             batch = self.val.collate(list(range(start, min(len(self.val), start + size))))
             batch.non_tensors["uid"] = np.array([f"val{i}" for i in batch.non_tensors["index"]],
@@ -298,6 +299,8 @@ class PPOTrainer(RunLoop):
                                                    scores=[r.score for r in scored]))
             rows += scored
             figures["reward"] += [r.score for r in scored]
+            if "multi_turn_turns" in out.tensors:  # per batch, weighted by its size below
+                mt_parts.append((len(out), multi_turn_metrics(out)))
             for plugin in self.plugins:
                 for name, values in plugin.validate(out).items():
                     figures.setdefault(name, []).extend(values)
@@ -309,6 +312,7 @@ class PPOTrainer(RunLoop):
             if name != "reward":
                 m[f"val-core/{name}"] = sum(values) / len(values)
         m["val/response_length/mean"] = sum(r.length for r in rows) / len(rows)
+        m.update({f"val/{k}": v for k, v in weighted_mean(mt_parts).items()})
         m["timing_s/testing"] = time.perf_counter() - t0
         self.phase_totals["testing"] = self.phase_totals.get("testing", 0.0) + m["timing_s/testing"]
         return m

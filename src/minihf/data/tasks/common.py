@@ -2,7 +2,9 @@
 
 A task module provides ``DATA_SOURCE``, ``ALPHABET`` (every character its prompts and
 answers use, for the char tokenizer), ``make_example(rng) -> (prompt, ground_truth,
-answer, params)`` and ``compute_score(solution_str, ground_truth, extra_info=None)``.
+answer, params)`` and ``compute_score(solution_str, ground_truth, extra_info=None)``; a
+multi-turn one also ``demo_messages(row)`` (a ``messages`` column: the SFT demonstration)
+and ``HIDDEN_ANSWER = True`` when its prompts do not determine the answer.
 """
 
 from __future__ import annotations
@@ -41,10 +43,14 @@ def generate_rows(task: ModuleType, num_train: int, num_test: int, seed: int) ->
         seen.add(example[0])
         examples.append(example)
     splits = {"train": examples[:num_train], "test": examples[num_train:]}
-    return {
+    rows = {
         split: [make_row(task.DATA_SOURCE, p, gt, ans, split, i, params) for i, (p, gt, ans, params) in enumerate(items)]
         for split, items in splits.items()
     }
+    if hasattr(task, "demo_messages"):  # a multi-turn task: SFT learns from whole conversations
+        for row in rows["train"] + rows["test"]:
+            row["messages"] = task.demo_messages(row)
+    return rows
 
 
 def corrupt(task: ModuleType, answer: str, ground_truth, extra_info: dict, rng: random.Random,

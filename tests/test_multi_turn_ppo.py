@@ -3,6 +3,7 @@ observation gaps) with an environment, on 1 and 2 processes; the trajectories' m
 rewards and metrics, samples.jsonl's conversations."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -124,3 +125,64 @@ def test_tp2_gives_tp1_trajectories(tiny_job, tmp_path):
                     if r["step"] == 0 or (r["step"] == 1 and r["kind"] == "train")]
     assert runs[1] and runs[1] == runs[2]
     assert any(len(spans) > 1 for _, spans, _ in runs[1])
+
+
+def _recipe(rank, world, tmp, overrides):
+    from minihf.config import load_config
+    from minihf.controller import run
+    from minihf.trainer.ppo_job import PPOJobConfig, ppo_driver, ppo_roles
+
+    cfg = load_config(PPOJobConfig, "grpo_guess_number", overrides)
+    return run(ppo_driver(cfg), ppo_roles(cfg), cfg.controller)
+
+
+def test_guess_number_recipe_runs_two_steps(tmp_path):
+    """recipes/grpo_guess_number as configured (its environment, turn limits, env rewards as
+    the score) on a random tiny model, 2 steps."""
+    from minihf.data import make_task_data
+    from minihf.hub import init_model
+
+    init_model(tmp_path / "model", size="tiny", task="guess")
+    make_task_data("guess", tmp_path / "data", 32, 8, seed=0)
+    overrides = [f"actor_rollout_ref.model.path={tmp_path}/model",
+                 f"data.train_files={tmp_path}/data/train.parquet", f"data.val_files={tmp_path}/data/test.parquet",
+                 "data.train_batch_size=4", "actor_rollout_ref.rollout.n=4",
+                 "actor_rollout_ref.actor.ppo_mini_batch_size=8", "trainer.total_training_steps=2",
+                 "trainer.test_freq=2", f"trainer.default_local_dir={tmp_path}/out", "prepare.task=null",
+                 "prepare.sft_recipe=null", "controller.timeout_s=120"]
+    hist = spawn_ranks(_recipe, 1, str(tmp_path), overrides, timeout_s=300)[0]
+    steps = [h for h in hist if h["step"] > 0]
+    assert [h["step"] for h in steps] == [1, 2]
+    assert "val/multi_turn/num_turns/mean" in hist[0] and "val-core/minihf/guess/reward/mean@1" in hist[0]
+    for h in steps:
+        assert 1 <= h["multi_turn/num_turns/mean"] <= 6 and h["multi_turn/num_turns/max"] <= 6
+        assert 0 <= h["critic/score/mean"] <= 1  # env rewards: 1 - 0.1 (turns - 1) when found
+
+
+@pytest.mark.slow
+def test_guess_number_recipe_learns(tmp_path):
+    """The recipe from scratch (task data, SFT warm start, 60 RL steps, 2 processes):
+    validation reward and training success rise, turns fall (measured: val 0.60 -> 0.79,
+    success 0.72 -> 0.86, turns 3.8 -> 3.2 in 2.5 minutes)."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).parent.parent
+    out = tmp_path / "run"
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                    str(root / "scripts" / "train_ppo.py"), "recipe=grpo_guess_number",
+                    f"prepare.base_model={tmp_path}/base", f"data.train_files={tmp_path}/data/train.parquet",
+                    f"data.val_files={tmp_path}/data/test.parquet",
+                    f"actor_rollout_ref.model.path={tmp_path}/sft/hf",
+                    f"prepare.sft_overrides=[trainer.default_local_dir={tmp_path}/sft,"
+                    f"model.path={tmp_path}/base,data.train_files={tmp_path}/data/train.parquet,"
+                    f"data.val_files={tmp_path}/data/test.parquet]",
+                    f"trainer.default_local_dir={out}"], check=True, cwd=tmp_path, timeout=900)
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    val = [r["val-core/mean"] for r in rows if "val-core/mean" in r]
+    train = [r for r in rows if r["step"] > 0]
+    first, last = train[:10], train[-10:]
+    mean = lambda rs, k: sum(r[k] for r in rs) / len(rs)
+    assert val[-1] >= val[0] + 0.1, val
+    assert mean(last, "multi_turn/finish_reason/done") > mean(first, "multi_turn/finish_reason/done") + 0.05
+    assert mean(last, "multi_turn/num_turns/mean") < mean(first, "multi_turn/num_turns/mean") - 0.2

@@ -119,6 +119,35 @@ def test_deltas_and_append_only_check(smollm2_tokenizer_dir, caplog):
     check_append_only(r, rewrites.eos_token_id, "user", "off")
 
 
+@pytest.mark.parametrize("code,expect", [
+    ("print(6 * 7)", "42\n"),
+    ("while True: pass", "error: it used more than 1 s of CPU"),
+    ("import time\ntime.sleep(60)", "error: the code ran past 3.0 s and was stopped"),
+    ("import os\nwhile True: os.fork()", "error: PermissionError: the python tool does not allow os.fork"),
+    ("import subprocess\nsubprocess.run(['true'])", "error: PermissionError: the python tool does not allow subprocess.Popen"),
+    ("x = bytearray(10 * 1024 ** 3)", "error: MemoryError"),
+    ("import faulthandler\nfaulthandler._sigsegv()", "error: it died of SIGSEGV"),
+    ("import ctypes\nctypes.string_at(0)", "error: PermissionError: the python tool does not allow ctypes.dlopen"),
+    ("while True: print('x' * 1000)", "error: OSError: [Errno 27] File too large"),
+    ("import resource\nresource.setrlimit(resource.RLIMIT_CPU, (99, 99))", "error: PermissionError"),
+    ("import os\nprint(sorted(os.environ))", "['LC_CTYPE']\n"),
+], ids=["ok", "loop", "sleep", "fork_bomb", "subprocess", "10GB", "segfault", "ctypes", "flood", "rlimit", "env"])
+def test_python_sandbox_contains_abuse(code, expect):
+    """The ``python`` tool's limits: each abuse ends as an ``error: ...`` observation,
+    promptly, with no process and no temporary directory left behind."""
+    import glob
+    import tempfile
+
+    from minihf.multi_turn.sandbox import run_python
+
+    before = set(glob.glob(f"{tempfile.gettempdir()}/minihf-python-*"))
+    t0 = time.monotonic()
+    out = run_python(code, wall_s=3.0, cpu_s=1)
+    assert out.startswith(expect), out[:200]
+    assert time.monotonic() - t0 < 10
+    assert set(glob.glob(f"{tempfile.gettempdir()}/minihf-python-*")) == before
+
+
 def test_config_errors_name_the_key():
     with pytest.raises(ValueError, match="needs rollout.multi_turn.tools"):
         MultiTurnConfig(enable=True)

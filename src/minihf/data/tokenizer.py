@@ -46,12 +46,31 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
                     "vocab.txt")
 
 
-def build_char_tokenizer(alphabet: str, model_max_length: int = 2048):
+# A tool-use template: extra roles (``tool``), and the tools offered (``tools=``) as one
+# compact system line of their names; the hermes call tags are single tokens.
+TOOL_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if tools %}<|system|>tools:{% for t in tools %}{{ t['function']['name'] if 'function' in t else t['name'] }}"
+    "{% if not loop.last %},{% endif %}{% endfor %}{{ eos_token }}{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] not in roles %}"
+    "{{ raise_exception('minihf chat template: unknown role ' + message['role']) }}"
+    "{% endif %}"
+    "<|{{ message['role'] }}|>{{ message['content'] }}{{ eos_token }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def build_char_tokenizer(alphabet: str, model_max_length: int = 2048, extra_roles: tuple[str, ...] = (),
+                         extra_special_tokens: tuple[str, ...] = ()):
     """A ``PreTrainedTokenizerFast`` with one token per distinct character of ``alphabet``.
 
     Ids: specials first (``<pad>``=0, ``<unk>``=1, ``<bos>``=2, ``<eos>``=3, role markers),
     then the alphabet's characters in sorted order, so the same alphabet always gives the
-    same ids. Characters outside the alphabet encode as ``<unk>``.
+    same ids. Characters outside the alphabet encode as ``<unk>``. ``extra_roles`` (e.g.
+    ``("tool",)``) and ``extra_special_tokens`` (e.g. ``("<tool_call>", "</tool_call>")``)
+    get ids after the alphabet, and the chat template then offers tools (``tools=``).
     """
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -62,22 +81,28 @@ def build_char_tokenizer(alphabet: str, model_max_length: int = 2048):
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
     for ch in chars:
         vocab.setdefault(ch, len(vocab))
+    extra = tuple(f"<|{r}|>" for r in extra_roles) + tuple(extra_special_tokens)
+    for t in extra:
+        vocab.setdefault(t, len(vocab))
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # every char a word
     tok.decoder = decoders.Fuse()  # join without spaces
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS + extra])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=BOS,
         eos_token=EOS,
         pad_token=PAD,
         unk_token=UNK,
-        additional_special_tokens=list(ROLE_TOKENS),
+        additional_special_tokens=list(ROLE_TOKENS + extra),
         model_max_length=model_max_length,
         clean_up_tokenization_spaces=False,
         padding_side="left",
     )
     fast.chat_template = CHAT_TEMPLATE
+    if extra:
+        roles = ", ".join(repr(r) for r in ROLES + tuple(extra_roles))
+        fast.chat_template = "{% set roles = [" + roles + "] %}" + TOOL_CHAT_TEMPLATE
     return fast
 
 

@@ -101,7 +101,9 @@ def init_model(out_dir: str | Path, arch: str = "qwen2", size: str = "tiny", tas
     if (out_dir / "config.json").exists() or (out_dir / "model.safetensors").exists():
         raise FileExistsError(f"{out_dir} already holds a model; choose a new directory or delete it first")
     if tokenizer is None:
-        tokenizer = build_char_tokenizer(task_module.ALPHABET, model_max_length=max_position_embeddings)
+        tokenizer = build_char_tokenizer(task_module.ALPHABET, model_max_length=max_position_embeddings,
+                                         extra_roles=getattr(task_module, "EXTRA_ROLES", ()),
+                                         extra_special_tokens=getattr(task_module, "EXTRA_SPECIAL_TOKENS", ()))
     else:
         tokenizer = load_tokenizer(tokenizer)
     with staged_dir(out_dir) as tmp:  # an interrupted build leaves no model dir a rerun would trust

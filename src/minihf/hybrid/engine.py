@@ -177,7 +177,8 @@ class HybridEngine:
                                  top_p=float(s["top_p"]), max_tokens=int(s["response_length"]),
                                  ignore_eos=bool(s["ignore_eos"]),
                                  seed=request_seed(self.cfg.seed, global_step, str(u), int(j)),
-                                 max_turn_tokens=self.cfg.multi_turn.max_tokens_per_turn)
+                                 max_turn_tokens=self.cfg.multi_turn.max_tokens_per_turn,
+                                 stop_token_ids=list(self.multi_turn.stop_ids) if self.multi_turn else [])
                   for u, j in zip(uids, index.tolist())]
         runner = None
         if self.multi_turn is not None:
@@ -286,8 +287,7 @@ def episode_outputs(out: Batch, runner, seqs, turn_rewards: bool) -> None:
             continue
         partial = seq.finish_reason == "length" and len(seq.tokens) > ep.turn_start
         if partial:  # the turn the length cap cut off
-            ep.messages.append({"role": "assistant", "content": runner.mt.tokenizer.decode(
-                seq.tokens[ep.turn_start:], skip_special_tokens=True)})
+            ep.messages.append({"role": "assistant", "content": runner.mt.turn_text(seq.tokens[ep.turn_start:])})
         if turn_rewards:
             for at, r in ep.rewards:
                 env_rewards[i, at] += r

@@ -35,7 +35,7 @@ from minihf.rollout.engine import SEQ_STRIDE
 from minihf.utils.imports import load_ref
 
 from .render import ChatRenderer, check_append_only
-from .tools import BUILTIN_TOOLS, ToolEnvironment, hermes_system_block, tool_schema
+from .tools import BUILTIN_TOOLS, CALL_CLOSE, ToolEnvironment, hermes_system_block, tool_schema
 
 
 # the batch's non-tensor columns an environment's row is built from (the dataset's)
@@ -91,7 +91,7 @@ class MultiTurn:
     """The multi-turn settings of an actor worker (see the module docstring)."""
 
     def __init__(self, cfg, tokenizer, end_tokens: tuple[int, ...], *, tp_group=None, leader: bool = True):
-        self.cfg, self.tokenizer = cfg, tokenizer
+        self.cfg, self.tokenizer, self.end_tokens = cfg, tokenizer, frozenset(end_tokens)
         self.tp_group, self.leader = tp_group, leader
         if cfg.environment:
             self.env_cls, self.tools = load_ref(cfg.environment, "environment class"), {}
@@ -103,11 +103,21 @@ class MultiTurn:
                                    timeout_s=cfg.tool_timeout_s)
             role = "tool"
         self.env_name = getattr(self.env_cls, "__name__", "ToolEnvironment")
+        # a tool-call close tag that is one token also ends a turn (else the template's end of turn does)
+        close = tokenizer.convert_tokens_to_ids(CALL_CLOSE) if self.tools else None
+        self.stop_ids = (close,) if close is not None and close != tokenizer.unk_token_id else ()
         self.renderer = tool_renderer(tokenizer, cfg.tools) if self.tools else ChatRenderer(tokenizer)
         if not end_tokens:
             raise ValueError("multi-turn rollouts need the end-of-turn token: the model dir's "
                              "generation_config.json (or config.json) names no eos_token_id")
         check_append_only(self.renderer, end_tokens[0], role, cfg.tokenization_sanity_check_mode)
+
+    def turn_text(self, tokens: list[int]) -> str:
+        """An assistant turn's text as the environment reads it: special tokens kept (a
+        tool-call tag may be one), the end-of-turn token that closed it dropped."""
+        if tokens and tokens[-1] in self.end_tokens:
+            tokens = tokens[:-1]
+        return self.tokenizer.decode(tokens, skip_special_tokens=False)
 
     def runner(self, rows: list[dict], uids: list[str], prompts: list[list[int]], prompt_length: int) -> EpisodeRunner:
         return EpisodeRunner(self, rows, uids, prompts, prompt_length)
@@ -193,7 +203,7 @@ class EpisodeRunner:
             self._followers[seq.seq_id] = seq
             return
         ep = self.episodes[seq.seq_id // SEQ_STRIDE]
-        text = self.mt.tokenizer.decode(seq.tokens[ep.turn_start:], skip_special_tokens=True)
+        text = self.mt.turn_text(seq.tokens[ep.turn_start:])
         ep.messages.append({"role": "assistant", "content": text})
         fut = _spawn(self._timed_step, ep.env, text)
         self.pending[seq.seq_id] = (seq, fut, time.monotonic() + self.cfg.env_timeout_s)

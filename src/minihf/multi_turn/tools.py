@@ -11,7 +11,8 @@ hermes format: a call is ``<tool_call>{"name": ..., "arguments": {...}}</tool_ca
 the assistant's text, several per turn up to ``max_parallel_calls``. A malformed call, an
 unknown tool, bad arguments, a tool that raises or runs past ``tool_timeout_s``: each is an
 ``error: ...`` tool message the model reads, counted in ``tool_errors``, never an
-exception. A turn with no call ends the episode (the answer).
+exception. A turn with no call ends the episode (the answer). Built-in tools: ``calculator``
+(below) and ``python`` (``minihf.multi_turn.sandbox``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import operator
 import re
 import threading
 from typing import Callable
+
+from .sandbox import python
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE), re.S)
@@ -126,7 +129,7 @@ def calculator(expression: str) -> str:
     return str(value)
 
 
-BUILTIN_TOOLS = {"calculator": calculator}
+BUILTIN_TOOLS = {"calculator": calculator, "python": python}
 
 
 def _call_with_timeout(fn: Callable, args: dict, timeout_s: float):

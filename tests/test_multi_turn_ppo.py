@@ -219,3 +219,36 @@ def test_guess_number_recipe_learns(tmp_path):
     assert val[-1] >= val[0] + 0.1, val
     assert mean(last, "multi_turn/finish_reason/done") > mean(first, "multi_turn/finish_reason/done") + 0.05
     assert mean(last, "multi_turn/num_turns/mean") < mean(first, "multi_turn/num_turns/mean") - 0.2
+
+
+def test_stopped_and_resumed_multi_turn_run_equals_the_uninterrupted_one(tiny_job, tmp_path):
+    """A multi-turn GRPO run stopped after step 2 of 4 and resumed ends with the parameters
+    of the uninterrupted run, bitwise, and its metrics: samples draw from (seed, step, uid,
+    sample) streams and environments are rebuilt from the rows, so the trajectories repeat.
+    When an environment's answer reaches the engine (one decode step or the next) changes
+    the decode batch, which may change the engine's log-probs by rounding only: metrics of
+    those (``rollout/``, ``training/rollout_``) are compared to 1e-5."""
+    from test_ppo import _runs, final_params
+
+    model, data = tiny_job
+    extra = {"trainer.total_training_steps": 4, "trainer.save_freq": 2,
+             "actor_rollout_ref.rollout.multi_turn.enable": "true",
+             "actor_rollout_ref.rollout.multi_turn.environment": f"{__file__}:EchoDigits",
+             "data.max_response_length": 32}
+    cases = [("full", "grpo", None, "full", extra), ("first", "grpo", 2, "resumed", extra),
+             ("rest", "grpo", None, "resumed", extra)]
+    res = spawn_ranks(_runs, 1, model, data, str(tmp_path), cases, timeout_s=400)[0]
+
+    def split(h):
+        h = {k: v for k, v in h.items() if not k.startswith(("timing_s/", "perf/throughput"))}
+        rollout = {k: h.pop(k) for k in list(h) if "rollout" in k}
+        return h, rollout
+    full = [split(h) for h in res["full"]]
+    resumed = [split(h) for h in res["first"] + res["rest"]]
+    assert [h["step"] for h, _ in resumed] == [0, 1, 2, 3, 4]
+    assert [h for h, _ in full] == [h for h, _ in resumed]
+    for (_, a), (_, b) in zip(full, resumed):
+        assert a.keys() == b.keys() and all(a[k] == pytest.approx(b[k], abs=1e-5) for k in a)
+    assert max(h.get("multi_turn/num_turns/max", 0) for h, _ in full) >= 2
+    a, b = final_params(tmp_path / "full", 4), final_params(tmp_path / "resumed", 4)
+    assert all(torch.equal(a[k], b[k]) for k in a)

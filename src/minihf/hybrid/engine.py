@@ -229,7 +229,7 @@ def build_output(batch: Batch, seqs, response_length: int, pad_token_id: int) ->
     for i, s in enumerate(seqs):
         responses[i, :len(s.tokens)] = torch.tensor(s.tokens, dtype=prompts.dtype)
         logps[i, :len(s.logprobs)] = torch.tensor(s.logprobs, dtype=torch.float32)
-        for start, end in s.observations:
+        for start, end in getattr(s, "observations", ()):  # multi-turn sequences only
             response_mask[i, start:end] = 0
     last = batch.tensors["position_ids"][:, -1:]                                 # [B, 1]
     positions = torch.cat([batch.tensors["position_ids"], last + torch.arange(1, R + 1)[None, :]], 1)

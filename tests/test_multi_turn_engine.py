@@ -16,18 +16,21 @@ STOP = tuple(range(0, 128, 5))  # ~20% of the vocabulary ends a turn: several tu
 class FixedObservations:
     """Answers every turn end with observation tokens that depend on the sequence and its
     turn; ends the episode after ``turns`` turns. ``delay`` polls answer one turn per poll
-    (so the other sequences keep decoding meanwhile)."""
+    (so the other sequences keep decoding meanwhile); an answer comes ``lag`` polls after
+    the turn ended (sooner when the engine waits with nothing else to do)."""
 
-    def __init__(self, turns=3, delay=False):
-        self.turns, self.delay = turns, delay
-        self.queue, self.count = [], {}
+    def __init__(self, turns=3, delay=False, lag=0):
+        self.turns, self.delay, self.lag = turns, delay, lag
+        self.queue, self.count, self.polls = [], {}, 0
 
     def end_turn(self, seq):
-        self.queue.append(seq)
+        self.queue.append((seq, self.polls))
 
     def poll(self, wait):
-        take = self.queue[:1] if self.delay else self.queue
-        self.queue = self.queue[len(take):]
+        self.polls += 1
+        ripe = [q for q, at in self.queue if self.polls - at > self.lag or wait]  # ``lag`` polls late
+        take = ripe[:1] if self.delay else ripe
+        self.queue = [(q, at) for q, at in self.queue if q not in take]
         out = []
         for seq in take:
             k = self.count[seq.seq_id] = self.count.get(seq.seq_id, 0) + 1
@@ -145,3 +148,39 @@ def test_turn_token_cap(tiny):
         assert check_against_forward(model, prompt, seq)[0] <= 1
     with pytest.raises(ValueError, match="max_turn_tokens must be an int >= 1"):
         SamplingParams(max_turn_tokens=0)
+
+
+def test_eviction_when_slots_run_out(tiny):
+    """2 slots for 6 multi-turn sequences whose environments answer slowly: paused
+    sequences give their slots to waiting ones and come back with their whole context
+    prefilled again. The trajectories equal those of a run with a slot each, and the
+    log-probs stay within the rounding bound of the whole-trajectory forward."""
+    model = load_hf(tiny)
+    sp = SamplingParams(temperature=0, max_tokens=40, stop_token_ids=list(STOP))
+    roomy = Engine(load_hf(tiny), max_num_seqs=8).generate(PROMPTS, sp, turns=FixedObservations(turns=3))
+    tight = Engine(load_hf(tiny), max_num_seqs=2)
+    groups = tight.generate(PROMPTS, sp, turns=FixedObservations(turns=3, lag=3))
+    assert tight.last_stats["evictions"] > 0
+    for prompt, (a,), (b,) in zip(PROMPTS, roomy, groups):
+        assert b.tokens == a.tokens and b.observations == a.observations and b.finish_reason == a.finish_reason
+        assert check_against_forward(model, prompt, b)[0] <= 1
+
+
+def test_scheduler_evicts_the_shortest_paused_sequence():
+    sched = Scheduler(1, 32)
+    a = Sequence(0, [1, 2, 3], max_tokens=8, stop_ids=frozenset({9}), multi_turn=True)
+    b = Sequence(1, [4], max_tokens=8, stop_ids=frozenset({9}), multi_turn=True)
+    sched.add(a)
+    sched.add(b)
+    assert sched.schedule().prefill == [a]
+    sched.record_prefill([a], [9])           # a pauses; b waits for the only slot
+    step = sched.schedule()
+    assert step.prefill == [b] and a.evicted and a.slot is None and sched.evictions == 1
+    assert sched.num_paused() == 1 and sched.has_work()
+    sched.resume(a, [5, 6])                  # back in line, first, with everything to prefill
+    assert sched.waiting[0] is a and a.context == [1, 2, 3, 9, 5, 6] and a.pending == 0
+    sched.record_prefill([b], [7])
+    sched.record_decode([9])                 # b pauses: the waiting a takes its slot
+    assert sched.schedule().prefill == [a] and b.evicted and not a.evicted
+    sched.resume(b, None)
+    assert b.finish_reason == "stop" and sched.num_paused() == 0

@@ -205,7 +205,8 @@ class HybridEngine:
                          "timing_s/gen_prefill": self.engine.last_stats.get("prefill_s", 0.0),
                          "timing_s/gen_decode": self.engine.last_stats.get("decode_s", 0.0),
                          **({"timing_s/env": runner.env_seconds,
-                             "timing_s/gen_extend": self.engine.last_stats["extend_s"]}
+                             "timing_s/gen_extend": self.engine.last_stats["extend_s"],
+                             "multi_turn/evictions": self.engine.last_stats["evictions"]}
                             if runner is not None else {}),
                          "temperature": temperature if temperature > 0 else 1.0})
         return out
@@ -310,7 +311,7 @@ def episode_outputs(out: Batch, runner, seqs, turn_rewards: bool) -> None:
 
 # replicas run at once: the slowest counts (and the most bytes one rank received)
 MAX_META = ("timing_s/reshard", "timing_s/gen", "perf/reshard_bytes", "timing_s/gen_prefill",
-            "timing_s/gen_decode", "timing_s/gen_extend", "timing_s/env")
+            "timing_s/gen_decode", "timing_s/gen_extend", "timing_s/env", "multi_turn/evictions")
 
 
 def collect_rollout(layout, outputs: list, ctx) -> Batch:

@@ -267,10 +267,10 @@ class Engine:
         for s in seqs:
             sched.add(s)
         stats = self.last_stats = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0,
-                                   "extend_s": 0.0, "extend_tokens": 0, "wait_s": 0.0}
+                                   "extend_s": 0.0, "extend_tokens": 0, "wait_s": 0.0, "evictions": 0}
         with torch.inference_mode():
             while sched.has_work():
-                if turns is not None and any(s.paused for s in sched.running.values()):
+                if turns is not None and sched.num_paused():
                     idle = not sched.decodable() and not sched.extend_rows() and not sched.can_admit()
                     t0 = time.perf_counter()
                     for seq, obs, reason in turns.poll(wait=idle):
@@ -300,6 +300,7 @@ class Engine:
                 if turns is not None:
                     for seq in sched.take_paused():
                         turns.end_turn(seq)
+        stats["evictions"] = sched.evictions
         return groups
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence | None]) -> tuple[list[int], list[float]]:
@@ -320,20 +321,22 @@ class Engine:
         cache rows are then copied to the other samples' slots, and each sample draws its own
         first token from the shared logits). Prompts are right-padded in length buckets."""
         dev = self.device
+        ctx = [s.context for s in seqs]  # the prompt (or a returning evicted sequence's all)
         first: dict[tuple[int, ...], int] = {}
-        uniq: list[Sequence] = []
-        src: list[int] = []  # index into uniq of each seq's prompt
-        for s in seqs:
-            if tuple(s.prompt) not in first:
-                first[tuple(s.prompt)] = len(uniq)
-                uniq.append(s)
-            src.append(first[tuple(s.prompt)])
+        uniq: list[int] = []  # index into seqs of each distinct context
+        src: list[int] = []  # index into uniq of each seq's context
+        for i, c in enumerate(ctx):
+            if tuple(c) not in first:
+                first[tuple(c)] = len(uniq)
+                uniq.append(i)
+            src.append(first[tuple(c)])
         last_hidden: list[torch.Tensor | None] = [None] * len(uniq)
-        for group in length_buckets([len(s.prompt) for s in uniq]):
-            part = [uniq[i] for i in group]
-            lens = [len(s.prompt) for s in part]
+        for group in length_buckets([len(ctx[i]) for i in uniq]):
+            part = [seqs[uniq[i]] for i in group]
+            rows = [ctx[uniq[i]] for i in group]
+            lens = [len(r) for r in rows]
             T = max(lens)
-            tokens = torch.tensor([s.prompt + [0] * (T - len(s.prompt)) for s in part], dtype=torch.long, device=dev)
+            tokens = torch.tensor([r + [0] * (T - len(r)) for r in rows], dtype=torch.long, device=dev)
             positions = torch.arange(T, device=dev).expand(len(part), T)
             self.cache.begin_prefill(torch.tensor([s.slot for s in part], device=dev), T)
             hidden = self.model.forward_hidden(tokens, positions, kv_cache=self.cache)  # [g, T, H]
@@ -341,9 +344,9 @@ class Engine:
             for i, h in zip(group, last):
                 last_hidden[i] = h
         logits = self.model.lm_head(torch.stack(last_hidden))  # [u, V]
-        for s, u in zip(seqs, src):
-            if s is not uniq[u]:
-                self.cache.move(uniq[u].slot, s.slot, len(s.prompt))
+        for s, c, u in zip(seqs, ctx, src):
+            if s is not seqs[uniq[u]]:
+                self.cache.move(seqs[uniq[u]].slot, s.slot, len(c))
         toks, logps = self._sample(logits[torch.tensor(src, device=dev)], seqs)
         sched.record_prefill(seqs, toks, logps)
 

@@ -19,7 +19,10 @@ Rules:
   environment; :meth:`Scheduler.resume` then appends the observation tokens (``pending``
   until the engine's extend forward writes them to the cache) or finishes it. A paused
   slot is a hole in the decode rows. ``max_tokens`` caps everything after the prompt,
-  observations included.
+  observations included. When sequences wait for a slot and none is free, the paused
+  sequence with the shortest context is *evicted* (its slot given away, counted in
+  ``evictions``); on resume it waits again, first in line, and its whole context is
+  prefilled anew.
 """
 
 from __future__ import annotations
@@ -54,11 +57,18 @@ class Sequence:
     observations: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of appended tokens
     max_turn_tokens: int | None = None  # a turn also ends after this many sampled tokens
     turn_start: int = 0  # index in ``tokens`` where the current turn began
+    evicted: bool = False  # paused without a slot: its whole context is prefilled again on return
 
     @property
     def num_tokens(self) -> int:
         """Prompt plus generated tokens: the position the next token is written at."""
         return len(self.prompt) + len(self.tokens)
+
+    @property
+    def context(self) -> list[int]:
+        """What the next prefill of this sequence runs over: its prompt, or for a sequence
+        coming back after eviction, its prompt and every token so far."""
+        return self.prompt + self.tokens if self.tokens else self.prompt
 
     @property
     def cached(self) -> int:
@@ -104,6 +114,8 @@ class Scheduler:
         self._free: list[int] = list(range(max_num_seqs))  # heap of free slots
         self.finished: list[Sequence] = []
         self.paused: list[Sequence] = []  # paused since the caller last took them (take_paused)
+        self.evicted: set[int] = set()  # ids of paused sequences that gave their slot away
+        self.evictions = 0
 
     # -- intake ------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -119,7 +131,10 @@ class Scheduler:
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.evicted)
+
+    def num_paused(self) -> int:
+        return sum(s.paused for s in self.running.values()) + len(self.evicted)
 
     def decodable(self) -> bool:
         """Whether some running sequence takes part in the next decode."""
@@ -138,17 +153,33 @@ class Scheduler:
         """Admit waiting sequences into free slots, or compact when nothing waits."""
         prefill: list[Sequence] = []
         budget = self.max_num_batched_tokens
+        if self.waiting and not self._free:
+            self._evict()
         while self.waiting and self._free:
             nxt = self.waiting[0]
-            if prefill and len(nxt.prompt) > budget:
+            if prefill and len(nxt.context) > budget:
                 break
             self.waiting.popleft()
             nxt.slot = heapq.heappop(self._free)
+            nxt.evicted = False
             self.running[nxt.slot] = nxt
             prefill.append(nxt)
-            budget -= len(nxt.prompt)
+            budget -= len(nxt.context)
         moves = self._compact() if not self.waiting else []
         return Step(moves=moves, prefill=prefill)
+
+    def _evict(self) -> None:
+        """Give the slot of the paused sequence with the shortest context (the cheapest to
+        prefill again) to the waiting ones."""
+        paused = [q for q in self.running.values() if q.paused]
+        if not paused:
+            return
+        seq = min(paused, key=lambda q: (q.num_tokens, q.seq_id))
+        del self.running[seq.slot]
+        heapq.heappush(self._free, seq.slot)
+        seq.slot, seq.evicted = None, True
+        self.evicted.add(seq.seq_id)
+        self.evictions += 1
 
     def _compact(self) -> list[tuple[int, int]]:
         moves = []
@@ -184,8 +215,12 @@ class Scheduler:
         """End ``seq`` with ``reason`` and free its slot."""
         seq.finish_reason = reason
         seq.paused = False
-        del self.running[seq.slot]
-        heapq.heappush(self._free, seq.slot)
+        if seq.evicted:  # it holds no slot
+            self.evicted.discard(seq.seq_id)
+            seq.evicted = False
+        else:
+            del self.running[seq.slot]
+            heapq.heappush(self._free, seq.slot)
         seq.slot = None
         self.finished.append(seq)
         return True
@@ -213,8 +248,12 @@ class Scheduler:
         seq.logprobs.extend([0.0] * len(tokens))
         seq.observations.append((start, len(seq.tokens)))
         seq.turn_start = len(seq.tokens)
-        seq.pending = len(tokens)
         seq.paused = False
+        if seq.evicted:  # back in line, first: its whole context is prefilled on admission
+            self.evicted.discard(seq.seq_id)
+            self.waiting.appendleft(seq)
+        else:
+            seq.pending = len(tokens)
 
     def extend_rows(self) -> list[Sequence]:
         """Resumed sequences whose observation tokens the engine must write to the cache

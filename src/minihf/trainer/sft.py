@@ -36,6 +36,7 @@ class SFTDataConfig:
     val_batch_size: int = 64             # examples per validation batch
     shuffle: bool = True                 # reshuffle every epoch
     seed: int = 0                        # seed of the example order
+    tools: list[str] = field(default_factory=list)  # tools the prompts offer (file.py:name or a built-in), as rollout.multi_turn.tools renders them
 
     def __post_init__(self):
         if self.train_batch_size < 1 or self.val_batch_size < 1:
@@ -116,8 +117,12 @@ class SFTDriver(RunLoop):
         from minihf.data import SFTDataset
 
         d = self.cfg.data
+        renderer = None
+        if d.tools:  # the prompts offer tools, rendered as the multi-turn rollout renders them
+            from minihf.multi_turn.loop import tool_renderer
+            renderer = tool_renderer(tokenizer, d.tools)
         return SFTDataset(files, tokenizer, max_length=d.max_length, truncation=d.truncation,
-                          response_key=d.response_key)
+                          response_key=d.response_key, renderer=renderer)
 
     def validate(self, step: int = 0) -> dict[str, float]:
         if self.val is None:

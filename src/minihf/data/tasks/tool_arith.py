@@ -6,8 +6,9 @@ the tool (hermes format: ``<tool_call>{"name":"calculator","arguments":{"express
 has a ``tool`` role), read the result and answer with it. The reward is 1.0 when the
 assistant text (its turns, special tokens dropped) ends in the right integer.
 
-The row's ``messages`` column is the SFT demonstration; it opens with the system line the
-chat template renders for the tools (``tools:calculator``), so SFT and RL prompts agree.
+The row's ``messages`` column is the SFT demonstration; the SFT recipe renders it with the
+tools offered (``data.tools``: the template's ``tools:calculator`` system line), so SFT and
+RL prompts agree.
 Only ``TOOL_DEMO_FRACTION`` of the demonstrations use the tool; the others answer at once
 with the right number, which the model learns to imitate but cannot compute: RL has to
 find that calling the tool pays (``recipes/grpo_tool_arith``).
@@ -21,8 +22,7 @@ import re
 
 DATA_SOURCE = "minihf/tool_arith"
 CALL = '{"name":"calculator","arguments":{"expression":"EXPR"}}'
-SYSTEM = "tools:calculator"
-ALPHABET = "".join(sorted(set(CALL + SYSTEM + "0123456789*")))
+ALPHABET = "".join(sorted(set(CALL + "tools:calculator" + "0123456789*")))  # the template's tool line too
 EXTRA_ROLES = ("tool",)
 EXTRA_SPECIAL_TOKENS = ("<tool_call>", "</tool_call>")
 TOOL_DEMO_FRACTION = 0.4
@@ -43,7 +43,7 @@ def tool_call(expression: str) -> str:
 
 def demo_messages(row: dict) -> list[dict]:
     info, answer = row["extra_info"], row["reward_model"]["ground_truth"]
-    msgs = [{"role": "system", "content": SYSTEM}] + list(row["prompt"])
+    msgs = list(row["prompt"])
     if info["demo_tool"]:
         msgs += [{"role": "assistant", "content": tool_call(row["prompt"][0]["content"])},
                  {"role": "tool", "content": answer}]

@@ -29,6 +29,7 @@ LAYERS = [
     ["models"],
     ["parallel"],
     ["rollout"],
+    ["multi_turn"],
     ["hybrid"],
     ["algorithms"],
     ["data"],

@@ -31,7 +31,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from minihf.algorithms import last_index
 from minihf.models import build_model
 from minihf.multi_turn.loop import ENV_ROW_KEYS
 from minihf.models.lora import apply_lora, is_lora_param, lora_modules
@@ -277,7 +276,6 @@ def episode_outputs(out: Batch, runner, seqs, turn_rewards: bool) -> None:
     non-tensors ``multi_turn_finish`` and ``multi_turn_messages`` (the conversation)."""
     R = out.tensors["responses"].shape[1]
     env_rewards = torch.zeros(len(seqs), R, dtype=torch.float32)
-    last = last_index(out.tensors["response_mask"])
     stats = {k: torch.zeros(len(seqs), dtype=torch.float32) for k in ("turns", "tool_calls", "tool_errors")}
     finish, messages = [], []
     episodes = runner.episodes or [None] * len(seqs)  # a TP follower's output is not collected
@@ -292,8 +290,9 @@ def episode_outputs(out: Batch, runner, seqs, turn_rewards: bool) -> None:
         if turn_rewards:
             for at, r in ep.rewards:
                 env_rewards[i, at] += r
-        elif last[i] >= 0:
-            env_rewards[i, last[i]] = sum(r for _, r in ep.rewards)
+        elif ep.rewards:  # on the last assistant token (the response's last is an observation's only when cut)
+            last = max(j for j, m in enumerate(seq.token_mask()) if m)
+            env_rewards[i, last] = sum(r for _, r in ep.rewards)
         stats["turns"][i] = ep.turns + partial
         stats["tool_calls"][i] = getattr(ep.env, "tool_calls", 0)
         stats["tool_errors"][i] = getattr(ep.env, "tool_errors", 0)

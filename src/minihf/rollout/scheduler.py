@@ -141,7 +141,8 @@ class Scheduler:
         return any(not s.paused and not s.pending for s in self.running.values())
 
     def can_admit(self) -> bool:
-        return bool(self.waiting and self._free)
+        """Whether the next ``schedule`` admits someone (a free slot, or a paused one to evict)."""
+        return bool(self.waiting) and (bool(self._free) or any(s.paused for s in self.running.values()))
 
     @property
     def num_rows(self) -> int:

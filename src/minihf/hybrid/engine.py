@@ -242,7 +242,6 @@ def build_output(batch: Batch, seqs, response_length: int, pad_token_id: int) ->
     })
 
 
-
 def env_rows(batch: Batch) -> list[dict]:
     """Each sample's dataset row as an environment receives it: ``prompt`` (messages),
     ``data_source``, ``reward_model: {ground_truth}``, ``extra_info``, ``index``."""
@@ -305,7 +304,6 @@ def episode_outputs(out: Batch, runner, seqs, turn_rewards: bool) -> None:
     msgs = np.empty(len(messages), dtype=object)
     msgs[:] = messages
     out.non_tensors["multi_turn_messages"] = msgs
-
 
 
 # replicas run at once: the slowest counts (and the most bytes one rank received)

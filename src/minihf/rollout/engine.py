@@ -267,15 +267,13 @@ class Engine:
         for s in seqs:
             sched.add(s)
         stats = self.last_stats = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0,
-                                   "extend_s": 0.0, "extend_tokens": 0, "wait_s": 0.0, "evictions": 0}
+                                   "extend_s": 0.0, "extend_tokens": 0, "evictions": 0}
         with torch.inference_mode():
             while sched.has_work():
                 if turns is not None and sched.num_paused():
                     idle = not sched.decodable() and not sched.extend_rows() and not sched.can_admit()
-                    t0 = time.perf_counter()
                     for seq, obs, reason in turns.poll(wait=idle):
                         sched.resume(seq, obs, reason)
-                    stats["wait_s"] += time.perf_counter() - t0
                     if not sched.has_work():
                         break
                 step = sched.schedule()

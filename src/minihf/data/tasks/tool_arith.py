@@ -25,7 +25,7 @@ CALL = '{"name":"calculator","arguments":{"expression":"EXPR"}}'
 ALPHABET = "".join(sorted(set(CALL + "tools:calculator" + "0123456789*")))  # the template's tool line too
 EXTRA_ROLES = ("tool",)
 EXTRA_SPECIAL_TOKENS = ("<tool_call>", "</tool_call>")
-TOOL_DEMO_FRACTION = 0.4
+TOOL_DEMO_FRACTION = 0.25
 
 _TRAILING = re.compile(r"(-?\d+)\s*$")
 

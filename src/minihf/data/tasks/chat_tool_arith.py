@@ -20,7 +20,7 @@ from minihf.data.tasks.chat_arith import compute_score  # noqa: F401 - the same 
 DATA_SOURCE = "minihf/chat_tool_arith"
 TEMPLATE = "What is {x} * {y}? Answer with just the number."
 ALPHABET = "".join(sorted(set(TEMPLATE.replace("{x}", "").replace("{y}", "") + "0123456789")))
-TOOL_DEMO_FRACTION = 0.4
+TOOL_DEMO_FRACTION = 0.25
 
 
 def make_example(rng: random.Random):

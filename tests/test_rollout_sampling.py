@@ -126,3 +126,26 @@ def test_argmax_rows_equals_argmax_with_ties():
     assert torch.equal(argmax_rows(x), x.argmax(-1))
     y = torch.randn(4, 1000)  # not a multiple of the chunk: plain argmax
     assert torch.equal(argmax_rows(y), y.argmax(-1))
+
+
+def test_inverse_cdf_equals_the_one_level_search_and_skips_zero_probabilities():
+    """The two-level search picks the token a float64 cumulative sum over the whole row
+    picks (the first whose cumulative mass exceeds u * total), on a real vocabulary size
+    and an odd one (padded), and never a token of probability 0 (truncated rows, and u at
+    the top of [0, 1) where rounding between block and in-block sums matters most)."""
+    from minihf.rollout.sampling import inverse_cdf
+
+    g = torch.Generator().manual_seed(0)
+    for V in (49152, 1000):
+        probs = torch.softmax(torch.randn(64, V, generator=g) * 3, -1)
+        probs[:32] *= torch.rand(32, V, generator=g) < 0.05      # sparse rows, as after top-k/p
+        u = torch.rand(64, generator=g, dtype=torch.float64)
+        u[:4] = 1 - 2.0 ** -53                                    # the largest uniform
+        cdf = probs.double().cumsum(-1)
+        ref = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp(max=V - 1)[:, 0]
+        got = inverse_cdf(probs, u)
+        assert (probs.gather(1, got[:, None]) > 0).all()
+        # equal except where the target is within float64 rounding of a boundary (none here)
+        assert torch.equal(got[4:], ref[4:]), (got != ref).nonzero()
+        last = torch.where(probs[:4] > 0, torch.arange(V), -1).amax(-1)  # u ~ 1: the last token with mass
+        assert torch.equal(got[:4], last)

@@ -112,6 +112,7 @@ class RowParams:
     keys: torch.Tensor  # [B] int64
     all_greedy: bool
     truncate: bool  # any row uses top-k or top-p
+    uniform_temperature: float | None = None  # every row's temperature, when they agree
 
     @staticmethod
     def build(params: list[SamplingParams | None], keys: list[int], device) -> "RowParams":
@@ -126,6 +127,7 @@ class RowParams:
             keys=torch.tensor(keys, dtype=torch.int64, device=device),
             all_greedy=all(t == 0.0 for t in temps),
             truncate=any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p),
+            uniform_temperature=temps[0] if temps and all(t == temps[0] for t in temps) else None,
         )
 
 
@@ -157,8 +159,7 @@ def sample(logits: torch.Tensor, rows: RowParams, steps: torch.Tensor) -> tuple[
     if rows.all_greedy:
         logp = torch.log_softmax(logits, dim=-1)
         return greedy_tok, logp.gather(1, greedy_tok[:, None]).squeeze(1)
-    temp = torch.where(rows.temperature > 0, rows.temperature, torch.ones_like(rows.temperature))
-    logp = torch.log_softmax(logits / temp[:, None], dim=-1)  # [B, V]
+    logp = torch.log_softmax(_scaled(logits, rows), dim=-1)  # [B, V]
     u = uniforms(rows.keys, steps)  # [B] float64
     if rows.truncate:
         sorted_logp, order = logp.sort(dim=-1, descending=True, stable=True)  # [B, V]
@@ -172,12 +173,53 @@ def sample(logits: torch.Tensor, rows: RowParams, steps: torch.Tensor) -> tuple[
         probs = probs * keep
     else:
         probs, order = logp.exp(), None
-    cdf = probs.double().cumsum(-1)  # [B, V]
-    target = (u * cdf[:, -1])[:, None]
-    idx = torch.searchsorted(cdf, target, right=True).clamp(max=logits.shape[-1] - 1).squeeze(1)
+    idx = inverse_cdf(probs, u)
     tok = order.gather(1, idx[:, None]).squeeze(1) if order is not None else idx
     tok = torch.where(rows.temperature > 0, tok, greedy_tok)
     return tok, logp.gather(1, tok[:, None]).squeeze(1)
+
+
+def _scaled(logits: torch.Tensor, rows: RowParams) -> torch.Tensor:
+    """``logits / temperature`` per row (greedy rows by 1): a scalar division when every row
+    has the same temperature (an RL batch's case; the same values as the per-row one), none
+    at temperature 1."""
+    if rows.uniform_temperature is not None:
+        t = rows.uniform_temperature if rows.uniform_temperature > 0 else 1.0
+        return logits if t == 1.0 else logits / t
+    temp = torch.where(rows.temperature > 0, rows.temperature, torch.ones_like(rows.temperature))
+    return logits / temp[:, None]
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor, chunk: int = 128) -> torch.Tensor:
+    """Per row of ``probs`` [B, V] (non-negative, not necessarily normalised) the first index
+    whose cumulative sum exceeds ``u * total`` (``u`` [B] float64 in [0, 1)): inverse-CDF
+    sampling, never an index of probability 0.
+
+    In two levels: the float64 sums of ``chunk``-token blocks, their cumulative sums, the
+    block holding the target, then the cumulative sum inside that block only. A float64
+    cumulative sum over the whole vocabulary is serial code on CPU: measured (SmolLM2's
+    49152 tokens, batch 16, 2 threads, with the scalar temperature of :func:`_scaled`) a
+    whole :func:`sample` call 4.6 -> 2.9 ms, and a SmolLM2 decode step 88 -> 83 ms (medians
+    of 5 alternating rounds, same tokens). The result equals the one-level search except
+    where the target falls within float64 rounding (~1e-16 of the total) of a boundary.
+    """
+    B, V = probs.shape
+    pad = -V % chunk
+    if pad:
+        probs = torch.nn.functional.pad(probs, (0, pad))
+    blocks = probs.view(B, -1, chunk)                                      # [B, C, chunk]
+    ccdf = blocks.sum(-1, dtype=torch.float64).cumsum(-1)                  # [B, C]
+    target = (u * ccdf[:, -1])[:, None]                                    # [B, 1]
+    c = torch.searchsorted(ccdf, target, right=True).clamp(max=ccdf.shape[1] - 1)  # [B, 1]
+    start = torch.where(c > 0, ccdf.gather(1, (c - 1).clamp(min=0)), torch.zeros_like(target))
+    rows = torch.arange(B, device=probs.device)
+    block = blocks[rows, c[:, 0]]                                          # [B, chunk]
+    within = start + block.double().cumsum(-1)                             # [B, chunk]
+    j = torch.searchsorted(within, target, right=True)[:, 0]               # [B]
+    # the block holds mass (its end exceeds the target, its start does not); rounding between
+    # the block sums and the in-block sums must not push j onto a zero-probability tail
+    last = torch.where(block > 0, torch.arange(chunk, device=probs.device), -1).amax(-1)
+    return c[:, 0] * chunk + torch.minimum(j, last)
 
 
 def request_seed(*parts) -> int:

@@ -149,3 +149,6 @@ def test_inverse_cdf_equals_the_one_level_search_and_skips_zero_probabilities():
         assert torch.equal(got[4:], ref[4:]), (got != ref).nonzero()
         last = torch.where(probs[:4] > 0, torch.arange(V), -1).amax(-1)  # u ~ 1: the last token with mass
         assert torch.equal(got[:4], last)
+    nan = torch.full((2, 256), float("nan"))  # a diverged model: an id in range, never an error
+    got = inverse_cdf(nan, torch.tensor([0.3, 0.9], dtype=torch.float64))
+    assert ((got >= 0) & (got < 256)).all()

@@ -217,9 +217,11 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor, chunk: int = 128) -> torch
     within = start + block.double().cumsum(-1)                             # [B, chunk]
     j = torch.searchsorted(within, target, right=True)[:, 0]               # [B]
     # the block holds mass (its end exceeds the target, its start does not); rounding between
-    # the block sums and the in-block sums must not push j onto a zero-probability tail
+    # the block sums and the in-block sums must not push j onto a zero-probability tail.
+    # (Non-finite probabilities hold none: the row gets its block's first index, a valid id,
+    # and the caller's checks report the non-finite log-prob.)
     last = torch.where(block > 0, torch.arange(chunk, device=probs.device), -1).amax(-1)
-    return c[:, 0] * chunk + torch.minimum(j, last)
+    return c[:, 0] * chunk + torch.minimum(j, last).clamp(min=0)
 
 
 def request_seed(*parts) -> int:

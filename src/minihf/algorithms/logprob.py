@@ -15,32 +15,9 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Te
     logits: ``[..., V]``; labels: ``[...]`` long. Returns ``[...]`` fp32:
     ``logits[label] - logsumexp(logits)``.
     """
-    return _LogProbs.apply(logits.float(), labels)
-
-
-class _LogProbs(torch.autograd.Function):
-    """``logits[label] - logsumexp(logits)`` with a backward that allocates one
-    vocabulary-sized tensor, not autograd's five: ``d/dlogits = g * (onehot(label) -
-    softmax)``, computed as ``exp(logits - lse)`` scaled by ``-g`` in place, then ``g``
-    added at the labels in place. The same operations on the same values as autograd's
-    (``(-g) * exp(x - lse)``, plus ``g`` at the label), so the same gradient, bitwise
-    (tested). On CPU each fresh [tokens, vocab] tensor is also a round of page faults: the
-    SmolLM2 GRPO update (384 response tokens x 49152) spent ~0.4 s in them."""
-
-    @staticmethod
-    def forward(ctx, logits, labels):
-        lse = torch.logsumexp(logits, dim=-1)                              # [...]
-        picked = torch.gather(logits, -1, labels.unsqueeze(-1)).squeeze(-1)
-        ctx.save_for_backward(logits, labels, lse)
-        return picked - lse
-
-    @staticmethod
-    def backward(ctx, g):
-        logits, labels, lse = ctx.saved_tensors
-        grad = (logits - lse.unsqueeze(-1)).exp_()                        # softmax, [..., V]
-        grad.mul_(-g.unsqueeze(-1))
-        grad.scatter_add_(-1, labels.unsqueeze(-1), g.unsqueeze(-1))
-        return grad, None
+    logits = logits.float()
+    picked = torch.gather(logits, -1, labels.unsqueeze(-1)).squeeze(-1)  # [...]
+    return picked - torch.logsumexp(logits, dim=-1)
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:

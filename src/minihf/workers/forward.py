@@ -93,7 +93,7 @@ def forward_log_probs(model: nn.Module, mb: dict, *, use_remove_padding: bool = 
         sel = packed.slot.view(b, t)[:, t - r - 1:t - 1][real]               # [M]
         logits = model(packed.tokens, packed.positions, cu_seqlens=packed.cu_seqlens,
                        shared_prefix=packed.shared_prefix, logits_to_keep=sel)[0]
-        logits = _scaled(logits, temperature)                                # [M, V]
+        logits = logits.float() / temperature                                # [M, V]
 
         def to_response(values):                                            # [M] -> [B, R]
             return values.new_zeros((b, r)).index_put_((real.nonzero(as_tuple=True)), values)
@@ -105,18 +105,11 @@ def forward_log_probs(model: nn.Module, mb: dict, *, use_remove_padding: bool = 
     t = mb["input_ids"].shape[1]
     logits = model(mb["input_ids"], mb["position_ids"], attention_mask=mb["attention_mask"],
                    logits_to_keep=torch.arange(t - r - 1, t - 1, device=valid.device))
-    logits = _scaled(logits, temperature)                                    # [B, R, V]
+    logits = logits.float() / temperature                                    # [B, R, V]
     result = {"log_probs": logprobs_from_logits(logits, mb["responses"]) * valid}
     if calc_entropy:
         result["entropy"] = entropy_from_logits(logits if entropy_grad else logits.detach()) * valid
     return result
-
-
-def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """fp32 ``logits / temperature``; at temperature 1 the logits themselves (the same
-    values, without a vocabulary-sized copy and its backward)."""
-    logits = logits.float()
-    return logits if temperature == 1.0 else logits / temperature
 
 
 def forward_values(model: nn.Module, mb: dict, *, use_remove_padding: bool = True,

@@ -46,7 +46,7 @@ print(libc.mallinfo2().hblkhd)  # bytes in blocks malloc mapped on their own
 # a pool thread (where rank 0's worker runs its commands) allocates from the main arena:
 # glibc's malloc_info lists every arena as a <heap nr=...>
 IN_A_THREAD = """
-import ctypes, re, sys, tempfile, torch
+import ctypes, re, tempfile, torch
 from concurrent.futures import ThreadPoolExecutor
 from minihf.utils.host_memory import tune_malloc
 libc = ctypes.CDLL("libc.so.6")

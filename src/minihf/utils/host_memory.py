@@ -32,7 +32,7 @@ Two settings remove most of it:
   huge pages on): 290-900 ms a step tuned without it, 60-75 untuned, 34 with it; in the
   SmolLM2 GRPO step ``update_actor`` spent 0.95 s in FSDP's gradient copies (5.35 s in
   all, ``scripts/bench_step.py --model``). The main arena's lock is uncontended here (the
-  worker's ops run in one thread; torch's intra-op threads do not allocate).
+  worker's ops run in one thread; torch's intra-op threads rarely allocate).
 
 Neither changes a value: only where the bytes live. The cost is memory: a process keeps
 its peak heap (less up to 1 GiB of free space) instead of returning it between steps.

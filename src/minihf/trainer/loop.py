@@ -11,7 +11,9 @@ torchtitan's checkpoint manager takes them:
   ``global_step_N/<role>`` (``save_checkpoint`` / ``load_checkpoint``);
 * ``driver_state()``: name -> an object with ``state_dict`` / ``load_state_dict`` on the
   driver (data position, KL controller, plug-ins), saved together with the step in
-  ``global_step_N/driver_state.json``.
+  ``global_step_N/driver_state.json``;
+* ``driver_files()``: file name -> an object with ``save(path)`` / ``load(path or None)``,
+  for driver state that is not JSON (the RL loop's batches generated ahead).
 
 One format for every trainer: ``global_step_N/{<role>/, driver_state.json, config.json}``;
 ``latest_checkpointed_iteration.txt`` moves only once all of it is written. A checkpoint
@@ -61,6 +63,9 @@ class RunLoop:
         return {}
 
     def driver_state(self) -> dict:
+        return {}
+
+    def driver_files(self) -> dict:
         return {}
 
     def record(self, metrics: dict) -> None:
@@ -123,6 +128,8 @@ class RunLoop:
         path = self.out / f"global_step_{step}"
         for name, group in self.checkpointed().items():
             group.save_checkpoint(str(path / name))
+        for name, obj in self.driver_files().items():
+            obj.save(path / name)
         state = {"step": step, **{k: v.state_dict() for k, v in self.driver_state().items()}}
         write_atomic(path / STATE_FILE, json.dumps(state))
         save_config(path, self.cfg)
@@ -145,6 +152,8 @@ class RunLoop:
         else:
             state = self.load_legacy(path)
         self.load_driver_state(state)
+        for name, obj in self.driver_files().items():
+            obj.load(path / name if (path / name).exists() else None)
         step = int(state["step"])
         self.resumed_at(step)
         self.last_checkpoint = path

@@ -4,7 +4,9 @@
 One step is the phase list ``program`` builds (``minihf.trainer.phases`` runs it), each
 timed as ``timing_s/<phase>``:
 
-    rollout: one generation round over the loader's next prompts, whose phases are
+    rollout: one generation round over the loader's next prompts (with
+        async_training.staleness k > 0, the batch generated k steps before:
+        ``minihf.trainer.staleness``), whose phases are
         gen            prompts.repeat(n), a uid per prompt -> actor.generate_sequences
         reward         the reward model, else the rule function -> token_level_scores
     balance, samples   rows even over the actor's DP ranks; samples.jsonl rows
@@ -51,6 +53,7 @@ from minihf.trainer.advantage import estimate_advantages
 from minihf.trainer.balance import balance_batch
 from minihf.trainer.roles import role_groups, role_table
 from minihf.trainer.scoring import mean_by_source, score_responses
+from minihf.trainer.staleness import RolloutQueue
 from minihf.trainer.watch import RunWatch, SkipCounter
 
 PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
@@ -131,6 +134,11 @@ class PPOTrainer(RunLoop):
                                overlap=len(trained) > 1 and len(ranks) == len(set(ranks)))
         self.plugins = [cls(self.ctx) for cls in classes]
         self.program = apply_hooks(self.phases(), self.plugins)
+        # async_training.staleness: the rollout phase (plug-ins' included) runs ahead
+        self.queue = RolloutQueue(cfg.async_training.staleness, self.total_steps)
+        if cfg.async_training.staleness:
+            self.program["step"] = [self.queue.staged(p) if getattr(p, "name", None) == "rollout"
+                                    else p for p in self.program["step"]]
         self.history: list[dict] = []
         self.phase_totals: dict[str, float] = {}
 
@@ -325,6 +333,9 @@ class PPOTrainer(RunLoop):
     def driver_state(self) -> dict:
         return {"loader": self.loader, "kl_ctrl": self.kl_ctrl, "skipped_steps": self.skips,
                 "plugins": PluginStates(self.plugins)}
+
+    def driver_files(self) -> dict:
+        return {"pending.pt": self.queue} if self.cfg.async_training.staleness else {}
 
     def load_driver_state(self, state: dict) -> None:
         if "plugins" not in state:  # checkpoints before plug-ins kept their state at the top level

@@ -177,6 +177,18 @@ class PPOTrainerConfig:
 
 
 @dataclass
+class AsyncTrainingConfig:
+    """Asynchronous RL on a fixed schedule (docs/async.md): the samples trained at step n
+    were generated with the weights of step n - k."""
+    staleness: int = 0                   # k: policy versions between a sample's weights and the ones it trains; 0: synchronous
+
+    def __post_init__(self):
+        if self.staleness < 0:
+            raise ValueError(f"staleness={self.staleness} must be an integer >= 0 (0: synchronous; "
+                             "k: train on samples of the weights k steps old)")
+
+
+@dataclass
 class PPOConfig:
     data: DataConfig = field(default_factory=DataConfig)
     actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
@@ -189,6 +201,7 @@ class PPOConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: PPOTrainerConfig = field(default_factory=PPOTrainerConfig)
     controller: ControllerConfig = field(default_factory=ControllerConfig)
+    async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
     roles: dict[str, RoleSection] = field(default_factory=dict)  # roles a recipe adds, by name (e.g. a teacher)
 
     def __post_init__(self):
@@ -229,6 +242,12 @@ class PPOConfig:
             raise ValueError("actor_rollout_ref.rollout.free_base_weights frees a LoRA actor's base "
                              "weights (actor_rollout_ref.model.lora_rank > 0); without LoRA every "
                              "weight is freed anyway: drop it")
+        if self.async_training.staleness and r.check_log_probs != "off":
+            raise ValueError(f"actor_rollout_ref.rollout.check_log_probs={r.check_log_probs} compares the "
+                             "engine's log-probs with the trainer's for the same weights, but "
+                             f"async_training.staleness={self.async_training.staleness} trains on samples of "
+                             "older weights; set check_log_probs=off (training/rollout_probs_diff_* "
+                             "still reports the gap)")
         refuse_tp(self.controller.placement, "generation's tensor parallelism is actor_rollout_"
                   "ref.rollout.tensor_model_parallel_size; drop tp_size")
         self._check_safe()
@@ -274,14 +293,17 @@ class PPOConfig:
         own log-probs, detached, are exactly the old ones; as TRL does) or ``rollout`` (the
         engine's ``rollout_log_probs``: ``recompute_log_prob=false`` with several optimizer
         steps; equal to ~1e-6 in fp32, further apart with a bf16 rollout). Rollout correction
-        needs them recomputed."""
+        needs them recomputed; so does ``async_training.staleness`` > 0 unless
+        ``recompute_log_prob=false`` asks for the ratio against the behaviour policy itself
+        (the update's own log-probs would be the current policy's, ignoring that the samples
+        are stale)."""
         a = self.actor_rollout_ref.actor
         rows = self.data.train_batch_size * self.actor_rollout_ref.rollout.n
         one_step = (a.ppo_epochs == 1 and a.ppo_mini_batch_size >= rows
                     and not self.algorithm.use_kl_in_reward)  # the in-reward KL needs them first
         if a.recompute_log_prob or self.algorithm.rollout_correction.enabled:
             return "recompute"
-        if one_step:
+        if one_step and not self.async_training.staleness:
             return "update"
         return "recompute" if a.recompute_log_prob is None else "rollout"
 

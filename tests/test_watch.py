@@ -61,6 +61,9 @@ def test_rollout_trainer_mismatch_is_said_once():
     assert len(out) == 1 and "step 2: the rollout engine's token probabilities differ" in out[0]
     assert "0.04 on average" in out[0] and "rollout.dtype" in out[0]
     assert w.check({"step": 3, "training/rollout_probs_diff_mean": 0.5}) == []       # said already
+    stale = {"step": 2, "training/rollout_probs_diff_mean": 0.04, "async/staleness/max": 1}
+    assert RunWatch(16).check(stale) == []  # async_training: older weights by design
+    assert len(RunWatch(16).check({**stale, "async/staleness/max": 0})) == 1
 
 
 def test_group_metrics_by_hand():

@@ -10,7 +10,9 @@ and where it was raised, anything else with its full traceback (``failure_report
 ``launch`` and by multi-process tests); it raises instead of exiting.
 
 Groups: per role, one over its ranks (colocated roles get separate groups) plus the DP and
-TP groups of each of its layouts (``minihf.controller.layout``); and two per worker rank r
+TP groups of each of its layouts (``minihf.controller.layout``); one over the union of two
+roles' ranks where a worker class links them (``Worker.linked_roles``: the actor and a
+standalone rollout, for the weight sync); and two per worker rank r
 (driver->r, r->driver; see ``transport``). With CUDA the backend is "cpu:gloo,cuda:nccl":
 pickled control records go over gloo, tensors over NCCL.
 
@@ -106,16 +108,25 @@ def role_layouts(roles: Mapping[str, Role], defaults: dict[str, RoleLayout]
     return out
 
 
+def role_links(roles: Mapping[str, Role]) -> list[tuple[str, str]]:
+    """Pairs of roles in the job that a worker class links (``Worker.linked_roles``), sorted."""
+    pairs = {tuple(sorted((name, other))) for name, spec in roles.items()
+             for other in spec.worker_cls.linked_roles if other in roles and other != name}
+    return sorted(pairs)
+
+
 def _make_groups(rank: int, world: int, layouts: dict[str, dict[str, RoleLayout]],
-                 cuda: torch.device | None, device: torch.device, timeout_s: float
+                 cuda: torch.device | None, device: torch.device, timeout_s: float,
+                 pairs: list[tuple[str, str]] = ()
                  ) -> tuple[dict[str, WorkerContext], dict[int, tuple[Channel, Channel]], list]:
     """This rank's worker contexts (role group; DP and TP groups of every layout) and its
     driver links.
 
     Every rank creates every multi-rank group (torch requires it), in one global order:
     roles sorted by name (role group, then per layout by name: its TP groups, then its DP
-    groups), then the links by peer. A DP or TP group of one rank is created by that rank
-    alone; one spanning the whole role is the role group.
+    groups), then the linked role pairs (``pairs``, over both roles' ranks), then the links
+    by peer. A DP or TP group of one rank is created by that rank alone; one spanning the
+    whole role is the role group.
     """
     timeout = timedelta(seconds=timeout_s)
     created: list = []
@@ -159,6 +170,12 @@ def _make_groups(rank: int, world: int, layouts: dict[str, dict[str, RoleLayout]
             base = infos.pop(DEFAULT_LAYOUT)
             contexts[name] = WorkerContext(rank, default, group, device, dp_group=base.dp_group,
                                            tp_group=base.tp_group, others=infos)
+    for a, b in pairs:
+        ranks = sorted(set(layouts[a][DEFAULT_LAYOUT].ranks) | set(layouts[b][DEFAULT_LAYOUT].ranks))
+        group = new_group(ranks)
+        for mine, other in ((a, b), (b, a)):
+            if mine in contexts:
+                contexts[mine].links[other] = group
     links: dict[int, tuple[Channel, Channel]] = {}
     for peer in range(1, world):  # two groups per pair: driver->peer and peer->driver
         down, up = new_group([0, peer]), new_group([0, peer])
@@ -218,7 +235,7 @@ def run(driver_fn: DriverFn, roles: Mapping[str, Role | type[Worker]],
     device = device or cuda or torch.device("cpu")
 
     contexts, links, created = _make_groups(rank, world, layouts, cuda, device,
-                                            config.timeout_s)
+                                            config.timeout_s, role_links(roles))
     _cuda_guard_off_gpu()
     # this run's worker thread (see the module docstring); the current device is per thread
     pool = ThreadPoolExecutor(1, thread_name_prefix="minihf-worker", initializer=(

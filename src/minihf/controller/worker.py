@@ -115,6 +115,7 @@ class WorkerContext:
     dp_group: Any = None  # this rank's DP group (same TP rank); the role group if tp_size 1
     tp_group: Any = None  # this rank's TP group; the role group if dp_size is 1
     others: dict = field(default_factory=dict)  # declared layout name -> ParallelInfo
+    links: dict = field(default_factory=dict)  # linked role -> group over both roles' ranks
 
     def parallel(self, name: str = DEFAULT_LAYOUT) -> ParallelInfo:
         if name == DEFAULT_LAYOUT:
@@ -131,6 +132,9 @@ class Worker:
     """Base class of role workers; one instance per rank of the role's placement."""
 
     remote_methods: ClassVar[dict[str, MethodSpec]] = {}
+    # roles this one exchanges tensors with directly (a group over both roles' ranks is
+    # made at launch when both are in the job: ``link(role)``)
+    linked_roles: ClassVar[tuple[str, ...]] = ()
     _ctx: WorkerContext | None = None
 
     def __init_subclass__(cls, **kwargs):
@@ -149,6 +153,14 @@ class Worker:
         """Extra (TP-strided) layouts of this role, name -> TP size, from the constructor's
         arguments; called on every rank at launch, before the worker exists."""
         return {}
+
+    def link(self, role: str) -> Any:
+        """The process group over this role's ranks and ``role``'s (``linked_roles``)."""
+        if role not in self.ctx.links:
+            raise ControllerError(f"role {self.role!r} has no link to role {role!r}: it is not in "
+                                  f"the job, or neither worker class names the other in linked_roles "
+                                  f"(links: {sorted(self.ctx.links)})")
+        return self.ctx.links[role]
 
     def parallel(self, layout: str = DEFAULT_LAYOUT) -> ParallelInfo:
         """This rank's DP/TP ranks and groups in ``layout``."""

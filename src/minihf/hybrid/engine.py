@@ -57,6 +57,23 @@ def _size(group) -> int:
     return dist.get_world_size(group) if group is not None else 1
 
 
+def build_engine(args, cfg, dtype: torch.dtype, tp_group, device: torch.device,
+                 eos_token_ids: tuple[int, ...], adapted: dict | None = None) -> Engine:
+    """The KV-cache engine over a meta-device model of ``args`` rewritten for TP (its
+    weights are loaded by a sync); ``adapted``: a LoRA model's adapted modules."""
+    model = build_model(args, "lm", device="meta", dtype=dtype)
+    if adapted:
+        first = next(iter(adapted.values()))
+        rank = first.lora_A.shape[0]
+        apply_lora(model, rank, first.scaling * rank, list(adapted))
+    tp_rewrite(model, tp_group if _size(tp_group) > 1 else None)
+    return Engine(model, device=device, max_num_seqs=cfg.max_num_seqs,
+                  max_model_len=cfg.prompt_length + cfg.response_length,
+                  max_num_batched_tokens=cfg.max_num_batched_tokens,
+                  gpu_memory_utilization=cfg.gpu_memory_utilization if device.type == "cuda" else None,
+                  eos_token_ids=eos_token_ids)
+
+
 class HybridEngine:
     """Generation from an FSDP-sharded causal LM through a TP engine (see module docstring).
 
@@ -89,18 +106,7 @@ class HybridEngine:
         adapted = lora_modules(fsdp_model)
         self.adapter_buckets = plan([n for n in shapes if is_lora_param(n)]) if adapted else None
         self.base_loaded = False  # whether the engine holds the (frozen) base weights now
-        model = build_model(args, "lm", device="meta", dtype=self.dtype)
-        if adapted:
-            first = next(iter(adapted.values()))
-            rank = first.lora_A.shape[0]
-            apply_lora(model, rank, first.scaling * rank, list(adapted))
-        tp_rewrite(model, tp_group if self.tp > 1 else None)
-        self.engine = Engine(
-            model, device=device, max_num_seqs=cfg.max_num_seqs,
-            max_model_len=cfg.prompt_length + cfg.response_length,
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
-            gpu_memory_utilization=cfg.gpu_memory_utilization if device.type == "cuda" else None,
-            eos_token_ids=eos_token_ids)
+        self.engine = build_engine(args, cfg, self.dtype, tp_group, device, eos_token_ids, adapted)
         self.last_reshard: dict[str, int] = {}  # what the last sync moved (reshard_into)
 
     # -- weights --------------------------------------------------------------------------
@@ -209,6 +215,45 @@ class HybridEngine:
                             if runner is not None else {}),
                          "temperature": temperature if temperature > 0 else 1.0})
         return out
+
+
+class StandaloneEngine(HybridEngine):
+    """The rollout engine alone, on ranks that do not train (standalone placement,
+    ``minihf.workers.RolloutWorker``, docs/async.md): its weights arrive from the actor's
+    ranks (``receive``, ``minihf.hybrid.transfer``) and stay between calls; a call frees
+    only its KV cache. Generation is the hybrid engine's, so the same weights give the same
+    samples."""
+
+    def __init__(self, args, cfg, *, tp_group, tp_rank: int, device: torch.device,
+                 eos_token_ids: tuple[int, ...], pad_token_id: int, multi_turn=None):
+        self.cfg, self.device, self.multi_turn = cfg, device, multi_turn
+        self.tp, self.tp_rank = _size(tp_group), tp_rank
+        self.dtype = rollout_dtype(cfg.dtype, device)
+        self.pad_token_id = pad_token_id
+        if cfg.prompt_length is None or cfg.response_length is None:
+            raise ValueError("rollout.prompt_length and rollout.response_length must be set (the "
+                             "PPO trainer takes them from data.max_prompt_length/max_response_length)")
+        self.engine = build_engine(args, cfg, self.dtype, tp_group, device, eos_token_ids)
+        self.loaded = False
+        self.last_reshard: dict[str, int] = {}
+
+    def receive(self, rounds, group) -> int:
+        """This rank's TP slice of every weight from the actor's ranks; the bytes received."""
+        from minihf.hybrid.transfer import receive_weights
+
+        self.engine.wake_up()
+        received = receive_weights(dict(self.engine.model.named_parameters()), rounds,
+                                   dist.get_rank(), group)
+        self.loaded = True
+        return received
+
+    def sync_weights(self) -> None:
+        if not self.loaded:
+            raise RuntimeError("the standalone rollout has no weights yet: the driver sends them "
+                               "(actor.send_weights with rollout.receive_weights) before it generates")
+
+    def sleep(self) -> None:
+        self.engine.free(weights=False)  # the weights stay until the next sync overwrites them
 
 
 def build_output(batch: Batch, seqs, response_length: int, pad_token_id: int) -> Batch:

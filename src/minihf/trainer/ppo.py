@@ -30,8 +30,10 @@ position, step, KL controller, skipped steps, plug-in states).
 
 from __future__ import annotations
 
+import threading
 import time
 from contextlib import contextmanager
+from dataclasses import replace as dc_replace
 
 import numpy as np
 import torch
@@ -53,7 +55,7 @@ from minihf.trainer.advantage import estimate_advantages
 from minihf.trainer.balance import balance_batch
 from minihf.trainer.roles import role_groups, role_table
 from minihf.trainer.scoring import mean_by_source, score_responses
-from minihf.trainer.staleness import RolloutQueue
+from minihf.trainer.staleness import RolloutQueue, WeightSync, busy_metrics
 from minihf.trainer.watch import RunWatch, SkipCounter
 
 PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
@@ -133,14 +135,22 @@ class PPOTrainer(RunLoop):
                                self._generate, self._score, self._timed,
                                overlap=len(trained) > 1 and len(ranks) == len(set(ranks)))
         self.plugins = [cls(self.ctx) for cls in classes]
-        self.program = apply_hooks(self.phases(), self.plugins)
-        # async_training.staleness: the rollout phase (plug-ins' included) runs ahead
-        self.queue = RolloutQueue(cfg.async_training.staleness, self.total_steps)
-        if cfg.async_training.staleness:
-            self.program["step"] = [self.queue.staged(p) if getattr(p, "name", None) == "rollout"
-                                    else p for p in self.program["step"]]
         self.history: list[dict] = []
         self.phase_totals: dict[str, float] = {}
+        self.program = apply_hooks(self.phases(), self.plugins)
+        # a standalone rollout (controller.placement.rollout) generates; it gets the
+        # actor's weights when they changed since its last sync
+        self.rollout = self.groups.get("rollout")
+        self.sync = WeightSync(self.actor, self.rollout, self.phase_totals)
+        self._tls = threading.local()  # the context of a batch being made (RolloutQueue)
+        # async_training.staleness: the rollout phase (plug-ins' included) runs ahead
+        k = cfg.async_training.staleness
+        rollout = next(p for p in self.program["step"] if getattr(p, "name", None) == "rollout")
+        self.queue = RolloutQueue(k, self.total_steps, lambda target: self._produce(rollout, target),
+                                  self.sync, overlap=self.rollout is not None)
+        if k:
+            self.program["step"] = [self.queue.staged(p) if p is rollout else p
+                                    for p in self.program["step"]]
 
     # -- phases ---------------------------------------------------------------------------
     def phases(self) -> dict[str, list]:
@@ -158,12 +168,30 @@ class PPOTrainer(RunLoop):
                                    Call("update_actor", "actor", "update_actor",
                                         lambda ctx: ctx.step > cfg.trainer.critic_warmup)))]}
 
+    @property
+    def cur(self) -> StepContext:
+        """The step's context, or on the thread making a batch ahead, that batch's."""
+        return getattr(self._tls, "ctx", None) or self.ctx
+
+    def _produce(self, rollout: Phase, target: int) -> tuple[Batch, dict, dict]:
+        """The batch of step ``target`` from the rollout phase: ``(batch, its data metrics,
+        the time metrics of making it)``, run as step ``target`` (RolloutQueue)."""
+        made, timing = {}, {}
+        ctx = dc_replace(self.ctx, step=target, metrics=timing)
+        self._tls.ctx = ctx
+        try:
+            out = Batch()
+            result = rollout.run(ctx, out, made)
+        finally:
+            self._tls.ctx = None
+        return (out if result is None else result), made, timing
+
     @contextmanager
     def _timed(self, name: str):
         t0 = time.perf_counter()
         yield
         dt = time.perf_counter() - t0
-        m = self.ctx.metrics
+        m = self.cur.metrics
         m[f"timing_s/{name}"] = m.get(f"timing_s/{name}", 0.0) + dt  # rounds add up
         self.phase_totals[name] = self.phase_totals.get(name, 0.0) + dt
 
@@ -176,7 +204,9 @@ class PPOTrainer(RunLoop):
         gen_in = Batch({k: batch.tensors[k] for k in PROMPT_KEYS + ("sample_index",)
                         if k in batch.tensors},
                        {k: v for k, v in batch.non_tensors.items() if k == "uid" or k in rows}, meta)
-        out = self.actor.generate_sequences(gen_in)
+        if getattr(self._tls, "ctx", None) is None:  # a batch made ahead uses the weights synced for it
+            self.sync(self.ctx.metrics)
+        out = (self.rollout or self.actor).generate_sequences(gen_in)
         rest = Batch({k: v for k, v in batch.tensors.items() if k not in PROMPT_KEYS},
                      batch.non_tensors)
         if len(out) != len(batch):
@@ -191,7 +221,7 @@ class PPOTrainer(RunLoop):
         metrics)``."""
         m = {}
         reward = next(p for p in self.program["round"] if getattr(p, "name", None) == "reward")
-        reward.run(self.ctx, batch, m)
+        reward.run(self.cur, batch, m)
         return batch["token_level_scores"], m
 
     def _rollout(self, prompts: Batch, round_: int) -> tuple[Batch, dict]:
@@ -203,7 +233,7 @@ class PPOTrainer(RunLoop):
         prompts.non_tensors["uid"] = np.array([str(i) if round_ == 0 else f"{i}#{round_}" for i in index],
                                               dtype=object)
         m = {}
-        return run_phases(self.ctx, self.program["round"], prompts, m), m
+        return run_phases(self.cur, self.program["round"], prompts, m), m
 
     def _gen_phase(self, ctx: StepContext, prompts: Batch, m: dict) -> Batch:
         n = self.cfg.actor_rollout_ref.rollout.n
@@ -280,6 +310,11 @@ class PPOTrainer(RunLoop):
         sent = sum(sent_bytes(self.groups).values())
         with self._timed("step"):
             batch = run_phases(self.ctx, self.program["step"], Batch(), m)
+            self.queue.join(m)  # the batch made ahead while this step trained
+        if step > self.cfg.trainer.critic_warmup:
+            self.sync.stale = True  # the actor's weights changed
+        if self.rollout is not None:
+            m.update(busy_metrics(m))
         m.update(data_metrics(batch))
         m.update(throughput(batch, m["timing_s/step"], len(self.actor.ranks)))
         m["perf/driver_sent_bytes"] = sum(sent_bytes(self.groups).values()) - sent  # commands to other ranks

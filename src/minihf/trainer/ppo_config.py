@@ -20,7 +20,7 @@ from typing import Literal, Optional, Union
 
 from minihf.config import ConfigError, section_of
 from minihf.trainer.algorithm_config import AlgorithmConfig
-from minihf.controller.config import ControllerConfig, refuse_tp
+from minihf.controller.config import ControllerConfig, RoleSpec, refuse_tp
 from minihf.trainer.common import check_run_length
 from minihf.workers.config import ActorRolloutRefConfig, CriticConfig, LogProbConfig, RewardModelConfig
 
@@ -248,9 +248,43 @@ class PPOConfig:
                              f"async_training.staleness={self.async_training.staleness} trains on samples of "
                              "older weights; set check_log_probs=off (training/rollout_probs_diff_* "
                              "still reports the gap)")
+        self._check_standalone_rollout()
         refuse_tp(self.controller.placement, "generation's tensor parallelism is actor_rollout_"
                   "ref.rollout.tensor_model_parallel_size; drop tp_size")
         self._check_safe()
+
+    def _check_standalone_rollout(self) -> None:
+        """``controller.placement.rollout``: the engine on ranks of its own, disjoint from the
+        actor's, split by the rollout TP size; one line naming the key otherwise."""
+        placement = self.controller.placement
+        if "rollout" not in placement:
+            return
+
+        def ranks(role: str):
+            spec = placement.get(role, RoleSpec())
+            return (spec if isinstance(spec, RoleSpec) else RoleSpec(**spec)).ranks
+        rollout, actor = ranks("rollout"), ranks("actor")
+        if rollout == "all" or actor == "all":
+            which = "controller.placement.rollout.ranks" if rollout == "all" else "controller.placement.actor"
+            raise ValueError(f"{which}: a standalone rollout needs ranks of its own, but "
+                             f"{'it runs on all ranks' if rollout == 'all' else 'the actor is not placed (it runs on all ranks)'}; "
+                             "name both, disjoint, e.g. controller.placement={actor: {ranks: [0, 1]}, "
+                             "rollout: {ranks: [2]}}")
+        shared = sorted(set(rollout) & set(actor))
+        if shared:
+            raise ValueError(f"controller.placement.rollout.ranks={rollout} overlaps controller.placement."
+                             f"actor.ranks={actor} on {shared}: a standalone rollout runs on ranks of its "
+                             "own (drop controller.placement.rollout to generate on the actor's ranks, "
+                             "the colocated hybrid engine)")
+        tp = self.actor_rollout_ref.rollout.tensor_model_parallel_size
+        if len(rollout) % tp:
+            ok = [d for d in range(1, len(rollout) + 1) if len(rollout) % d == 0]
+            raise ValueError(f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp} does not divide "
+                             f"the {len(rollout)} rollout ranks {rollout} (controller.placement.rollout."
+                             f"ranks); use one of {ok}")
+        if self.actor_rollout_ref.model.lora:
+            raise ValueError("controller.placement.rollout: a standalone rollout does not carry LoRA "
+                             "adapters yet; drop actor_rollout_ref.model.lora_rank or the rollout placement")
 
     def _check_safe(self) -> None:
         safe = self.algorithm.safe.enable

@@ -4,7 +4,7 @@ A ``RoleDef`` names the role, its worker class, the config section the worker is
 from, when it is in the job, whether it trains (the section holding its
 ``ppo_mini_batch_size`` and ``ppo_epochs``: its optimizer steps and size checks) and
 whether it is checkpointed. ``CORE_ROLES`` are the actor (with the rollout engine and the
-reference), the critic and the reward model; plug-ins add theirs (Safe-RLHF: the cost
+reference), the critic, the reward model and a standalone rollout; plug-ins add theirs (Safe-RLHF: the cost
 critic and the cost model), and a recipe its own under ``roles.<name>`` (a worker class and
 its model, e.g. a distillation teacher). The table drives building the workers (``worker_roles``),
 ``init_model``, the batch-size checks, and checkpoint save and resume (``PPOTrainer``);
@@ -61,6 +61,8 @@ CORE_ROLES = (
     RoleDef("critic", "CriticWorker", "critic", lambda cfg: cfg.critic.enable, trains="critic",
             checkpointed=True),
     RoleDef("reward_model", "RewardModelWorker", "reward_model", lambda cfg: cfg.reward_model.enable),
+    # a standalone rollout: the engine on ranks of its own (controller.placement.rollout)
+    RoleDef("rollout", "RolloutWorker", "actor_rollout_ref", lambda cfg: "rollout" in cfg.controller.placement),
 )
 
 

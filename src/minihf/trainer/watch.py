@@ -18,7 +18,8 @@ the first time one of these shows up:
   policy runs away from the reference or from its own rollout;
 * rollout and trainer disagree (``training/rollout_probs_diff_mean`` above 0.01; bf16 on both
   sides gives ~1e-4 at most): the samples are off-policy for the update, from a precision
-  mismatch or an engine that did not get the step's weights.
+  mismatch or an engine that did not get the step's weights (not checked on a step whose
+  samples are stale by design, ``async/staleness/max`` > 0).
 
 :class:`SkipCounter` counts the steps whose update skipped an optimizer step for a
 NaN/Inf gradient (``training/skipped_steps``) and stops the run after
@@ -144,7 +145,8 @@ class RunWatch:
                 self._once("kl", f"step {step}: {key}={v:.3g} > {KL_LIMIT}; the KL is "
                            "exploding (lower the lr, raise the KL coefficient)", out)
         diff = m.get("training/rollout_probs_diff_mean")
-        if diff is not None and diff > ROLLOUT_DIFF:
+        stale = m.get("async/staleness/max", 0) > 0  # async_training: older weights by design
+        if diff is not None and diff > ROLLOUT_DIFF and not stale:
             self._once("rollout", f"step {step}: the rollout engine's token probabilities differ "
                        f"from the trainer's by {diff:.3g} on average (training/rollout_probs_diff_"
                        f"mean > {ROLLOUT_DIFF}); the samples are off-policy for the update: check "

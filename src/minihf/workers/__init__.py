@@ -1,7 +1,8 @@
 """minihf.workers: FSDP2 role workers driven by the single controller.
 
 ``ActorRolloutRefWorker`` (policy + its rollout engine + frozen reference),
-``CriticWorker``, ``RewardModelWorker`` and ``LogProbWorker`` (a frozen LM's log-probs); their config sections live in ``config.py``.
+``CriticWorker``, ``RewardModelWorker``, ``LogProbWorker`` (a frozen LM's log-probs) and
+``RolloutWorker`` (the rollout engine alone, on ranks of its own); their config sections live in ``config.py``.
 Shared mechanics: ``engine`` (meta build + sharded load, inference over micro-batches),
 ``train_state`` (``TrainState``: model + optimizer + schedule, update, save/load, used by
 every trained role), ``optim`` (AdamW, LR schedule, global grad clipping), ``train_step``
@@ -15,7 +16,7 @@ import importlib
 # Imported on first use, so that a config check (``minihf.workers.config``, which the
 # launcher's parent process reads) does not import the FSDP and engine stack.
 _HOMES = {"ActorRolloutRefWorker": "actor", "CriticWorker": "critic", "RewardModelWorker": "reward_model",
-          "LogProbWorker": "log_prob",
+          "LogProbWorker": "log_prob", "RolloutWorker": "rollout",
           **{name: "config" for name in ("ActorConfig", "ActorRolloutRefConfig", "CriticConfig", "FSDPConfig",
                                           "LogProbConfig", "ModelConfig", "PolicyLossConfig", "RefConfig", "RewardModelConfig",
                                           "RLModelConfig", "RolloutConfig", "TrainedModelConfig", "ValKwargs")}}

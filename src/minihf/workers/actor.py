@@ -22,6 +22,9 @@ Methods the driver calls (dispatch ``DP_COMPUTE`` unless noted):
   ``actor/ppo_kl``, ``actor/entropy``, ``actor/kl_loss``, ``actor/grad_norm``,
   ``actor/lr``), reduced over ranks, from DP rank 0.
 * ``save_checkpoint(path, extra)`` / ``load_checkpoint(path)`` (ONE_TO_ALL).
+* ``send_weights(rollout_tp_ranks)`` (ONE_TO_ALL): with a standalone rollout
+  (``RolloutWorker`` on ranks of its own), this rank's pieces of each rollout rank's TP
+  slices (``minihf.hybrid.transfer``), sent while the rollout runs ``receive_weights``.
 
 ``batch.meta["old_log_probs"] == "update"`` (the driver's choice when the update is one
 on-policy optimizer step, see ``PPOConfig.old_log_prob_source``): the batch has no
@@ -69,12 +72,21 @@ GENERATE_KEYS = ("input_ids", "attention_mask", "position_ids", "sample_index", 
 REFERENCES = ("model", "adapters_off")
 
 
+def shard_ranks(group, rank: int) -> list[int]:
+    """Global ranks holding FSDP shards 0, 1, ... over ``group`` (its rank order)."""
+    import torch.distributed as dist
+
+    return dist.get_process_group_ranks(group) if group is not None else [rank]
+
+
 def reference_source(model_cfg) -> str:
     """How the reference policy is computed: a LoRA actor's is its base (adapters off)."""
     return "adapters_off" if getattr(model_cfg, "lora", False) else "model"
 
 
 class ActorRolloutRefWorker(Worker):
+    linked_roles = ("rollout",)  # a standalone rollout receives the weights from these ranks
+
     def __init__(self, config: ActorRolloutRefConfig, with_ref: bool = True,
                  reference: str | None = None):
         """``reference``: ``model`` (a frozen copy loaded from ``model.path``) or
@@ -277,6 +289,31 @@ class ActorRolloutRefWorker(Worker):
         if a.use_kl_loss:
             metrics["actor/kl_coef"] = a.kl_loss_coef
         return metrics
+
+    # -- a standalone rollout's weights -----------------------------------------------------
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def send_weights(self, rollout_tp_ranks: dict[int, int]) -> dict[str, float]:
+        """Send this rank's pieces of the rollout ranks' TP slices (``rollout_tp_ranks``:
+        global rank -> TP rank), in the rollout dtype; ``{"bytes": sent, "seconds": ...}``."""
+        import time
+
+        from minihf.hybrid.reshard import local_shard
+        from minihf.hybrid.transfer import plan_transfer, send_weights
+        from minihf.parallel.fsdp import reshard
+
+        model = self._require("actor")
+        r = self.config.rollout
+        dtype = rollout_dtype(r.dtype, self.device)
+        rounds = plan_transfer(
+            {n: tuple(p.shape) for n, p in model.named_parameters()}, shard_ranks(self.group, self.rank),
+            rollout_tp_ranks, r.tensor_model_parallel_size,
+            tied_lm_head=bool(model.args.tie_word_embeddings),
+            itemsize=torch.empty((), dtype=dtype).element_size(), bucket_bytes=r.reshard_bucket_mb << 20)
+        reshard(model)  # every parameter a DTensor shard
+        t0 = time.perf_counter()
+        params = {n: local_shard(p) for n, p in model.named_parameters()}
+        sent = send_weights(params, rounds, self.rank, self.link("rollout"), dtype)
+        return {"bytes": sent, "seconds": time.perf_counter() - t0}
 
     # -- checkpoints ----------------------------------------------------------------------
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Dispatch.RANK_ZERO)

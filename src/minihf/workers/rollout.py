@@ -1,0 +1,109 @@
+"""``RolloutWorker``: the rollout engine alone, on ranks of its own (standalone placement).
+
+``controller.placement.rollout`` names its ranks (disjoint from the actor's); the actor
+then trains on its ranks while this role generates (docs/async.md). The engine is the
+hybrid engine's (``minihf.hybrid.StandaloneEngine``): TP size
+``actor_rollout_ref.rollout.tensor_model_parallel_size`` over strided groups of this role's
+ranks, the same sampling and output format, so the same weights give the same samples.
+It holds no trained model: its weights arrive from the actor (``receive_weights``, sent
+by the actor's ``send_weights`` at the same time; ``minihf.hybrid.transfer``), each rank
+exactly its TP slice, and stay between calls.
+
+Methods the driver calls:
+
+* ``init_model`` (ONE_TO_ALL): build the engine (meta weights, no checkpoint read);
+* ``receive_weights(train_ranks)`` (ONE_TO_ALL): ``{"bytes": received, "seconds": ...}``;
+* ``generate_sequences(batch)`` (rollout layout): as the actor's.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from minihf.controller import Dispatch, Worker, register
+from minihf.hybrid import collect_rollout
+from minihf.protocol import Batch
+from minihf.workers.actor import GENERATE_KEYS
+from minihf.workers.config import ActorRolloutRefConfig
+
+
+class RolloutWorker(Worker):
+    linked_roles = ("actor",)
+
+    def __init__(self, config: ActorRolloutRefConfig):
+        super().__init__()
+        if self.tp_size != 1:
+            raise ValueError(f"placement.{self.role}.tp_size={self.tp_size}: set the rollout's TP "
+                             "size with actor_rollout_ref.rollout.tensor_model_parallel_size instead")
+        if getattr(config.model, "lora", False):
+            raise ValueError("a standalone rollout (controller.placement.rollout) does not carry "
+                             "LoRA adapters yet; drop actor_rollout_ref.model.lora_rank or the "
+                             "rollout placement")
+        self.config = config
+        self.engine = None
+
+    @classmethod
+    def declare_layouts(cls, config: ActorRolloutRefConfig) -> dict[str, int]:
+        return {"rollout": config.rollout.tensor_model_parallel_size}
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        from minihf.hybrid.engine import StandaloneEngine
+        from minihf.models import CheckpointReader
+        from minihf.rollout.llm import eos_ids_from_dir
+
+        cfg = self.config
+        r = cfg.rollout
+        reader = CheckpointReader(cfg.model.path, "lm")
+        info = self.parallel("rollout")
+        hf = reader.args.hf_config
+        eos = eos_ids_from_dir(cfg.model.path, hf)
+        pad = hf.get("pad_token_id")
+        multi_turn = None
+        if r.multi_turn.enable:
+            from minihf.data import load_tokenizer
+            from minihf.multi_turn import MultiTurn
+
+            multi_turn = MultiTurn(r.multi_turn, load_tokenizer(cfg.model.path), eos,
+                                   tp_group=info.tp_group if r.tensor_model_parallel_size > 1 else None,
+                                   leader=info.tp_rank == 0)
+        self.args = reader.args
+        self.engine = StandaloneEngine(
+            reader.args, r, tp_group=info.tp_group, tp_rank=info.tp_rank, device=self.device,
+            eos_token_ids=eos, pad_token_id=pad if pad is not None else (eos[0] if eos else 0),
+            multi_turn=multi_turn)
+
+    def tp_ranks(self) -> dict[int, int]:
+        """Every rollout rank's TP rank (global rank -> TP rank), as the actor's plan needs."""
+        layout = self.parallel("rollout").layout
+        return {rank: layout.tp_rank(i) for i, rank in enumerate(layout.ranks)}
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def receive_weights(self, train_ranks: list[int]) -> dict[str, float]:
+        """This rank's TP slice of every weight from the actor's ranks (``train_ranks``: the
+        global rank of each FSDP shard, in shard order)."""
+        from minihf.hybrid.transfer import plan_transfer
+        from minihf.models import build_model
+
+        if self.engine is None:
+            raise RuntimeError("RolloutWorker.receive_weights before init_model()")
+        e = self.engine
+        shapes = {n: tuple(p.shape) for n, p in
+                  build_model(self.args, "lm", device="meta", dtype=torch.float32).named_parameters()}
+        rounds = plan_transfer(shapes, list(train_ranks), self.tp_ranks(), e.tp,
+                               tied_lm_head=bool(self.args.tie_word_embeddings),
+                               itemsize=torch.empty((), dtype=e.dtype).element_size(),
+                               bucket_bytes=self.config.rollout.reshard_bucket_mb << 20)
+        t0 = time.perf_counter()
+        received = e.receive(rounds, self.link("actor"))
+        return {"bytes": received, "seconds": time.perf_counter() - t0}
+
+    @register(dispatch=Dispatch.DP_COMPUTE, collect=collect_rollout, layout="rollout",
+              reads=GENERATE_KEYS)
+    def generate_sequences(self, batch: Batch) -> Batch:
+        """Sample responses with the weights last received (generate -> free the KV cache)."""
+        if self.engine is None:
+            raise RuntimeError("RolloutWorker.generate_sequences before init_model()")
+        return self.engine.generate_sequences(batch, int(batch.meta.get("global_step", 0)))

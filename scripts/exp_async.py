@@ -74,6 +74,19 @@ def timing_row(name: str, rs: list[dict]) -> str:
             f"{'max(G, T) + S' if overlapped else 'G + T + S'} = {model:.3f} | {busy} |")
 
 
+def sync_formula(overrides: list[str]) -> int:
+    """What one rollout rank receives per sync, from the plan (``plan_transfer``) over the
+    main job's model shapes: the actor on ranks 0-1, the rollout (TP 1) on the rest."""
+    from minihf.hybrid.transfer import plan_transfer, received_bytes
+    from minihf.models import build_model, load_args
+
+    args = load_args(str(ROOT / "outputs" / "sft_sort" / "hf"))
+    shapes = {n: tuple(p.shape) for n, p in build_model(args, "lm", device="meta").named_parameters()}
+    rollout = [2, 3] if overrides[0] == STANDALONE_4 else [2]
+    rounds = plan_transfer(shapes, [0, 1], {r: 0 for r in rollout}, 1, tied_lm_head=bool(args.tie_word_embeddings))
+    return received_bytes(rounds, 2, 4)
+
+
 def gpu_model() -> list[str]:
     """The time model with the planner's estimates (H100 profile): 4 GPUs colocated vs 2 + 2."""
     from minihf.config import load_config
@@ -125,6 +138,17 @@ def report(out: Path, steps: int, names: list[str]) -> list[str]:
               "| variant | processes | s/step | G | T | S | model | busy actor / rollout |",
               "|---|---|---|---|---|---|---|---|"]
     lines += [timing_row(n, runs[n]) for n in names]
+    synced = [n for n in names if "controller.placement" in " ".join(VARIANTS[n][1])]
+    if synced:
+        lines += ["", "Weight sync per step (standalone runs): bytes one rollout rank received "
+                  "(`perf/weight_sync_bytes`, median) against the plan's formula (its TP slice of every "
+                  "weight, fp32), and the time.", "",
+                  "| variant | received | formula | seconds | MB/s |", "|---|---|---|---|---|"]
+        for n in synced:
+            steps = [r for r in runs[n] if "perf/weight_sync_bytes" in r]
+            got, secs = median(steps, "perf/weight_sync_bytes"), median(steps, "timing_s/weight_sync")
+            want = sync_formula(VARIANTS[n][1])
+            lines.append(f"| `{n}` | {got:,.0f} B | {want:,.0f} B | {secs:.4f} | {got / secs / 1e6:.0f} |")
     lines += ["", "Runs:", ""] + [f"* `{n}`: {VARIANTS[n][2]}; overrides `{' '.join(VARIANTS[n][1]) or '-'}`"
                                    for n in names]
     return lines

@@ -94,6 +94,9 @@ WHOLE_DOC_ELSEWHERE = {
     "docs/smollm2.md": "tests/test_smollm2.py::test_one_grpo_step_on_two_processes",  # and the 40-min run it documents
     # its two recipe runs (slow; ::test_tool_arith_recipe_learns is the other), its python block the contract
     "docs/multi-turn.md": "tests/test_multi_turn_ppo.py::test_guess_number_recipe_learns",
+    # its one command is docs/placement.md's too (run as written there); the schedule and the
+    # placement it describes are tested on 4 processes here, its tables are scripts/exp_async.py's
+    "docs/async.md": "tests/test_standalone.py::test_standalone_equals_colocated_and_resumes",
 }
 ELSEWHERE = {  # command -> the test (or CI file) that runs it
     "pip install torch==2.13.0 && pip install -e . && torchrun --nproc_per_node=2 scripts/train_ppo.py":

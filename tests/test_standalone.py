@@ -132,3 +132,21 @@ def test_bad_standalone_placements(tiny_job, tmp_path):  # noqa: F811
         job_config(model, data, tmp_path, "grpo", **{
             "controller.placement": "{actor: {ranks: [0]}, rollout: {ranks: [1, 2, 3]}}",
             "actor_rollout_ref.rollout.tensor_model_parallel_size": 2})
+
+
+def test_layouts_of_a_standalone_rollout(tiny_job, tmp_path):  # noqa: F811
+    """The rollout TP size splits the rollout's ranks, not the actor's (which builds no
+    engine): actor on rank 0, a TP-2 rollout on ranks 1-2."""
+    from minihf.controller.config import resolve_placement
+    from minihf.controller.launch import role_layouts, role_links
+    from minihf.trainer.ppo_job import ppo_roles
+
+    model, data = tiny_job
+    cfg = job_config(model, data, tmp_path, "grpo", **{
+        "controller.placement": "{actor: {ranks: [0]}, rollout: {ranks: [1, 2]}}",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size": 2})
+    roles = ppo_roles(cfg)
+    layouts = role_layouts(roles, resolve_placement(cfg.controller.placement, 3, roles=list(roles)))
+    assert layouts["rollout"]["rollout"].tp_size == 2 and layouts["actor"]["rollout"].tp_size == 1
+    assert roles["actor"].kwargs["generates"] is False
+    assert role_links(roles) == [("actor", "rollout")]

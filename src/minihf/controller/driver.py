@@ -228,11 +228,12 @@ class Driver:
                     into = functools.partial(_reply_into, receive_into,
                                              collect_from.index(i))
                 parts[i] = self._peers[rank].send(memo[key], layout.role, spec.name, into)
-        fut = CallFuture(layout, spec, collect_from, plan.ctx, parts)
-        # keep only calls still running or holding an unseen error (never their values)
-        self._unawaited = [f for f in self._unawaited if f.failed_unseen() is not False]
-        if track:
-            self._unawaited.append(fut)
+            fut = CallFuture(layout, spec, collect_from, plan.ctx, parts)
+            # keep only calls still running or holding an unseen error (never their values);
+            # under the lock: the driver may call from two threads (trainer.staleness)
+            self._unawaited = [f for f in self._unawaited if f.failed_unseen() is not False]
+            if track:
+                self._unawaited.append(fut)
         return fut
 
     def raise_unawaited_errors(self) -> None:

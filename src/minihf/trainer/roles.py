@@ -57,7 +57,9 @@ CORE_ROLES = (
             checkpointed=True, kwargs=lambda cfg: {
                 "with_ref": cfg.use_ref,
                 # a LoRA actor's reference is its own model with the adapters off
-                "reference": reference_source(cfg.actor_rollout_ref.model)}),
+                "reference": reference_source(cfg.actor_rollout_ref.model),
+                # a standalone rollout (controller.placement.rollout) generates instead
+                "generates": "rollout" not in cfg.controller.placement}),
     RoleDef("critic", "CriticWorker", "critic", lambda cfg: cfg.critic.enable, trains="critic",
             checkpointed=True),
     RoleDef("reward_model", "RewardModelWorker", "reward_model", lambda cfg: cfg.reward_model.enable),

@@ -72,6 +72,25 @@ GENERATE_KEYS = ("input_ids", "attention_mask", "position_ids", "sample_index", 
 REFERENCES = ("model", "adapters_off")
 
 
+def engine_tokens(cfg: ActorRolloutRefConfig, hf_config: dict, info) -> dict:
+    """The rollout engine's ``eos_token_ids``, ``pad_token_id`` and ``multi_turn`` (a
+    ``MultiTurn`` whose environments run on each replica's first TP rank, or None) for this
+    rank's place ``info`` in the rollout layout."""
+    r = cfg.rollout
+    eos = eos_ids_from_dir(cfg.model.path, hf_config)
+    pad = hf_config.get("pad_token_id")
+    multi_turn = None
+    if r.multi_turn.enable:
+        from minihf.data import load_tokenizer
+        from minihf.multi_turn import MultiTurn
+
+        multi_turn = MultiTurn(r.multi_turn, load_tokenizer(cfg.model.path), eos,
+                               tp_group=info.tp_group if r.tensor_model_parallel_size > 1 else None,
+                               leader=info.tp_rank == 0)
+    return {"eos_token_ids": eos, "pad_token_id": pad if pad is not None else (eos[0] if eos else 0),
+            "multi_turn": multi_turn}
+
+
 def shard_ranks(group, rank: int) -> list[int]:
     """Global ranks holding FSDP shards 0, 1, ... over ``group`` (its rank order)."""
     import torch.distributed as dist
@@ -88,9 +107,11 @@ class ActorRolloutRefWorker(Worker):
     linked_roles = ("rollout",)  # a standalone rollout receives the weights from these ranks
 
     def __init__(self, config: ActorRolloutRefConfig, with_ref: bool = True,
-                 reference: str | None = None):
+                 reference: str | None = None, generates: bool = True):
         """``reference``: ``model`` (a frozen copy loaded from ``model.path``) or
-        ``adapters_off`` (LoRA); None: :func:`reference_source` of the config."""
+        ``adapters_off`` (LoRA); None: :func:`reference_source` of the config.
+        ``generates``: False when a standalone rollout (``RolloutWorker``) generates
+        instead: no engine is built here, and the weights go out by ``send_weights``."""
         super().__init__()
         if self.tp_size != 1:
             raise ValueError(f"placement.{self.role}.tp_size={self.tp_size}: the actor trains "
@@ -104,14 +125,15 @@ class ActorRolloutRefWorker(Worker):
         self.config = config
         self.with_ref = with_ref
         self.reference = reference
+        self.generates = generates
         self.state: TrainState | None = None  # the trained policy (model, optimizer, schedule)
         self.actor = self.ref = None           # self.actor is self.state.model
         self.rollout: HybridEngine | None = None
 
     @classmethod
     def declare_layouts(cls, config: ActorRolloutRefConfig, with_ref: bool = True,
-                        reference: str | None = None) -> dict[str, int]:
-        return {"rollout": config.rollout.tensor_model_parallel_size}
+                        reference: str | None = None, generates: bool = True) -> dict[str, int]:
+        return {"rollout": config.rollout.tensor_model_parallel_size if generates else 1}
 
     # -- set-up ---------------------------------------------------------------------------
     @register(dispatch=Dispatch.ONE_TO_ALL)
@@ -129,25 +151,13 @@ class ActorRolloutRefWorker(Worker):
             self.ref = build_fsdp_model(cfg.model, cfg.ref.fsdp, head="lm", group=self.group,
                                         device=self.device, trainable=False)
         r = cfg.rollout
-        if r.prompt_length is None or r.response_length is None:
+        if r.prompt_length is None or r.response_length is None or not self.generates:
             return  # a scoring/training-only actor (generate_sequences explains what to set)
         info = self.parallel("rollout")
-        hf = self.actor.args.hf_config
-        eos = eos_ids_from_dir(cfg.model.path, hf)
-        pad = hf.get("pad_token_id")
-        multi_turn = None
-        if r.multi_turn.enable:
-            from minihf.data import load_tokenizer
-            from minihf.multi_turn import MultiTurn
-
-            multi_turn = MultiTurn(r.multi_turn, load_tokenizer(cfg.model.path), eos,
-                                   tp_group=info.tp_group if r.tensor_model_parallel_size > 1 else None,
-                                   leader=info.tp_rank == 0)
         self.rollout = HybridEngine(
             self.actor, cfg.rollout, all_group=self.group, gather_group=info.dp_group,
             tp_group=info.tp_group, tp_rank=info.tp_rank, device=self.device,
-            eos_token_ids=eos, pad_token_id=pad if pad is not None else (eos[0] if eos else 0),
-            multi_turn=multi_turn)
+            **engine_tokens(cfg, self.actor.args.hf_config, info))
 
     # -- generation -----------------------------------------------------------------------
     @register(dispatch=Dispatch.DP_COMPUTE, collect=collect_rollout, layout="rollout",
@@ -163,7 +173,9 @@ class ActorRolloutRefWorker(Worker):
         model = getattr(self, name)
         if model is None:
             hint = {"ref": "construct the worker with with_ref=True",
-                    "rollout": "set rollout.prompt_length and rollout.response_length (the PPO "
+                    "rollout": "the standalone rollout role generates in this job (controller."
+                               "placement.rollout)" if not self.generates else
+                               "set rollout.prompt_length and rollout.response_length (the PPO "
                                "trainer takes them from data.max_prompt_length/"
                                "max_response_length) and call init_model()"
                     }.get(name, "call init_model() first")

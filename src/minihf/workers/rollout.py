@@ -25,7 +25,7 @@ import torch
 from minihf.controller import Dispatch, Worker, register
 from minihf.hybrid import collect_rollout
 from minihf.protocol import Batch
-from minihf.workers.actor import GENERATE_KEYS
+from minihf.workers.actor import GENERATE_KEYS, engine_tokens
 from minihf.workers.config import ActorRolloutRefConfig
 
 
@@ -52,28 +52,12 @@ class RolloutWorker(Worker):
     def init_model(self) -> None:
         from minihf.hybrid.engine import StandaloneEngine
         from minihf.models import CheckpointReader
-        from minihf.rollout.llm import eos_ids_from_dir
 
         cfg = self.config
-        r = cfg.rollout
-        reader = CheckpointReader(cfg.model.path, "lm")
+        self.args = CheckpointReader(cfg.model.path, "lm").args
         info = self.parallel("rollout")
-        hf = reader.args.hf_config
-        eos = eos_ids_from_dir(cfg.model.path, hf)
-        pad = hf.get("pad_token_id")
-        multi_turn = None
-        if r.multi_turn.enable:
-            from minihf.data import load_tokenizer
-            from minihf.multi_turn import MultiTurn
-
-            multi_turn = MultiTurn(r.multi_turn, load_tokenizer(cfg.model.path), eos,
-                                   tp_group=info.tp_group if r.tensor_model_parallel_size > 1 else None,
-                                   leader=info.tp_rank == 0)
-        self.args = reader.args
-        self.engine = StandaloneEngine(
-            reader.args, r, tp_group=info.tp_group, tp_rank=info.tp_rank, device=self.device,
-            eos_token_ids=eos, pad_token_id=pad if pad is not None else (eos[0] if eos else 0),
-            multi_turn=multi_turn)
+        self.engine = StandaloneEngine(self.args, cfg.rollout, tp_group=info.tp_group, tp_rank=info.tp_rank,
+                                       device=self.device, **engine_tokens(cfg, self.args.hf_config, info))
 
     def tp_ranks(self) -> dict[int, int]:
         """Every rollout rank's TP rank (global rank -> TP rank), as the actor's plan needs."""

@@ -28,11 +28,11 @@ class EchoDigits:
         return str(self.n) * 2, float(self.want in action), self.n >= 3
 
 
-def _run(rank, world, model, data, tmp, recipe, tp=1, name=None):
+def _run(rank, world, model, data, tmp, recipe, tp=1, name=None, extra=None):
     from minihf.controller import run
     from minihf.trainer.ppo_job import ppo_driver, ppo_roles
 
-    cfg = job_config(model, data, f"{tmp}/{name or recipe}", recipe, **{
+    cfg = job_config(model, data, f"{tmp}/{name or recipe}", recipe, **(extra or {}), **{
         "actor_rollout_ref.rollout.tensor_model_parallel_size": tp,
         "actor_rollout_ref.rollout.multi_turn.enable": "true",
         "actor_rollout_ref.rollout.multi_turn.environment": f"{__file__}:EchoDigits",
@@ -74,6 +74,20 @@ def test_multi_turn_job(tiny_job, tmp_path, recipe, world):
         assert len(observed) == len(users)
         for text, user in zip(observed, users):
             assert f"<|user|>{user}<eos><|assistant|>" in text
+
+
+def test_multi_turn_on_a_standalone_rollout(tiny_job, tmp_path):
+    """The environments run on a standalone rollout's rank (controller.placement.rollout),
+    and its engine's log-probs of the assistant tokens equal the trainer's within rounding
+    (check_log_probs=error, every step: the weights it received are the actor's)."""
+    model, data = tiny_job
+    placement = {"controller.placement": "{actor: {ranks: [0, 1]}, rollout: {ranks: [2]}}"}
+    hist = spawn_ranks(_run, 3, model, data, str(tmp_path), "grpo", 1, "standalone", placement,
+                       timeout_s=400)[0]
+    steps = [h for h in hist if h["step"] > 0]
+    assert all(h["training/rollout_log_prob_bound_ratio"] <= 1 for h in steps)
+    assert max(h.get("multi_turn/num_turns/max", 0) for h in hist) >= 2
+    assert all(h["perf/weight_sync_bytes"] > 0 for h in steps[1:])
 
 
 def test_gae_across_observation_gaps_equals_assistant_only_gae():

@@ -43,6 +43,7 @@ class RolloutWorker(Worker):
                              "rollout placement")
         self.config = config
         self.engine = None
+        self.shapes = None
 
     @classmethod
     def declare_layouts(cls, config: ActorRolloutRefConfig) -> dict[str, int]:
@@ -74,9 +75,10 @@ class RolloutWorker(Worker):
         if self.engine is None:
             raise RuntimeError("RolloutWorker.receive_weights before init_model()")
         e = self.engine
-        shapes = {n: tuple(p.shape) for n, p in
-                  build_model(self.args, "lm", device="meta", dtype=torch.float32).named_parameters()}
-        rounds = plan_transfer(shapes, list(train_ranks), self.tp_ranks(), e.tp,
+        if self.shapes is None:  # the trained model's parameters, as the actor names them
+            self.shapes = {n: tuple(p.shape) for n, p in
+                           build_model(self.args, "lm", device="meta", dtype=torch.float32).named_parameters()}
+        rounds = plan_transfer(self.shapes, list(train_ranks), self.tp_ranks(), e.tp,
                                tied_lm_head=bool(self.args.tie_word_embeddings),
                                itemsize=torch.empty((), dtype=e.dtype).element_size(),
                                bucket_bytes=self.config.rollout.reshard_bucket_mb << 20)

@@ -49,13 +49,13 @@ class VersionedActor(ScriptedActor):
         self.version = int((Path(path) / "version").read_text())
 
 
-def driver_run(model, data, out, k, steps=5, stop_after=None, actor=None):
+def driver_run(model, data, out, k, steps=5, stop_after=None, actor=None, **extra):
     from minihf.trainer.ppo import PPOTrainer
 
     cfg = job_config(model, data, out, "grpo", **{
         "async_training.staleness": k, "trainer.total_training_steps": steps,
         "trainer.save_freq": 1, "trainer.test_freq": -1, "trainer.val_before_train": "false",
-        "trainer.logger": "[jsonl]"})
+        "trainer.logger": "[jsonl]", **extra})
     actor = actor or VersionedActor()
     hist = PPOTrainer(cfg, {"actor": actor}, log=lambda *a: None).fit(stop_after=stop_after)
     return actor, hist
@@ -84,6 +84,21 @@ def test_schedule_on_the_driver(tiny_job, tmp_path, k):  # noqa: F811
     assert all(t["old_log_probs"].eq(-1.0).all() for t in actor.trained)
     assert "training/rollout_probs_diff_max" in hist[-1]
     assert all("policy_version" not in t for t in sync.trained)  # k = 0: the synchronous loop
+
+
+def test_rollout_correction_weighs_stale_samples(tiny_job, tmp_path):  # noqa: F811
+    """Token-level TIS, unchanged: the weight is pi_old / pi_behaviour = exp(-1 - (-1 - v/10))
+    = exp(v/10) for a batch of version v (the trainer's old log-probs are -1), capped at 1.2."""
+    import math
+
+    model, data = tiny_job
+    actor, _ = driver_run(model, data, tmp_path, 1, steps=5, **{
+        "algorithm.rollout_correction.rollout_is": "token",
+        "algorithm.rollout_correction.rollout_is_threshold": 1.2})
+    for s, trained in zip(range(1, 6), actor.trained):
+        version = max(1, s - 1) - 1  # 0, 0, 1, 2, 3: weights 1, 1, e^0.1, then the cap
+        want = min(math.exp(version / 10), 1.2)
+        assert torch.allclose(trained["rollout_is_weights"], torch.full_like(trained["rollout_is_weights"], want)), s
 
 
 def test_resume_keeps_the_batches_generated_ahead(tiny_job, tmp_path):  # noqa: F811

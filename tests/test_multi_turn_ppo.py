@@ -81,7 +81,8 @@ def test_multi_turn_on_a_standalone_rollout(tiny_job, tmp_path):
     and its engine's log-probs of the assistant tokens equal the trainer's within rounding
     (check_log_probs=error, every step: the weights it received are the actor's)."""
     model, data = tiny_job
-    placement = {"controller.placement": "{actor: {ranks: [0, 1]}, rollout: {ranks: [2]}}"}
+    placement = {"controller.placement": "{actor: {ranks: [0, 1]}, rollout: {ranks: [2]}}",
+                 "trainer.total_training_steps": 2}
     hist = spawn_ranks(_run, 3, model, data, str(tmp_path), "grpo", 1, "standalone", placement,
                        timeout_s=400)[0]
     steps = [h for h in hist if h["step"] > 0]

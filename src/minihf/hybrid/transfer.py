@@ -133,8 +133,9 @@ def _exchange(ops: list) -> None:
 
 @torch.no_grad()
 def send_weights(params: dict[str, torch.Tensor], rounds: list[list[Message]], rank: int, group,
-                 dtype: torch.dtype) -> int:
-    """Send this training rank's pieces (``params``: name -> its local FSDP shard);
+                 dtype: torch.dtype, device: torch.device | None = None) -> int:
+    """Send this training rank's pieces (``params``: name -> its local FSDP shard) from
+    ``device`` (the backend's: shards offloaded to the host go to the GPU for NCCL);
     returns the bytes sent."""
     sent = 0
     for messages in rounds:
@@ -142,8 +143,8 @@ def send_weights(params: dict[str, torch.Tensor], rounds: list[list[Message]], r
         for m in messages:
             if m.src != rank:
                 continue
-            flat = torch.cat([_view(params[p.name], p.box, p.src_origin).to(dtype).reshape(-1)
-                              for p in m.pieces])
+            flat = torch.cat([_view(params[p.name], p.box, p.src_origin).to(device=device, dtype=dtype)
+                              .reshape(-1) for p in m.pieces])
             keep.append(flat)
             ops.append(dist.P2POp(dist.isend, flat, m.dst, group))
             sent += flat.numel() * flat.element_size()

@@ -324,7 +324,7 @@ class ActorRolloutRefWorker(Worker):
         reshard(model)  # every parameter a DTensor shard
         t0 = time.perf_counter()
         params = {n: local_shard(p) for n, p in model.named_parameters()}
-        sent = send_weights(params, rounds, self.rank, self.link("rollout"), dtype)
+        sent = send_weights(params, rounds, self.rank, self.link("rollout"), dtype, self.device)
         return {"bytes": sent, "seconds": time.perf_counter() - t0}
 
     # -- checkpoints ----------------------------------------------------------------------

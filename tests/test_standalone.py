@@ -150,3 +150,41 @@ def test_layouts_of_a_standalone_rollout(tiny_job, tmp_path):  # noqa: F811
     assert layouts["rollout"]["rollout"].tp_size == 2 and layouts["actor"]["rollout"].tp_size == 1
     assert roles["actor"].kwargs["generates"] is False
     assert role_links(roles) == [("actor", "rollout")]
+
+
+FAILING_REWARD = """\
+calls = []
+
+
+def flaky(data_source, solution_str, ground_truth, extra_info):
+    calls.append(1)
+    if len(calls) > 16:  # validation (8 prompts) and step 1's batch (4 x 2) pass; the batch made ahead fails
+        raise ValueError("boom in the reward")
+    return 0.0
+"""
+
+
+def _fails(rank, world, model, data, tmp):
+    from minihf.controller import run
+    from minihf.trainer.ppo_job import ppo_driver, ppo_roles
+
+    cfg = job_config(model, data, f"{tmp}/run", "grpo", **{
+        **STANDALONE, "async_training.staleness": 1, "custom_reward_function.path": f"{tmp}/reward.py",
+        "custom_reward_function.name": "flaky"})
+    return run(ppo_driver(cfg), ppo_roles(cfg), cfg.controller)
+
+
+def test_error_in_the_batch_made_ahead_ends_the_job(tiny_job, tmp_path, capfd):  # noqa: F811
+    """A reward that raises while the batch of step 2 is made in the driver's thread (step 1
+    training meanwhile) ends the whole job with the reward's error, on every rank."""
+    from minihf.testing import SpawnError
+
+    model, data = tiny_job
+    (tmp_path / "reward.py").write_text(FAILING_REWARD)
+    t0 = time.time()
+    with pytest.raises(SpawnError, match="boom in the reward") as e:
+        spawn_ranks(_fails, 4, model, data, str(tmp_path), timeout_s=300)
+    assert time.time() - t0 < 120
+    assert "reward function 'flaky' raised on sample 0" in str(e.value)
+    out = capfd.readouterr().out
+    assert "step=0 " in out and "step=1 " not in out  # step 1 never finished: the thread's error ended it

@@ -117,6 +117,45 @@ def test_standalone_equals_colocated_and_resumes(tiny_job, tmp_path):  # noqa: F
     assert any(g[2] < u[3] and u[2] < g[3] for g in gens for u in updates), logs
 
 
+def adapter_slice_bytes(model_dir, tp, rank, targets):
+    """What one rollout rank of a TP-``tp`` engine holds of the adapters (fp32)."""
+    from minihf.models import build_model, load_args
+    from minihf.models.lora import apply_lora, is_lora_param, module_names
+    from minihf.parallel.placement import tp_dim
+
+    model = build_model(load_args(model_dir), "lm", device="meta")
+    apply_lora(model, rank, 2.0 * rank, module_names(model, targets))
+    return sum(p.numel() // (tp if tp_dim(n, tuple(p.shape), tp) is not None else 1) * 4
+               for n, p in model.named_parameters() if is_lora_param(n))
+
+
+def test_lora_actor_on_a_standalone_rollout(tiny_job, tmp_path):  # noqa: F811
+    """A LoRA actor: the base weights reach the rollout once, the adapters at every sync; the
+    run equals the colocated one (metrics, parameters bitwise)."""
+    model, data = tiny_job
+    (tmp_path / "reward.py").write_text(LENGTH_REWARD)
+    lora = {**RUN, "async_training.staleness": 1, "custom_reward_function.path": str(tmp_path / "reward.py"),
+            "custom_reward_function.name": "length", "actor_rollout_ref.model.lora_rank": 4,
+            "actor_rollout_ref.model.lora_alpha": 8, "actor_rollout_ref.model.target_modules": "[q_proj,up_proj]"}
+    cases = [("colocated", None, "colocated", {**COLOCATED, **lora}),
+             ("standalone", None, "standalone", {**STANDALONE, **lora})]
+    res = spawn_ranks(_run, 4, model, data, str(tmp_path), cases, timeout_s=900)
+    hist = {name: res[0][name][0] for name, *_ in cases}
+    assert strip(hist["standalone"]) == strip(hist["colocated"])
+    from safetensors.torch import load_file
+
+    from minihf.hub import export_hf
+
+    for run in ("colocated", "standalone"):  # a LoRA run exports its adapters (PEFT)
+        export_hf(tmp_path / run / "global_step_3", tmp_path / f"{run}_adapter")
+    a, b = (load_file(str(tmp_path / f"{r}_adapter" / "adapter_model.safetensors"))
+            for r in ("colocated", "standalone"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    steps = [h for h in hist["standalone"] if h["step"] > 0]
+    want = adapter_slice_bytes(model, 2, 4, ["q_proj", "up_proj"])
+    assert [h.get("perf/weight_sync_bytes") for h in steps] == [None, want, want]  # step 0 sent the base
+
+
 def test_bad_standalone_placements(tiny_job, tmp_path):  # noqa: F811
     model, data = tiny_job
     for placement, says in (

@@ -57,15 +57,23 @@ def _size(group) -> int:
     return dist.get_world_size(group) if group is not None else 1
 
 
+def lora_spec(adapted: dict) -> tuple[int, float, list[str]] | None:
+    """``(rank, alpha, module names)`` of a model's LoRA modules (``lora_modules``), or None."""
+    if not adapted:
+        return None
+    first = next(iter(adapted.values()))
+    rank = first.lora_A.shape[0]
+    return rank, first.scaling * rank, list(adapted)
+
+
 def build_engine(args, cfg, dtype: torch.dtype, tp_group, device: torch.device,
-                 eos_token_ids: tuple[int, ...], adapted: dict | None = None) -> Engine:
+                 eos_token_ids: tuple[int, ...], lora: tuple[int, float, list[str]] | None = None) -> Engine:
     """The KV-cache engine over a meta-device model of ``args`` rewritten for TP (its
-    weights are loaded by a sync); ``adapted``: a LoRA model's adapted modules."""
+    weights are loaded by a sync); ``lora``: the trained model's adapters, ``(rank, alpha,
+    module names)``."""
     model = build_model(args, "lm", device="meta", dtype=dtype)
-    if adapted:
-        first = next(iter(adapted.values()))
-        rank = first.lora_A.shape[0]
-        apply_lora(model, rank, first.scaling * rank, list(adapted))
+    if lora:
+        apply_lora(model, *lora)
     tp_rewrite(model, tp_group if _size(tp_group) > 1 else None)
     return Engine(model, device=device, max_num_seqs=cfg.max_num_seqs,
                   max_model_len=cfg.prompt_length + cfg.response_length,
@@ -106,7 +114,7 @@ class HybridEngine:
         adapted = lora_modules(fsdp_model)
         self.adapter_buckets = plan([n for n in shapes if is_lora_param(n)]) if adapted else None
         self.base_loaded = False  # whether the engine holds the (frozen) base weights now
-        self.engine = build_engine(args, cfg, self.dtype, tp_group, device, eos_token_ids, adapted)
+        self.engine = build_engine(args, cfg, self.dtype, tp_group, device, eos_token_ids, lora_spec(adapted))
         self.last_reshard: dict[str, int] = {}  # what the last sync moved (reshard_into)
 
     # -- weights --------------------------------------------------------------------------
@@ -220,12 +228,13 @@ class HybridEngine:
 class StandaloneEngine(HybridEngine):
     """The rollout engine alone, on ranks that do not train (standalone placement,
     ``minihf.workers.RolloutWorker``, docs/async.md): its weights arrive from the actor's
-    ranks (``receive``, ``minihf.hybrid.transfer``) and stay between calls; a call frees
-    only its KV cache. Generation is the hybrid engine's, so the same weights give the same
-    samples."""
+    ranks (``receive``, ``minihf.hybrid.transfer``) and stay between calls (a LoRA actor's
+    base weights arrive once, its adapters at every sync); a call frees only its KV cache.
+    Generation is the hybrid engine's, so the same weights give the same samples."""
 
     def __init__(self, args, cfg, *, tp_group, tp_rank: int, device: torch.device,
-                 eos_token_ids: tuple[int, ...], pad_token_id: int, multi_turn=None):
+                 eos_token_ids: tuple[int, ...], pad_token_id: int, multi_turn=None,
+                 lora: tuple[int, float, list[str]] | None = None):
         self.cfg, self.device, self.multi_turn = cfg, device, multi_turn
         self.tp, self.tp_rank = _size(tp_group), tp_rank
         self.dtype = rollout_dtype(cfg.dtype, device)
@@ -233,7 +242,7 @@ class StandaloneEngine(HybridEngine):
         if cfg.prompt_length is None or cfg.response_length is None:
             raise ValueError("rollout.prompt_length and rollout.response_length must be set (the "
                              "PPO trainer takes them from data.max_prompt_length/max_response_length)")
-        self.engine = build_engine(args, cfg, self.dtype, tp_group, device, eos_token_ids)
+        self.engine = build_engine(args, cfg, self.dtype, tp_group, device, eos_token_ids, lora)
         self.loaded = False
         self.last_reshard: dict[str, int] = {}
 

@@ -141,7 +141,7 @@ class PPOTrainer(RunLoop):
         # a standalone rollout (controller.placement.rollout) generates; it gets the
         # actor's weights when they changed since its last sync
         self.rollout = self.groups.get("rollout")
-        self.sync = WeightSync(self.actor, self.rollout, self.phase_totals)
+        self.sync = WeightSync(self.actor, self.rollout, self.phase_totals, cfg.actor_rollout_ref.model.lora)
         self._tls = threading.local()  # the context of a batch being made (RolloutQueue)
         # async_training.staleness: the rollout phase (plug-ins' included) runs ahead
         k = cfg.async_training.staleness

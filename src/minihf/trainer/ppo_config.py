@@ -282,9 +282,6 @@ class PPOConfig:
             raise ValueError(f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp} does not divide "
                              f"the {len(rollout)} rollout ranks {rollout} (controller.placement.rollout."
                              f"ranks); use one of {ok}")
-        if self.actor_rollout_ref.model.lora:
-            raise ValueError("controller.placement.rollout: a standalone rollout does not carry LoRA "
-                             "adapters yet; drop actor_rollout_ref.model.lora_rank or the rollout placement")
 
     def _check_safe(self) -> None:
         safe = self.algorithm.safe.enable

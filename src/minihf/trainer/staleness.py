@@ -134,14 +134,17 @@ def add(m: dict, timing: dict) -> None:
 
 class WeightSync:
     """A standalone rollout's weights: when the actor's changed (``stale``), the actor's
-    ranks send each rollout rank its TP slice while it receives (``minihf.hybrid.transfer``).
+    ranks send each rollout rank its TP slice while it receives (``minihf.hybrid.transfer``);
+    a LoRA actor's base weights go with the first sync, its adapters with every one.
     Called with the step's metrics: ``timing_s/weight_sync``, ``perf/weight_sync_bytes``
     (what one rollout rank received: its TP slice of every weight, in the rollout dtype)
     and ``perf/weight_sync_bytes_sent`` (the most one actor rank sent)."""
 
-    def __init__(self, actor, rollout, totals: dict):
+    def __init__(self, actor, rollout, totals: dict, lora: bool = False):
         self.actor, self.rollout, self.totals = actor, rollout, totals
         self.stale = True
+        self.lora = lora            # a LoRA actor: the frozen base weights go once
+        self.base_sent = False
 
     def __call__(self, m: dict) -> None:
         if self.rollout is None or not self.stale:
@@ -149,15 +152,16 @@ class WeightSync:
         layout = self.rollout.layouts["rollout"]
         tp_ranks = {rank: layout.tp_rank(i) for i, rank in enumerate(layout.ranks)}
         t0 = time.perf_counter()
-        sent = self.actor.send_weights.future(tp_ranks)
-        received = self.rollout.receive_weights.future(list(self.actor.ranks))
+        adapters = self.lora and self.base_sent
+        sent = self.actor.send_weights.future(tp_ranks, adapters)
+        received = self.rollout.receive_weights.future(list(self.actor.ranks), adapters)
         sent, received = sent.result(), received.result()
         dt = time.perf_counter() - t0
         m["timing_s/weight_sync"] = m.get("timing_s/weight_sync", 0.0) + dt
         self.totals["weight_sync"] = self.totals.get("weight_sync", 0.0) + dt
         m["perf/weight_sync_bytes"] = max(r["bytes"] for r in received)
         m["perf/weight_sync_bytes_sent"] = max(x["bytes"] for x in sent)
-        self.stale = False
+        self.stale, self.base_sent = False, True
 
 
 ROLLOUT_PHASES = ("weight_sync", "gen", "gen_max")

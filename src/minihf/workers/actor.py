@@ -55,7 +55,7 @@ from minihf.controller import Dispatch, Worker, register
 from minihf.hybrid import HybridEngine, collect_rollout
 from minihf.multi_turn.loop import ENV_ROW_KEYS
 from minihf.hybrid.engine import rollout_dtype
-from minihf.models.lora import adapters_disabled
+from minihf.models.lora import adapters_disabled, is_lora_param
 from minihf.parallel.fsdp import default_mixed_precision
 from minihf.protocol import Batch
 from minihf.rollout.llm import eos_ids_from_dir
@@ -304,9 +304,11 @@ class ActorRolloutRefWorker(Worker):
 
     # -- a standalone rollout's weights -----------------------------------------------------
     @register(dispatch=Dispatch.ONE_TO_ALL)
-    def send_weights(self, rollout_tp_ranks: dict[int, int]) -> dict[str, float]:
+    def send_weights(self, rollout_tp_ranks: dict[int, int], adapters_only: bool = False) -> dict[str, float]:
         """Send this rank's pieces of the rollout ranks' TP slices (``rollout_tp_ranks``:
-        global rank -> TP rank), in the rollout dtype; ``{"bytes": sent, "seconds": ...}``."""
+        global rank -> TP rank), in the rollout dtype (``adapters_only``: a LoRA actor's
+        adapters, the rollout holding the frozen base weights already);
+        ``{"bytes": sent, "seconds": ...}``."""
         import time
 
         from minihf.hybrid.reshard import local_shard
@@ -317,7 +319,8 @@ class ActorRolloutRefWorker(Worker):
         r = self.config.rollout
         dtype = rollout_dtype(r.dtype, self.device)
         rounds = plan_transfer(
-            {n: tuple(p.shape) for n, p in model.named_parameters()}, shard_ranks(self.group, self.rank),
+            {n: tuple(p.shape) for n, p in model.named_parameters()
+             if not adapters_only or is_lora_param(n)}, shard_ranks(self.group, self.rank),
             rollout_tp_ranks, r.tensor_model_parallel_size,
             tied_lm_head=bool(model.args.tie_word_embeddings),
             itemsize=torch.empty((), dtype=dtype).element_size(), bucket_bytes=r.reshard_bucket_mb << 20)

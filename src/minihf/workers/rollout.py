@@ -12,7 +12,8 @@ exactly its TP slice, and stay between calls.
 Methods the driver calls:
 
 * ``init_model`` (ONE_TO_ALL): build the engine (meta weights, no checkpoint read);
-* ``receive_weights(train_ranks)`` (ONE_TO_ALL): ``{"bytes": received, "seconds": ...}``;
+* ``receive_weights(train_ranks, adapters_only)`` (ONE_TO_ALL): ``{"bytes": received,
+  "seconds": ...}``; a LoRA actor's base weights come once, its adapters every sync;
 * ``generate_sequences(batch)`` (rollout layout): as the actor's.
 """
 
@@ -37,10 +38,6 @@ class RolloutWorker(Worker):
         if self.tp_size != 1:
             raise ValueError(f"placement.{self.role}.tp_size={self.tp_size}: set the rollout's TP "
                              "size with actor_rollout_ref.rollout.tensor_model_parallel_size instead")
-        if getattr(config.model, "lora", False):
-            raise ValueError("a standalone rollout (controller.placement.rollout) does not carry "
-                             "LoRA adapters yet; drop actor_rollout_ref.model.lora_rank or the "
-                             "rollout placement")
         self.config = config
         self.engine = None
         self.shapes = None
@@ -54,11 +51,24 @@ class RolloutWorker(Worker):
         from minihf.hybrid.engine import StandaloneEngine
         from minihf.models import CheckpointReader
 
+        from minihf.models import build_model
+        from minihf.models.lora import apply_lora, module_names
+
         cfg = self.config
         self.args = CheckpointReader(cfg.model.path, "lm").args
+        # the trained model's parameters as the actor names them (a LoRA actor's adapters too)
+        model = build_model(self.args, "lm", device="meta", dtype=torch.float32)
+        lora = None
+        if cfg.model.lora:
+            m = cfg.model
+            lora = (m.lora_rank, m.lora_alpha, module_names(model, m.target_modules, m.exclude_modules,
+                                                              "actor_rollout_ref.model.target_modules"))
+            apply_lora(model, *lora)
+        self.shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
         info = self.parallel("rollout")
         self.engine = StandaloneEngine(self.args, cfg.rollout, tp_group=info.tp_group, tp_rank=info.tp_rank,
-                                       device=self.device, **engine_tokens(cfg, self.args.hf_config, info))
+                                       device=self.device, lora=lora,
+                                       **engine_tokens(cfg, self.args.hf_config, info))
 
     def tp_ranks(self) -> dict[int, int]:
         """Every rollout rank's TP rank (global rank -> TP rank), as the actor's plan needs."""
@@ -66,19 +76,20 @@ class RolloutWorker(Worker):
         return {rank: layout.tp_rank(i) for i, rank in enumerate(layout.ranks)}
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
-    def receive_weights(self, train_ranks: list[int]) -> dict[str, float]:
-        """This rank's TP slice of every weight from the actor's ranks (``train_ranks``: the
-        global rank of each FSDP shard, in shard order)."""
+    def receive_weights(self, train_ranks: list[int], adapters_only: bool = False) -> dict[str, float]:
+        """This rank's TP slice of every weight (``adapters_only``: of a LoRA actor's
+        adapters) from the actor's ranks (``train_ranks``: the global rank of each FSDP
+        shard, in shard order)."""
         from minihf.hybrid.transfer import plan_transfer
-        from minihf.models import build_model
+        from minihf.models.lora import is_lora_param
 
         if self.engine is None:
             raise RuntimeError("RolloutWorker.receive_weights before init_model()")
+        if adapters_only and not self.engine.loaded:
+            raise RuntimeError("receive_weights(adapters_only=True) before the base weights arrived")
         e = self.engine
-        if self.shapes is None:  # the trained model's parameters, as the actor names them
-            self.shapes = {n: tuple(p.shape) for n, p in
-                           build_model(self.args, "lm", device="meta", dtype=torch.float32).named_parameters()}
-        rounds = plan_transfer(self.shapes, list(train_ranks), self.tp_ranks(), e.tp,
+        shapes = {n: s for n, s in self.shapes.items() if not adapters_only or is_lora_param(n)}
+        rounds = plan_transfer(shapes, list(train_ranks), self.tp_ranks(), e.tp,
                                tied_lm_head=bool(self.args.tie_word_embeddings),
                                itemsize=torch.empty((), dtype=e.dtype).element_size(),
                                bucket_bytes=self.config.rollout.reshard_bucket_mb << 20)

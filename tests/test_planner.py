@@ -309,3 +309,7 @@ def test_start_up_memory_check_reads_the_configured_plan(tmp_path):
                                           r"trainer.memory_check=false"):
         check_memory(cfg, 4, small)
     check_memory(cfg, 4, _a100())   # a tiny model on 80 GB: fits
+    # a standalone rollout is not in the memory model: not checked (no unknown-role error)
+    cfg = load_config(PPOJobConfig, "grpo", [
+        f"actor_rollout_ref.model.path={model}", "controller.placement={actor: {ranks: [0, 1]}, rollout: {ranks: [2]}}"])
+    check_memory(cfg, 3, small)

@@ -60,7 +60,11 @@ def device_profile(device) -> DeviceProfile:
 
 def check_memory(cfg, world: int, profile: DeviceProfile) -> None:
     """Refuse ``cfg`` on ``world`` devices of ``profile`` when a group's predicted peak
-    memory per device exceeds the device's; the message names the numbers and the keys."""
+    memory per device exceeds the device's; the message names the numbers and the keys.
+    A standalone rollout (``controller.placement.rollout``) is not in the memory model (it
+    models the engine on the actor's ranks): such a job is not checked."""
+    if "rollout" in cfg.controller.placement:
+        return
     w = workload(cfg)
     plan = configured_plan(cfg, world, w)
     e = estimate(w, plan, profile)

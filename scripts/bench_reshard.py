@@ -42,6 +42,17 @@ MODELS = {  # name: (hidden, layers, heads, kv_heads, intermediate, vocab); unti
 MB = 1 << 20
 
 
+def random_model(name: str):
+    """The random-init (seed 0) Llama-style LM of ``MODELS[name]``, fp32, untied."""
+    from minihf.models import ModelArgs, build_model, init_weights
+
+    h, layers, heads, kv, inter, vocab = MODELS[name]
+    args = ModelArgs(arch="llama", vocab_size=vocab, hidden_size=h, num_hidden_layers=layers,
+                     num_attention_heads=heads, num_key_value_heads=kv, intermediate_size=inter,
+                     max_position_embeddings=1024, tie_word_embeddings=False)
+    return init_weights(build_model(args, "lm"), seed=0)
+
+
 def recv_formula(shapes: dict, world: int, t: int, itemsize: int) -> float:
     """Bytes one rank receives syncing the tensors ``shapes`` (the hybrid plan):
     ``(N/t - 1)/(N/t) x sharded/t + (N - 1)/N x (replicated + misaligned)``."""
@@ -62,7 +73,6 @@ def _rank(rank, world, names, repeats, lora):
 
     from minihf.hybrid.engine import HybridEngine
     from minihf.hybrid.reshard import rollout_groups
-    from minihf.models import ModelArgs, build_model, init_weights
     from minihf.models.lora import apply_lora, init_lora_state, is_lora_param, module_names
     from minihf.parallel.fsdp import apply_fsdp, fsdp_mesh
     from minihf.parallel.placement import tp_dim
@@ -74,11 +84,7 @@ def _rank(rank, world, names, repeats, lora):
     groups = {t: rollout_groups(t) for t in tps}
     rows = []
     for name in names:
-        h, layers, heads, kv, inter, vocab = MODELS[name]
-        args = ModelArgs(arch="llama", vocab_size=vocab, hidden_size=h, num_hidden_layers=layers,
-                         num_attention_heads=heads, num_key_value_heads=kv, intermediate_size=inter,
-                         max_position_embeddings=1024, tie_word_embeddings=False)
-        model = init_weights(build_model(args, "lm"), seed=0)
+        model = random_model(name)
         if lora:
             apply_lora(model, lora, 2.0 * lora, module_names(model, "all-linear"))
             adapters = {n: tuple(p.shape) for n, p in model.named_parameters() if is_lora_param(n)}

@@ -25,11 +25,7 @@ import time
 
 import torch
 
-MODELS = {  # name: (hidden, layers, heads, kv_heads, intermediate, vocab); untied embeddings
-    "30M": (512, 10, 8, 4, 1408, 8192),
-    "100M": (768, 14, 12, 4, 2048, 8192),
-}
-MB = 1 << 20
+from bench_reshard import MB, MODELS, random_model  # the same models as the colocated reshard's
 
 
 def _slice(full: torch.Tensor, name: str, t: int, j: int) -> torch.Tensor:
@@ -44,7 +40,6 @@ def _rank(rank, world, n, t, names, repeats):
 
     from minihf.hybrid.reshard import local_shard
     from minihf.hybrid.transfer import plan_transfer, receive_weights, received_bytes, send_weights
-    from minihf.models import ModelArgs, build_model, init_weights
     from minihf.parallel.fsdp import apply_fsdp, fsdp_mesh
 
     train = dist.new_group(list(range(n)))
@@ -53,11 +48,7 @@ def _rank(rank, world, n, t, names, repeats):
     tp_ranks = {r: i // d for i, r in enumerate(rollout)}  # strided, as the rollout layout
     rows = []
     for name in names:
-        h, layers, heads, kv, inter, vocab = MODELS[name]
-        args = ModelArgs(arch="llama", vocab_size=vocab, hidden_size=h, num_hidden_layers=layers,
-                         num_attention_heads=heads, num_key_value_heads=kv, intermediate_size=inter,
-                         max_position_embeddings=1024, tie_word_embeddings=False)
-        model = init_weights(build_model(args, "lm"), seed=0)
+        model = random_model(name)
         full = {k: v.detach().clone() for k, v in model.named_parameters()}
         shapes = {k: tuple(v.shape) for k, v in full.items()}
         rounds = plan_transfer(shapes, list(range(n)), tp_ranks, t)

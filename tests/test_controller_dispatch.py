@@ -250,7 +250,7 @@ def test_collect_mode_decides_who_replies():
 
 def test_role_layouts_from_declarations():
     from minihf.controller import Role
-    from minihf.controller.launch import role_layouts
+    from minihf.controller.setup import role_layouts
 
     class Gen(Worker):
         def __init__(self, tp):

@@ -177,7 +177,7 @@ def test_layouts_of_a_standalone_rollout(tiny_job, tmp_path):  # noqa: F811
     """The rollout TP size splits the rollout's ranks, not the actor's (which builds no
     engine): actor on rank 0, a TP-2 rollout on ranks 1-2."""
     from minihf.controller.config import resolve_placement
-    from minihf.controller.launch import role_layouts, role_links
+    from minihf.controller.setup import role_layouts, role_links
     from minihf.trainer.ppo_job import ppo_roles
 
     model, data = tiny_job

@@ -2,7 +2,7 @@
 
 Rank 0 runs the driver (a plain sequential program) and calls role worker groups as if
 they were local objects; every other rank serves commands until STOP. See ``launch`` (entry,
-groups, threads), ``worker`` (``Worker``, ``@register``), ``dispatch`` (the dispatch/collect
+threads), ``setup`` (roles, layouts, process groups, building the workers), ``worker`` (``Worker``, ``@register``), ``dispatch`` (the dispatch/collect
 table), ``layout`` (DP x TP arrangements of a role's ranks), ``group`` (``WorkerGroup``),
 ``driver`` (futures, ordering, heartbeat), ``peer`` (rank 0's link to one worker rank),
 ``transport`` (wire format), ``serve`` (the worker-side loop), ``ranks`` (ending an
@@ -21,8 +21,9 @@ from minihf.controller.dispatch import (
 from minihf.controller.driver import CallFuture
 from minihf.controller.errors import ControllerAborted, ControllerError, RankLostError, RemoteError
 from minihf.controller.group import WorkerGroup
-from minihf.controller.launch import Role, launch, launch_job, resolve_backend, run, run_script
+from minihf.controller.launch import launch, launch_job, resolve_backend, run, run_script
 from minihf.controller.layout import DEFAULT_LAYOUT, RoleLayout
+from minihf.controller.setup import Role
 from minihf.controller.worker import (MethodSpec, ParallelInfo, Worker, WorkerContext,
                                       create_worker, register)
 

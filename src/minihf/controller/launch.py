@@ -9,12 +9,9 @@ and where it was raised, anything else with its full traceback (``failure_report
 ``run`` is the same job on an already initialised default process group (used by
 ``launch`` and by multi-process tests); it raises instead of exiting.
 
-Groups: per role, one over its ranks (colocated roles get separate groups) plus the DP and
-TP groups of each of its layouts (``minihf.controller.layout``); one over the union of two
-roles' ranks where a worker class links them (``Worker.linked_roles``: the actor and a
-standalone rollout, for the weight sync); and two per worker rank r
-(driver->r, r->driver; see ``transport``). With CUDA the backend is "cpu:gloo,cuda:nccl":
-pickled control records go over gloo, tensors over NCCL.
+The roles, their layouts, the process groups and the workers are set up by
+``minihf.controller.setup``. With CUDA the backend is "cpu:gloo,cuda:nccl": pickled control
+records go over gloo, tensors over NCCL.
 
 Threads: on every rank, workers are built and their methods run on one thread owned by the
 run (rank 0's local executor, the serve loop elsewhere), never on the caller's long-lived
@@ -37,7 +34,6 @@ import sys
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, Mapping
 
@@ -45,25 +41,17 @@ import torch
 import torch.distributed as dist
 
 from minihf.controller.config import ControllerConfig, resolve_placement
-from minihf.controller.layout import DEFAULT_LAYOUT, RoleLayout
+from minihf.controller.layout import DEFAULT_LAYOUT
 from minihf.controller.ranks import kill_lost_rank, rank_processes
 from minihf.controller.driver import Driver, run_driver
 from minihf.controller.errors import ControllerAborted, ControllerError, RemoteError
 from minihf.controller.group import WorkerGroup
 from minihf.controller.serve import serve
-from minihf.controller.transport import Channel
-from minihf.controller.worker import ParallelInfo, Worker, WorkerContext, create_worker
+from minihf.controller.setup import Role, build_workers, make_groups, role_layouts, role_links
+from minihf.controller.worker import Worker
 from minihf.utils.host_memory import tune_malloc
 from minihf.utils.process_exit import die_with_launcher, restore_ctrl_c, skip_final_gc
 from minihf.utils.locks import release_all
-
-
-@dataclass(frozen=True)
-class Role:
-    """How to build a role's worker on each of its ranks: ``worker_cls(*args, **kwargs)``."""
-    worker_cls: type[Worker]
-    args: tuple = ()
-    kwargs: dict = field(default_factory=dict)
 
 
 DriverFn = Callable[[dict[str, WorkerGroup]], Any]
@@ -81,128 +69,6 @@ def resolve_backend(backend: str, cuda_available: bool) -> str:
     if backend != "gloo":
         raise ControllerError(f"unknown controller backend {backend!r}; use auto, gloo or nccl")
     return "gloo"
-
-
-def role_layouts(roles: Mapping[str, Role], defaults: dict[str, RoleLayout]
-                 ) -> dict[str, dict[str, RoleLayout]]:
-    """Every role's layouts: its default (placement) plus what its class declares. Checks
-    that each remote method names a layout the role has."""
-    out = {}
-    for name, default in defaults.items():
-        spec = roles[name]
-        declared = spec.worker_cls.declare_layouts(*spec.args, **spec.kwargs)
-        layouts = {DEFAULT_LAYOUT: default}
-        for lname, tp in sorted(declared.items()):
-            if lname == DEFAULT_LAYOUT:
-                raise ControllerError(f"{spec.worker_cls.__name__}.declare_layouts: "
-                                      f"{DEFAULT_LAYOUT!r} is the placement's layout; name yours "
-                                      "differently")
-            layouts[lname] = default.with_tp(lname, tp)
-        for m in spec.worker_cls.remote_methods.values():
-            if m.layout not in layouts:
-                raise ControllerError(
-                    f"{spec.worker_cls.__name__}.{m.name} uses layout {m.layout!r}, which the "
-                    f"role does not declare (layouts: {sorted(layouts)}); return it from "
-                    "declare_layouts")
-        out[name] = layouts
-    return out
-
-
-def role_links(roles: Mapping[str, Role]) -> list[tuple[str, str]]:
-    """Pairs of roles in the job that a worker class links (``Worker.linked_roles``), sorted."""
-    pairs = {tuple(sorted((name, other))) for name, spec in roles.items()
-             for other in spec.worker_cls.linked_roles if other in roles and other != name}
-    return sorted(pairs)
-
-
-def _make_groups(rank: int, world: int, layouts: dict[str, dict[str, RoleLayout]],
-                 cuda: torch.device | None, device: torch.device, timeout_s: float,
-                 pairs: list[tuple[str, str]] = ()
-                 ) -> tuple[dict[str, WorkerContext], dict[int, tuple[Channel, Channel]], list]:
-    """This rank's worker contexts (role group; DP and TP groups of every layout) and its
-    driver links.
-
-    Every rank creates every multi-rank group (torch requires it), in one global order:
-    roles sorted by name (role group, then per layout by name: its TP groups, then its DP
-    groups), then the linked role pairs (``pairs``, over both roles' ranks), then the links
-    by peer. A DP or TP group of one rank is created by that rank alone; one spanning the
-    whole role is the role group.
-    """
-    timeout = timedelta(seconds=timeout_s)
-    created: list = []
-
-    def new_group(ranks) -> Any:
-        group = dist.new_group(list(ranks), timeout=timeout)
-        if rank in ranks:
-            created.append(group)
-            return group
-        return None
-
-    def own_group() -> Any:  # a group of this rank alone: no other rank is involved
-        group = dist.new_group([rank], timeout=timeout, use_local_synchronization=True)
-        created.append(group)
-        return group
-
-    def pick(groups: list[tuple[int, ...]], size: int, role_group) -> Any:
-        """Create ``groups`` (if they are neither single ranks nor the whole role); return
-        this rank's."""
-        if size == 1:
-            return own_group() if role_group is not None else None
-        if len(groups) == 1:
-            return role_group
-        mine = None
-        for ranks in groups:
-            mine = new_group(ranks) or mine
-        return mine
-
-    contexts = {}
-    for name in sorted(layouts):
-        default = layouts[name][DEFAULT_LAYOUT]
-        group = new_group(default.ranks)
-        infos = {}
-        for lname, layout in sorted(layouts[name].items()):
-            tp = pick(layout.tp_groups(), layout.tp_size, group)
-            dp = pick(layout.dp_groups(), layout.dp_size, group)
-            if rank in layout.ranks:
-                i = layout.ranks.index(rank)
-                infos[lname] = ParallelInfo(layout, layout.dp_rank(i), layout.tp_rank(i), dp, tp)
-        if rank in default.ranks:
-            base = infos.pop(DEFAULT_LAYOUT)
-            contexts[name] = WorkerContext(rank, default, group, device, dp_group=base.dp_group,
-                                           tp_group=base.tp_group, others=infos)
-    for a, b in pairs:
-        ranks = sorted(set(layouts[a][DEFAULT_LAYOUT].ranks) | set(layouts[b][DEFAULT_LAYOUT].ranks))
-        group = new_group(ranks)
-        for mine, other in ((a, b), (b, a)):
-            if mine in contexts:
-                contexts[mine].links[other] = group
-    links: dict[int, tuple[Channel, Channel]] = {}
-    for peer in range(1, world):  # two groups per pair: driver->peer and peer->driver
-        down, up = new_group([0, peer]), new_group([0, peer])
-        if rank in (0, peer):
-            other = peer if rank == 0 else 0
-            links[other] = (Channel(down, other, cuda, timeout_s),
-                            Channel(up, other, cuda, timeout_s))
-    return contexts, links, created
-
-
-def _build_workers(roles: dict[str, Role], contexts: dict[str, WorkerContext]
-                   ) -> dict[str, Worker]:
-    """Build this rank's workers; if any rank fails, every rank raises the same error."""
-    workers, error = {}, None
-    for name, ctx in contexts.items():
-        try:
-            spec = roles[name]
-            workers[name] = create_worker(spec.worker_cls, ctx, spec.args, spec.kwargs)
-        except Exception:  # noqa: BLE001 - reported to every rank below
-            error = f"building role {name!r} failed on rank {ctx.rank}:\n{traceback.format_exc()}"
-            break
-    errors: list = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    failed = [e for e in errors if e]
-    if failed:
-        raise ControllerError(failed[0])
-    return workers
 
 
 def _cuda_guard_off_gpu() -> None:
@@ -234,14 +100,14 @@ def run(driver_fn: DriverFn, roles: Mapping[str, Role | type[Worker]],
     cuda = torch.device("cuda", torch.cuda.current_device()) if on_cuda else None
     device = device or cuda or torch.device("cpu")
 
-    contexts, links, created = _make_groups(rank, world, layouts, cuda, device,
+    contexts, links, created = make_groups(rank, world, layouts, cuda, device,
                                             config.timeout_s, role_links(roles))
     _cuda_guard_off_gpu()
     # this run's worker thread (see the module docstring); the current device is per thread
     pool = ThreadPoolExecutor(1, thread_name_prefix="minihf-worker", initializer=(
         (lambda: torch.cuda.set_device(cuda)) if cuda is not None else None))
     try:
-        workers = pool.submit(_build_workers, roles, contexts).result()
+        workers = pool.submit(build_workers, roles, contexts).result()
         if rank == 0:
             driver = Driver(rank, links, workers, cuda, config.timeout_s, pool)
             groups = {n: WorkerGroup(layouts[n][DEFAULT_LAYOUT], roles[n].worker_cls, driver,

@@ -269,3 +269,19 @@ def _send_together(ctx: StepContext, calls: list[Call], batch: Batch) -> list:
         with ctx.timed(name):
             results.append(future.result())
     return results
+
+
+class PluginStates:
+    """The plug-ins' states as one entry of the driver state, by plug-in name (a plug-in
+    new to a resumed run starts fresh)."""
+
+    def __init__(self, plugins: list[Plugin]):
+        self.plugins = plugins
+
+    def state_dict(self) -> dict:
+        return {p.key(): p.state_dict() for p in self.plugins}
+
+    def load_state_dict(self, state: dict) -> None:
+        for p in self.plugins:
+            if p.key() in state:
+                p.load_state_dict(state[p.key()])

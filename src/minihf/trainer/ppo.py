@@ -40,22 +40,22 @@ import torch
 
 from minihf.algorithms import AdaptiveKLController, FixedKLController, apply_kl_penalty
 from minihf.config import section_of
-from minihf.multi_turn.loop import ENV_ROW_KEYS, multi_turn_metrics, tool_renderer, weighted_mean
+from minihf.multi_turn.loop import ENV_ROW_KEYS, multi_turn_metrics, tool_renderer
 from minihf.protocol import Batch
 from minihf.trainer.common import Log, MetricsLog, config_json, every, format_line, run_dir
 from minihf.trainer.loggers import Console, Trackers
 from minihf.trainer.loop import RunLoop
 from minihf.trainer.metrics import data_metrics, group_metrics, sample_rows, sent_bytes, throughput
 from minihf.trainer.old_log_prob import old_log_prob_phase
-from minihf.trainer.phases import Call, Phase, StepContext, Together, apply_hooks, run_phases
+from minihf.trainer.phases import Call, Phase, PluginStates, StepContext, Together, apply_hooks, run_phases
 from minihf.trainer.plugins import plugin_classes
 from minihf.trainer.ppo_config import PPOConfig
 from minihf.trainer.reward import RuleReward, load_reward
 from minihf.trainer.advantage import estimate_advantages
 from minihf.trainer.balance import balance_batch
 from minihf.trainer.roles import role_groups, role_table
-from minihf.trainer.scoring import mean_by_source, score_responses
 from minihf.trainer.staleness import RolloutQueue, WeightSync, busy_metrics
+from minihf.trainer.validation import validate
 from minihf.trainer.watch import RunWatch, SkipCounter
 
 PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
@@ -63,22 +63,6 @@ LINE_KEYS = {"step": "step", "critic/score/mean": "score", "val-core/mean": "val
              "actor/pg_loss": "pg_loss", "actor/ppo_kl": "ppo_kl", "actor/entropy": "entropy",
              "actor/grad_norm": "grad_norm", "critic/vf_loss": "vf_loss",
              "response_length/mean": "resp_len", "timing_s/step": "step_s"}  # key -> label
-
-
-class PluginStates:
-    """The plug-ins' states as one entry of the driver state, by plug-in name (a plug-in
-    new to a resumed run starts fresh)."""
-
-    def __init__(self, plugins: list):
-        self.plugins = plugins
-
-    def state_dict(self) -> dict:
-        return {p.key(): p.state_dict() for p in self.plugins}
-
-    def load_state_dict(self, state: dict) -> None:
-        for p in self.plugins:
-            if p.key() in state:
-                p.load_state_dict(state[p.key()])
 
 
 class PPOTrainer(RunLoop):
@@ -323,42 +307,9 @@ class PPOTrainer(RunLoop):
 
     # -- validation -----------------------------------------------------------------------
     def validate(self, step: int) -> dict:
-        if self.val is None:
-            return {}
-        t0 = time.perf_counter()
-        k = self.cfg.actor_rollout_ref.rollout.val_kwargs.n
-        size = self.cfg.data.val_batch_size or len(self.val)
-        figures: dict[str, list] = {"reward": []}  # + the plug-ins' (Safe-RLHF: "cost")
-        rows: list = []
-        mt_parts: list = []
-        for start in range(0, len(self.val), size):
-            batch = self.val.collate(list(range(start, min(len(self.val), start + size))))
-            batch.non_tensors["uid"] = np.array([f"val{i}" for i in batch.non_tensors["index"]],
-                                                dtype=object)
-            out, _ = self._generate(batch, {"validate": True, "global_step": step})
-            scored = score_responses(self.reward, out, self.env_only)
-            if start == 0 and self.cfg.trainer.log_samples_freq > 0:
-                self.log_samples(step, sample_rows(out, step, "val", self.reward, self.tokenizer,
-                                                   self.cfg.trainer.log_samples_n,
-                                                   scores=[r.score for r in scored]))
-            rows += scored
-            figures["reward"] += [r.score for r in scored]
-            if "multi_turn_turns" in out.tensors:  # per batch, weighted by its size below
-                mt_parts.append((len(out), multi_turn_metrics(out)))
-            for plugin in self.plugins:
-                for name, values in plugin.validate(out).items():
-                    figures.setdefault(name, []).extend(values)
-        sources = [r.source for r in rows]
-        m = {f"val-core/{src}/{name}/mean@{k}": v for name, values in figures.items()
-             for src, v in mean_by_source(values, sources).items()}
-        m["val-core/mean"] = sum(figures["reward"]) / len(figures["reward"])
-        for name, values in figures.items():
-            if name != "reward":
-                m[f"val-core/{name}"] = sum(values) / len(values)
-        m["val/response_length/mean"] = sum(r.length for r in rows) / len(rows)
-        m.update({f"val/{k}": v for k, v in weighted_mean(mt_parts).items()})
-        m["timing_s/testing"] = time.perf_counter() - t0
-        self.phase_totals["testing"] = self.phase_totals.get("testing", 0.0) + m["timing_s/testing"]
+        m = validate(self, step)
+        if m:
+            self.phase_totals["testing"] = self.phase_totals.get("testing", 0.0) + m["timing_s/testing"]
         return m
 
     # -- the loop (minihf.trainer.loop) ---------------------------------------------------

@@ -72,6 +72,10 @@ class RoleLayout:
         t = self.tp_rank(role_rank)
         return tuple(self.ranks[self.role_rank(d, t)] for d in range(self.dp_size))
 
+    def tp_ranks(self) -> dict[int, int]:
+        """Each global rank's TP rank."""
+        return {rank: self.tp_rank(i) for i, rank in enumerate(self.ranks)}
+
     def tp_groups(self) -> list[tuple[int, ...]]:
         """Every TP group (replica), by DP rank."""
         return [self.tp_group_ranks(self.role_rank(d, 0)) for d in range(self.dp_size)]

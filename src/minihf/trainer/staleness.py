@@ -149,11 +149,9 @@ class WeightSync:
     def __call__(self, m: dict) -> None:
         if self.rollout is None or not self.stale:
             return
-        layout = self.rollout.layouts["rollout"]
-        tp_ranks = {rank: layout.tp_rank(i) for i, rank in enumerate(layout.ranks)}
         t0 = time.perf_counter()
         adapters = self.lora and self.base_sent
-        sent = self.actor.send_weights.future(tp_ranks, adapters)
+        sent = self.actor.send_weights.future(self.rollout.layouts["rollout"].tp_ranks(), adapters)
         received = self.rollout.receive_weights.future(list(self.actor.ranks), adapters)
         sent, received = sent.result(), received.result()
         dt = time.perf_counter() - t0

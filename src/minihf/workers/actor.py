@@ -129,6 +129,7 @@ class ActorRolloutRefWorker(Worker):
         self.state: TrainState | None = None  # the trained policy (model, optimizer, schedule)
         self.actor = self.ref = None           # self.actor is self.state.model
         self.rollout: HybridEngine | None = None
+        self.transfer_plans: dict = {}  # a standalone rollout's sync plans (send_weights)
 
     @classmethod
     def declare_layouts(cls, config: ActorRolloutRefConfig, with_ref: bool = True,
@@ -318,12 +319,15 @@ class ActorRolloutRefWorker(Worker):
         model = self._require("actor")
         r = self.config.rollout
         dtype = rollout_dtype(r.dtype, self.device)
-        rounds = plan_transfer(
-            {n: tuple(p.shape) for n, p in model.named_parameters()
-             if not adapters_only or is_lora_param(n)}, shard_ranks(self.group, self.rank),
-            rollout_tp_ranks, r.tensor_model_parallel_size,
-            tied_lm_head=bool(model.args.tie_word_embeddings),
-            itemsize=torch.empty((), dtype=dtype).element_size(), bucket_bytes=r.reshard_bucket_mb << 20)
+        key = (tuple(sorted(rollout_tp_ranks.items())), adapters_only)
+        if key not in self.transfer_plans:  # the same every sync
+            self.transfer_plans[key] = plan_transfer(
+                {n: tuple(p.shape) for n, p in model.named_parameters()
+                 if not adapters_only or is_lora_param(n)}, shard_ranks(self.group, self.rank),
+                rollout_tp_ranks, r.tensor_model_parallel_size,
+                tied_lm_head=bool(model.args.tie_word_embeddings),
+                itemsize=torch.empty((), dtype=dtype).element_size(), bucket_bytes=r.reshard_bucket_mb << 20)
+        rounds = self.transfer_plans[key]
         reshard(model)  # every parameter a DTensor shard
         t0 = time.perf_counter()
         params = {n: local_shard(p) for n, p in model.named_parameters()}

@@ -41,6 +41,7 @@ class RolloutWorker(Worker):
         self.config = config
         self.engine = None
         self.shapes = None
+        self.plans: dict = {}  # (train ranks, adapters only) -> the transfer plan
 
     @classmethod
     def declare_layouts(cls, config: ActorRolloutRefConfig) -> dict[str, int]:
@@ -70,11 +71,6 @@ class RolloutWorker(Worker):
                                        device=self.device, lora=lora,
                                        **engine_tokens(cfg, self.args.hf_config, info))
 
-    def tp_ranks(self) -> dict[int, int]:
-        """Every rollout rank's TP rank (global rank -> TP rank), as the actor's plan needs."""
-        layout = self.parallel("rollout").layout
-        return {rank: layout.tp_rank(i) for i, rank in enumerate(layout.ranks)}
-
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def receive_weights(self, train_ranks: list[int], adapters_only: bool = False) -> dict[str, float]:
         """This rank's TP slice of every weight (``adapters_only``: of a LoRA actor's
@@ -88,11 +84,15 @@ class RolloutWorker(Worker):
         if adapters_only and not self.engine.loaded:
             raise RuntimeError("receive_weights(adapters_only=True) before the base weights arrived")
         e = self.engine
-        shapes = {n: s for n, s in self.shapes.items() if not adapters_only or is_lora_param(n)}
-        rounds = plan_transfer(shapes, list(train_ranks), self.tp_ranks(), e.tp,
-                               tied_lm_head=bool(self.args.tie_word_embeddings),
-                               itemsize=torch.empty((), dtype=e.dtype).element_size(),
-                               bucket_bytes=self.config.rollout.reshard_bucket_mb << 20)
+        key = (tuple(train_ranks), adapters_only)
+        if key not in self.plans:  # the same every sync
+            shapes = {n: s for n, s in self.shapes.items() if not adapters_only or is_lora_param(n)}
+            self.plans[key] = plan_transfer(
+                shapes, list(train_ranks), self.parallel("rollout").layout.tp_ranks(), e.tp,
+                tied_lm_head=bool(self.args.tie_word_embeddings),
+                itemsize=torch.empty((), dtype=e.dtype).element_size(),
+                bucket_bytes=self.config.rollout.reshard_bucket_mb << 20)
+        rounds = self.plans[key]
         t0 = time.perf_counter()
         received = e.receive(rounds, self.link("actor"))
         return {"bytes": received, "seconds": time.perf_counter() - t0}

@@ -79,6 +79,10 @@ class EchoWorker(Worker):
     def each(self, value):
         return (self.rank, value)
 
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def threads(self):
+        return torch.get_num_threads()
+
     @register(dispatch=Dispatch.ONE_TO_ALL, blocking=False)
     def nap(self, seconds):
         time.sleep(seconds)
@@ -362,7 +366,9 @@ def _repeated_runs(rank, world_size):
         seen.append(type(e).__name__)
     except ControllerError as e:
         seen.append(str(e))
-    return fsdp, patient, seen
+    torch.set_num_threads(2)
+    threads = run(lambda g: (torch.get_num_threads(), g["w"].threads()), {"w": EchoWorker}, cfg)
+    return fsdp, patient, seen, (threads, torch.get_num_threads())
 
 
 @pytest.fixture(scope="module")
@@ -384,7 +390,7 @@ def test_repeated_runs_in_the_same_processes_after_fsdp(repeated_runs):
 
 
 def test_idle_workers_outlive_timeout_but_not_idle_timeout(repeated_runs):
-    (_, patient, impatient), (_, patient1, impatient1) = repeated_runs
+    (_, patient, impatient, _), (_, patient1, impatient1, _) = repeated_runs
     assert patient == ([0, 1], [0, 1], None) and patient1 is None
     (first, second, (lost_rank, waited)), end0 = impatient
     assert first == [0, 1] and second is None and lost_rank == 1 and end0 == "RankLostError"
@@ -419,3 +425,12 @@ def test_frozen_driver_is_detected_by_the_missing_heartbeat(tmp_path):
     elapsed, msg = open(path).read().split(" ", 1)
     assert "heard nothing from the driver (rank 0), not even its heartbeat" in msg
     assert 0.9 < float(elapsed) < 8
+
+
+def test_worker_thread_has_the_threads_and_the_callers_thread_one(repeated_runs):
+    # the run's worker thread computes with the thread count set before the run; the
+    # caller's thread drops to 1 while the run lasts (a second OpenMP team made every
+    # parallel region wait on sleeping threads) and gets its count back after it
+    (during, after), (during1, after1) = repeated_runs[0][3], repeated_runs[1][3]
+    assert during == (1, [2, 2]) and during1 is None
+    assert after == after1 == 2

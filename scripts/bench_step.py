@@ -73,7 +73,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_step_bounds import copy_bandwidth, model_shape, phase_bounds
+from bench_step_bounds import (copy_bandwidth, decode_floor_lines, decode_matmul_floor,
+                               model_shape, phase_bounds)
 from bench_step_tables import (compare_row, model_section, probes, scaling_row, write_docs,
                                write_model_section)
 from bench_step_workers import PHASES, run_minihf, run_trl
@@ -320,13 +321,16 @@ def model_report(args) -> None:
     # shows the rates of the run its times come from
     probe = cached(args, ["rates", args.model, args.recipe, args.prompts], lambda: {
         "bandwidth": max(copy_bandwidth(args.threads) for _ in range(3)),
-        "peak": mm_peak_gflops(args.threads, args.device)})
+        "peak": mm_peak_gflops(args.threads, args.device),
+        "decode_floor": decode_matmul_floor(args.model, args.prompts * args.samples, args.threads)})
     bandwidth, peak = probe["bandwidth"], max(r["peaks"] + [probe["peak"]])
     shape = model_shape(args.model)
     bounds = phase_bounds(r["minihf"], shape, peak, bandwidth, rows=args.prompts * args.samples,
                           samples=args.samples, max_new=max_new)
     lines = model_section(args, r, shape, bounds, name=name, task=task, max_new=max_new,
                           peak=peak, bandwidth=bandwidth)
+    lines += decode_floor_lines(probe.get("decode_floor"), r["minihf"], shape, bandwidth,
+                                rows=args.prompts * args.samples, max_new=max_new)
     print("\n".join(lines))
     if args.docs:
         write_model_section(Path(args.docs), lines)

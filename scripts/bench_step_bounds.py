@@ -16,6 +16,16 @@ The bounds are what the phase's unavoidable work costs at the machine's measured
   (``perf/reshard_bytes``, none in one process) are shown beside it.
 
 ``% of bound`` = bound / measured: 100% is the machine's limit for that work.
+
+Decode at a small batch is further bounded by the matmul kernels themselves: a [rows, in] x
+[in, out] product with rows = 16 runs far below the large-matmul peak. So
+:func:`decode_matmul_floor` also times one decode step's matmuls alone (every Linear of the
+model once, the model's own shapes, weights from DRAM) at the step's batch: as minihf's
+engine runs them (``minihf.models.linear``, column-major weights, the tied LM head
+row-major) and with oneDNN's weights reordered ahead for that batch
+(``torch.ops.mkldnn._reorder_linear_weight``), the fastest fp32 kernel torch has on CPU; no
+attention, norms or sampling. Where that floor exceeds what a bound asks, the bound is out
+of reach in fp32 on the machine, measured.
 """
 
 from __future__ import annotations
@@ -38,6 +48,44 @@ def copy_bandwidth(threads: int, size: int = 256 << 20, repeats: int = 10) -> fl
         dst.copy_(src)
         best = min(best, time.perf_counter() - t)
     return 2 * size / best
+
+
+def decode_matmul_floor(model_dir: str, rows: int, threads: int, repeats: int = 7) -> dict:
+    """Seconds of one decode step's matmuls alone at batch ``rows`` (median of ``repeats``;
+    see the module docstring): ``{"minihf": as the engine runs them, "prepacked": oneDNN
+    with weights reordered for the batch, or None where torch has no oneDNN}``."""
+    import statistics
+
+    import torch
+
+    from minihf.models import load_hf
+    from minihf.models.linear import linear
+    from minihf.rollout.engine import column_major_linears
+
+    torch.set_num_threads(threads)
+    model = load_hf(model_dir)
+    with torch.no_grad():
+        column_major_linears(model)  # the engine's layout
+        weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
+
+        def step_s(fn, ws) -> float:
+            for w in ws:  # warm (kernels, caches of their code; the weights do not fit a cache)
+                fn(xs[w.shape[1]], w)
+            times = []
+            for _ in range(repeats):
+                t = time.perf_counter()
+                for w in ws:
+                    fn(xs[w.shape[1]], w)
+                times.append(time.perf_counter() - t)
+            return statistics.median(times)
+
+        out = {"minihf": step_s(linear, weights), "prepacked": None}
+        if torch.backends.mkldnn.is_available():
+            packed = [torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), rows) for w in weights]
+            onednn = lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")  # noqa: E731
+            out["prepacked"] = step_s(onednn, packed)
+    return out
 
 
 def model_shape(model_dir: str) -> dict:
@@ -101,4 +149,34 @@ def bounds_lines(bounds: list[tuple[str, float, float, str]], step_s: float, trl
     lines.append(f"| **step** | {step_s:.3f} | {total:.3f} | {100 * total / step_s:.0f}% | the sum "
                  f"(TRL's step / this: **{trl_step_s / total:.1f}x**, the most any framework "
                  "could be ahead of TRL here) |")
+    return lines
+
+
+def decode_floor_lines(floor: dict | None, m: dict, shape: dict, bandwidth: float, *, rows: int,
+                       max_new: int) -> list[str]:
+    """The decode step against the bandwidth bound and the measured matmul floor
+    (:func:`decode_matmul_floor`; none in a report cached before it existed)."""
+    if not floor:
+        return []
+    steps = max_new - 1
+    step = m["phases"].get("gen_decode", 0.0) / steps
+    # the bandwidth bound of the middle step: the weights and every row's cache half-way
+    kv = shape["kv_bytes_per_token"] * rows * (m["prompt_tokens"] / rows + max_new / 2)
+    bw = (4 * shape["matmul"] + kv) / bandwidth
+    packed = floor["prepacked"]
+    best = f"{1e3 * packed:.1f} ms with oneDNN's weights prepacked for the batch" if packed \
+        else "(no oneDNN in this torch)"
+    lines = [
+        "",
+        f"Decode at batch {rows}, per step: minihf {1e3 * step:.1f} ms (the median step's "
+        f"`gen_decode` / {steps}); its bandwidth bound {1e3 * bw:.1f} ms (weights and the "
+        f"half-way KV cache at the copy bandwidth), so {100 * bw / step:.0f}% of it. The "
+        f"step's matmuls alone, timed apart (`decode_matmul_floor`): {1e3 * floor['minihf']:.1f} ms "
+        f"as minihf's engine runs them, {best}, the fastest fp32 kernel measured here.",
+    ]
+    fastest = min(x for x in (floor["minihf"], packed) if x)
+    if fastest > bw / 0.6:
+        lines.append(f"60% of the bandwidth bound ({1e3 * bw / 0.6:.1f} ms a step) is below "
+                     f"what the fastest kernel's matmuls alone take ({1e3 * fastest:.1f} ms): "
+                     "out of reach in fp32 on this machine.")
     return lines

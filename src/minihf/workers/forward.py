@@ -40,6 +40,13 @@ def _run(model: nn.Module, mb: dict, use_remove_padding: bool, share_prompt: boo
     return out, None
 
 
+def scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``logits.float() / temperature``; at temperature 1 no division (the same values, one
+    vocabulary-sized pass and its backward fewer)."""
+    logits = logits.float()
+    return logits if temperature == 1.0 else logits / temperature
+
+
 @contextmanager
 def lm_head_scale(model: nn.Module, temperature: float):
     """Within the block, each forward of ``model`` (an LM) stores ``logit_abs_scale`` of its
@@ -93,7 +100,7 @@ def forward_log_probs(model: nn.Module, mb: dict, *, use_remove_padding: bool = 
         sel = packed.slot.view(b, t)[:, t - r - 1:t - 1][real]               # [M]
         logits = model(packed.tokens, packed.positions, cu_seqlens=packed.cu_seqlens,
                        shared_prefix=packed.shared_prefix, logits_to_keep=sel)[0]
-        logits = logits.float() / temperature                                # [M, V]
+        logits = scaled(logits, temperature)                                 # [M, V]
 
         def to_response(values):                                            # [M] -> [B, R]
             return values.new_zeros((b, r)).index_put_((real.nonzero(as_tuple=True)), values)
@@ -105,7 +112,7 @@ def forward_log_probs(model: nn.Module, mb: dict, *, use_remove_padding: bool = 
     t = mb["input_ids"].shape[1]
     logits = model(mb["input_ids"], mb["position_ids"], attention_mask=mb["attention_mask"],
                    logits_to_keep=torch.arange(t - r - 1, t - 1, device=valid.device))
-    logits = logits.float() / temperature                                    # [B, R, V]
+    logits = scaled(logits, temperature)                                     # [B, R, V]
     result = {"log_probs": logprobs_from_logits(logits, mb["responses"]) * valid}
     if calc_entropy:
         result["entropy"] = entropy_from_logits(logits if entropy_grad else logits.detach()) * valid

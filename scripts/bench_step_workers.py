@@ -34,7 +34,7 @@ def minihf_overrides(a) -> list[str]:
         "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean",
         "actor_rollout_ref.actor.clip_ratio_low=0.2", "actor_rollout_ref.actor.clip_ratio_high=0.2",
         "actor_rollout_ref.actor.optim.lr=1e-6", "actor_rollout_ref.actor.optim.weight_decay=0.0",
-        f"trainer.total_training_steps={a.steps + 1}", "trainer.test_freq=-1",
+        f"trainer.total_training_steps={a.steps + a.warmup}", "trainer.test_freq=-1",
         "trainer.val_before_train=false", f"trainer.default_local_dir={a.tmp}/minihf",
         "trainer.logger=[]", "trainer.resume_mode=disable", "prepare.task=null",
         "prepare.sft_recipe=null", *a.set,
@@ -53,7 +53,7 @@ def run_minihf(a) -> dict:
     hist = run_ppo(cfg)
     if hist is None:  # ranks != 0
         return {}
-    steps = [h for h in hist if h.get("step", 0) > 1]  # step 1 is the warm-up
+    steps = [h for h in hist if h.get("step", 0) > a.warmup]
     return {"step_s": [h["timing_s/step"] for h in steps],
             "phases": {p: [h.get(f"timing_s/{p}", 0.0) for h in steps]
                        for p in PHASES + GEN_PARTS},
@@ -140,7 +140,7 @@ def run_trl(a) -> dict:
         **trl_no_checkpointing(GRPOConfig), loss_type="grpo", top_k=0, top_p=1.0, temperature=1.0,
         per_device_train_batch_size=rows, num_generations=a.samples, gradient_accumulation_steps=1,
         steps_per_generation=1, num_iterations=1, max_completion_length=a.max_new, beta=0.04,
-        epsilon=0.2, learning_rate=1e-6, weight_decay=0.0, max_steps=a.steps + 1,
+        epsilon=0.2, learning_rate=1e-6, weight_decay=0.0, max_steps=a.steps + a.warmup,
         logging_steps=1, report_to="none", save_strategy="no", seed=0,
         dataloader_num_workers=0, disable_dropout=True,
         generation_kwargs={"min_new_tokens": a.max_new} if a.forced else None)
@@ -149,6 +149,6 @@ def run_trl(a) -> dict:
                           processing_class=tok, callbacks=[timer])
     trainer.train()
     logs = [log for log in timer.logs if "completions/mean_length" in log]
-    return {"step_s": timer.step_s[1:],
-            "response_tokens": [log["completions/mean_length"] * rows for log in logs][1:],
+    return {"step_s": timer.step_s[a.warmup:],
+            "response_tokens": [log["completions/mean_length"] * rows for log in logs][a.warmup:],
             **peak_memory()}

@@ -21,7 +21,7 @@ import bench_step_workers  # noqa: E402
 
 
 def args(**kw):
-    base = dict(rounds=2, steps=3, threads=2, samples=8, prompts=16, max_new=64, device="cpu",
+    base = dict(rounds=2, steps=3, warmup=1, threads=2, samples=8, prompts=16, max_new=64, device="cpu",
                 docs=None, model=None, worker=None, recipe="grpo", prompt_limit=32)
     return argparse.Namespace(**{**base, **kw})
 
@@ -109,6 +109,8 @@ def test_argument_checks():
     assert a.docs == ""  # '' keeps meaning: write no report
     with pytest.raises(SystemExit, match="--max-new=0 must be >= 1"):
         bench_step.check_args(args(max_new=0))
+    with pytest.raises(SystemExit, match="--warmup=0 must be >= 1"):
+        bench_step.check_args(args(warmup=0))
     if torch.cuda.is_available():
         a = args(device="cuda")
         bench_step.check_args(a)
@@ -235,13 +237,13 @@ def test_model_section_is_replaced_and_kept(tmp_path, monkeypatch):
 
 
 def test_model_row_arguments(tmp_path):
-    a = args(model=str(tmp_path), prompts=None, samples=None, recipe=None)
+    a = args(model=str(tmp_path), prompts=None, samples=None, recipe=None, warmup=None)
     with pytest.raises(SystemExit, match="not a model directory .*convert-gguf"):
         bench_step.check_args(a)
     (tmp_path / "config.json").write_text("{}")
     bench_step.check_args(a)
     # the protocol: 4 prompts x 4 samples on the SmolLM2 recipe
-    assert (a.prompts, a.samples, a.recipe) == (4, 4, "grpo_smollm2_arith")
-    a = args(prompts=None, samples=None, recipe=None)
+    assert (a.prompts, a.samples, a.recipe, a.warmup) == (4, 4, "grpo_smollm2_arith", 2)
+    a = args(prompts=None, samples=None, recipe=None, warmup=None)
     bench_step.check_args(a)
-    assert (a.prompts, a.samples, a.recipe) == (16, 8, "grpo")
+    assert (a.prompts, a.samples, a.recipe, a.warmup) == (16, 8, "grpo", 1)

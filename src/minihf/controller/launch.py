@@ -31,7 +31,8 @@ helper threads, and once a process has more of them than CPUs, libgomp (torch's 
 Linux) cuts their spinning to ~100 iterations, so every parallel region wakes sleeping
 threads. The worker thread computes; the caller's thread (rank 0's driver) had usually
 opened a region of its own before the run. So ``run`` gives the worker thread the caller's
-thread count and sets the caller's to 1 until the run ends. Measured (SmolLM2-135M, batch
+thread count and sets the caller's to 1 until the run ends (torch's default for a thread
+started meanwhile is then 1 too; the caller's count comes back after). Measured (SmolLM2-135M, batch
 16, 2 threads, 2-core AMD EPYC): a decode step 84-98 ms on the main thread, 133-148 ms on a
 pool thread after the main thread had run one parallel region; in ``bench_step.py --model``'s
 job 147 -> 104 ms, and the step's ``ref`` 1.64 -> 1.37 s.

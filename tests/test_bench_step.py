@@ -219,6 +219,23 @@ def test_phase_bounds_by_hand():
     assert f"| **step** | 4.000 | {total:.3f} |" in lines[-1] and f"**{12.0 / total:.1f}x**" in lines[-1]
 
 
+def test_decode_floor_lines_by_hand():
+    # 4 rows, 3 forced tokens (2 decode steps), prompts of 10 tokens: the middle step reads
+    # 4000 B of weights + 8 B x 4 rows x (10 + 1.5) of cache = 4368 B, 0.4368 s at 1e4 B/s
+    shape = {"matmul": 1000, "params": 1500, "kv_bytes_per_token": 8}
+    m = {"prompt_tokens": 40, "tokens": 12, "phases": {"gen_decode": 2.0}}
+    slow = {"minihf": 0.9, "prepacked": 0.8}  # the fastest matmuls alone > 0.4368 / 0.6 s
+    lines = bench_step_bounds.decode_floor_lines(slow, m, shape, 1e4, rows=4, max_new=3)
+    assert "minihf 1000.0 ms" in lines[1] and "bound 436.8 ms" in lines[1] and "so 44% of it" in lines[1]
+    assert "900.0 ms as minihf's engine runs them, 800.0 ms with oneDNN" in lines[1]
+    assert lines[2].startswith("60% of the bandwidth bound (728.0 ms a step) is below") and \
+        "(800.0 ms): out of reach" in lines[2]
+    fast = {"minihf": 0.5, "prepacked": None}  # within reach; a torch without oneDNN
+    lines = bench_step_bounds.decode_floor_lines(fast, m, shape, 1e4, rows=4, max_new=3)
+    assert len(lines) == 2 and "(no oneDNN in this torch)" in lines[1]
+    assert bench_step_bounds.decode_floor_lines(None, m, shape, 1e4, rows=4, max_new=3) == []
+
+
 def test_model_section_is_replaced_and_kept(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "trl", argparse.Namespace(__version__="0"))  # CI has no trl
     doc = tmp_path / "performance.md"

@@ -54,9 +54,10 @@ are the recipe's (``--recipe``, default ``grpo_smollm2_arith``; the task data is
 the recipe's ``max_response_length``; minihf runs the recipe's settings under the shared ones
 above, both frameworks after 2 warm-up steps: a process's heap settles over its first steps
 (measured, minihf's SmolLM2 update: 161,000 minor page faults in step 1, 14,000 in step 2,
-1,200 in step 3, none after; 5.1 s in step 2, 3.3-3.7 s from step 3). Then each phase of minihf's median step against its own bound, from the matmul peak
-and copy bandwidth measured in the same run (``bench_step_bounds.py``), written to its own
-section of the docs file (a full report keeps it).
+1,200 in step 3, none after; 5.1 s in step 2, 3.3-3.7 s from step 3). Then each phase of
+minihf's median step against its own bound, from the matmul peak and copy bandwidth measured
+in the same run (``bench_step_bounds.py``), and decode against its measured matmul floor,
+written to its own section of the docs file (a full report keeps it).
 
 Internal modes (run by the report): ``--worker minihf|trl --model DIR --data DIR ...``
 run one framework (``bench_step_workers.py``) and write its per-step figures as JSON to

@@ -82,8 +82,11 @@ def decode_matmul_floor(model_dir: str, rows: int, threads: int, repeats: int = 
 
         out = {"minihf": step_s(linear, weights), "prepacked": None}
         if torch.backends.mkldnn.is_available():
-            packed = [torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), rows) for w in weights]
-            onednn = lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")  # noqa: E731
+            packed = [torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), rows)
+                      for w in weights]
+
+            def onednn(x, w):
+                return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
             out["prepacked"] = step_s(onednn, packed)
     return out
 

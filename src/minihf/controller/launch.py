@@ -32,10 +32,10 @@ Linux) cuts their spinning to ~100 iterations, so every parallel region wakes sl
 threads. The worker thread computes; the caller's thread (rank 0's driver) had usually
 opened a region of its own before the run. So ``run`` gives the worker thread the caller's
 thread count and sets the caller's to 1 until the run ends (torch's default for a thread
-started meanwhile is then 1 too; the caller's count comes back after). Measured (SmolLM2-135M, batch
-16, 2 threads, 2-core AMD EPYC): a decode step 84-98 ms on the main thread, 133-148 ms on a
-pool thread after the main thread had run one parallel region; in ``bench_step.py --model``'s
-job 147 -> 104 ms, and the step's ``ref`` 1.64 -> 1.37 s.
+started meanwhile is then 1 too; the caller's count comes back after). Measured
+(SmolLM2-135M, batch 16, 2 threads, 2-core AMD EPYC): a decode step 84-98 ms on the main
+thread, 133-148 ms on a pool thread after the main thread had run one parallel region; in
+``bench_step.py --model``'s job 147 -> 104 ms, and the step's ``ref`` 1.64 -> 1.37 s.
 """
 
 from __future__ import annotations
@@ -120,7 +120,8 @@ def run(driver_fn: DriverFn, roles: Mapping[str, Role | type[Worker]],
 
     def init_worker_thread() -> None:
         torch.set_num_threads(threads)
-        torch.get_num_threads()  # torch's per-thread first-use init, done now: it copies the last value set anywhere
+        # torch's per-thread first-use init, done now: it copies the last value set anywhere
+        torch.get_num_threads()
         if cuda is not None:
             torch.cuda.set_device(cuda)
     pool = ThreadPoolExecutor(1, thread_name_prefix="minihf-worker", initializer=init_worker_thread)

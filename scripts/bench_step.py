@@ -73,11 +73,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from bench_step_bounds import (copy_bandwidth, decode_floor_lines, decode_matmul_floor,
-                               model_shape, phase_bounds)
+                               mm_peak_gflops, model_shape, phase_bounds)
 from bench_step_tables import (compare_row, model_section, probes, scaling_row, write_docs,
                                write_model_section)
 from bench_step_workers import PHASES, run_minihf, run_trl
@@ -113,32 +112,6 @@ def run_worker(cmd: list[str], tmp: str, framework: str) -> dict:
         sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
         raise SystemExit(f"bench_step: {framework} worker failed ({proc.returncode}): {' '.join(cmd)}")
     return json.loads(Path(tmp, f"{framework}.json").read_text())
-
-
-def mm_peak_gflops(threads: int, device: str = "cpu") -> float:
-    """The matmul peak the MFU figures divide by: fp32 at ``threads`` threads on CPU
-    (``bench_generate``'s measurement: the faster of MKL and oneDNN), bf16 ``torch.mm`` of
-    8192 x 8192 on CUDA."""
-    import torch
-
-    if device == "cuda":
-        n = 8192
-        a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-        b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-        torch.mm(a, b)
-        torch.cuda.synchronize()
-        best = float("inf")
-        for _ in range(10):
-            t = time.perf_counter()
-            torch.mm(a, b)
-            torch.cuda.synchronize()
-            best = min(best, time.perf_counter() - t)
-        return 2 * n**3 / best / 1e9
-
-    from bench_generate import mm_peak_gflops as peak
-
-    torch.set_num_threads(threads)
-    return peak()
 
 
 def median(xs):

@@ -50,6 +50,32 @@ def copy_bandwidth(threads: int, size: int = 256 << 20, repeats: int = 10) -> fl
     return 2 * size / best
 
 
+def mm_peak_gflops(threads: int, device: str = "cpu") -> float:
+    """The matmul peak the MFU figures divide by: fp32 at ``threads`` threads on CPU
+    (``bench_generate``'s measurement: the faster of MKL and oneDNN), bf16 ``torch.mm`` of
+    8192 x 8192 on CUDA."""
+    import torch
+
+    if device == "cuda":
+        n = 8192
+        a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+        torch.mm(a, b)
+        torch.cuda.synchronize()
+        best = float("inf")
+        for _ in range(10):
+            t = time.perf_counter()
+            torch.mm(a, b)
+            torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t)
+        return 2 * n**3 / best / 1e9
+
+    from bench_generate import mm_peak_gflops as peak
+
+    torch.set_num_threads(threads)
+    return peak()
+
+
 def decode_matmul_floor(model_dir: str, rows: int, threads: int, repeats: int = 7) -> dict:
     """Seconds of one decode step's matmuls alone at batch ``rows`` (median of ``repeats``;
     see the module docstring): ``{"minihf": as the engine runs them, "prepacked": oneDNN

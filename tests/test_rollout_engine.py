@@ -217,6 +217,12 @@ def test_out_of_vocab_prompt_is_rejected(tiny_dirs):
     llm = LLM(str(tiny_dirs["llama"][0]))
     with pytest.raises(ValueError, match="vocab"):
         llm.generate([[1, 2, 128]], SamplingParams(max_tokens=2))
+    # text, or transformers 5's apply_chat_template dict, instead of token ids: named, with the fix
+    for prompt, kind in (("What is 2 + 2?", "str"), ({"input_ids": [1, 2], "attention_mask": [1, 1]}, "str")):
+        with pytest.raises(ValueError, match=f"prompt 0 is not a list of token ids .*{kind}; tokenize it"):
+            llm.generate([prompt], SamplingParams(max_tokens=2))
+    out = llm.generate([torch.tensor([1, 2, 3])], SamplingParams(max_tokens=2))  # a tensor still works
+    assert len(out[0].outputs[0].token_ids) == 2
 
 
 def test_memory_budget_and_free(tiny_dirs):

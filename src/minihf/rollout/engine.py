@@ -261,7 +261,12 @@ class Engine:
             if len(prompt) >= self.max_model_len:
                 raise ValueError(f"prompt {i} has {len(prompt)} tokens but max_model_len is {self.max_model_len}; "
                                  "shorten it or raise max_model_len")
-            bad = [t for t in prompt if not 0 <= t < vocab]
+            try:
+                bad = [t for t in prompt if not 0 <= t < vocab]
+            except TypeError:  # e.g. text, or a tokenizer's dict (its keys)
+                raise ValueError(f"prompt {i} is not a list of token ids (ints): its items are "
+                                 f"{type(next(iter(prompt))).__name__}; tokenize it first (the "
+                                 "tokenizer's input_ids)") from None
             if bad:
                 raise ValueError(f"prompt {i} has token ids {bad[:5]} outside the vocabulary [0, {vocab})")
         for s in seqs:

@@ -10,17 +10,19 @@ after each (a check cut short by the machine's time limit still leaves what it f
 
 1. the machine: GPU, torch, CUDA, transformers, which attention paths exist (flash-attn's
    varlen kernel when installed; SDPA's flash backend otherwise);
-2. ``pytest -m gpu`` (``tests/test_gpu.py``: engine vs trainer log-probs in fp32 and bf16,
-   SDPA flash vs math, packed vs padded, FSDP2 on NCCL, the in-place reshard gather, optimizer
-   offload during generation) with its printed figures;
-3. the main job on the GPU, one process (``scripts/train_ppo.py``): validation before and
-   after, wall time;
-4. a ~0.5B random Qwen2-style model (Qwen2.5-0.5B's shapes) in bf16: the bf16 matmul peak
+2. a ~0.5B random Qwen2-style model (Qwen2.5-0.5B's shapes) in bf16: the bf16 matmul peak
    and the copy bandwidth measured first, then prefill and training (forward + backward)
    against the peak (MFU), decode tokens/s at batch 1 and 64 against the bandwidth bound
-   (weights + KV cache read once per step), and peak memory.
+   (weights + KV cache read once per step), and peak memory;
+3. ``pytest -m gpu`` (``tests/test_gpu.py``: engine vs trainer log-probs in fp32 and bf16,
+   SDPA flash vs math, packed vs padded, FSDP2 on NCCL, the in-place reshard gather, optimizer
+   offload during generation) with its printed figures, within ``--tests-limit`` seconds;
+4. the main job on the GPU, one process (``scripts/train_ppo.py``): validation before and
+   after, wall time, within ``--main-job-limit`` seconds.
 
-``--dry-run`` runs sections 1 and 4 on the CPU with a tiny model in fp32, collects the GPU
+The quickest section runs first, so that a window cut short still reports figures.
+
+``--dry-run`` runs sections 1 and 2 on the CPU with a tiny model in fp32, collects the GPU
 tests without running them and shows the main job's command without running it.
 """
 
@@ -112,10 +114,10 @@ def machine(device: torch.device) -> list[str]:
     return ["| | |", "|---|---|", *[f"| {k} | {v} |" for k, v in rows]]
 
 
-def gpu_tests(dry: bool, out: Path) -> list[str]:
+def gpu_tests(dry: bool, out: Path, limit_s: int) -> list[str]:
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-s", "-p", "no:cacheprovider",
            str(ROOT / "tests" / "test_gpu.py")] + (["--collect-only"] if dry else [])
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=limit_s)
     (out / "pytest_gpu.log").write_text(proc.stdout + proc.stderr)
     figures = [line for line in proc.stdout.splitlines()
                if re.search(r"vs|units of the rounding|moments", line) and not line.startswith(("E ", ">"))]
@@ -225,7 +227,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out", help="directory for the report (gpu_check.md) and logs")
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny model, seconds")
-    p.add_argument("--main-job-limit", type=int, default=240, help="seconds for the main job")
+    p.add_argument("--tests-limit", type=int, default=200, help="seconds for pytest -m gpu")
+    p.add_argument("--main-job-limit", type=int, default=180, help="seconds for the main job")
     args = p.parse_args()
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -234,10 +237,11 @@ def main() -> None:
     device = torch.device("cpu" if args.dry_run else "cuda")
     report = Report(out / "gpu_check.md", "minihf GPU check" + (" (dry run, CPU)" if args.dry_run else ""))
     report.section("Machine", lambda: machine(device))
-    report.section("GPU tests (pytest -m gpu)", lambda: gpu_tests(args.dry_run, out))
-    report.section("The main job on one GPU", lambda: main_job(args.dry_run, out, args.main_job_limit))
+    # the quickest first: a window cut short by the machine's limit keeps what ran
     report.section("A 0.5B model in bf16: prefill, training, decode against their bounds",
                    lambda: benchmark(device, args.dry_run))
+    report.section("GPU tests (pytest -m gpu)", lambda: gpu_tests(args.dry_run, out, args.tests_limit))
+    report.section("The main job on one GPU", lambda: main_job(args.dry_run, out, args.main_job_limit))
     print(f"[gpu_check] wrote {report.path} ({report.failures} section(s) failed)")
     sys.exit(1 if report.failures else 0)
 

@@ -133,14 +133,19 @@ def main_job(dry: bool, out: Path, limit_s: int) -> list[str]:
            f"trainer.default_local_dir={out / 'main_job'}", "actor_rollout_ref.rollout.check_log_probs=warn"]
     if dry:
         return [f"dry run: would run `{' '.join(cmd[1:])}` (limit {limit_s} s)"]
+    log = out / "main_job.log"   # written as it runs: a job cut short by the limit leaves its steps
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=out, capture_output=True, text=True, timeout=limit_s)
+    with log.open("w") as f:
+        try:
+            rc = subprocess.run(cmd, cwd=out, stdout=f, stderr=subprocess.STDOUT, timeout=limit_s).returncode
+        except subprocess.TimeoutExpired:
+            rc = f"nothing (stopped at the {limit_s} s limit, --main-job-limit)"
     wall = time.perf_counter() - t0
-    (out / "main_job.log").write_text(proc.stdout + proc.stderr)
-    found = re.search(r"validation score: ([0-9.]+) \(first\) -> ([0-9.]+) \(last\)", proc.stdout)
-    phases = [line for line in proc.stdout.splitlines() if line.startswith("wall time")]
-    if proc.returncode != 0 or not found:
-        raise RuntimeError(f"the main job exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-2000:]}")
+    text = log.read_text()
+    found = re.search(r"validation score: ([0-9.]+) \(first\) -> ([0-9.]+) \(last\)", text)
+    phases = [line for line in text.splitlines() if line.startswith("wall time")]
+    if rc != 0 or not found:
+        raise RuntimeError(f"the main job exited {rc} after {wall:.0f} s (log: main_job.log):\n{text[-2000:]}")
     return [f"`{' '.join(cmd[1:])}` in an empty directory (builds its data, model and SFT warm "
             f"start first): validation score {found.group(1)} -> {found.group(2)}, "
             f"{wall:.0f} s in all; {phases[0] if phases else ''}"]
@@ -227,8 +232,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out", help="directory for the report (gpu_check.md) and logs")
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny model, seconds")
-    p.add_argument("--tests-limit", type=int, default=200, help="seconds for pytest -m gpu")
-    p.add_argument("--main-job-limit", type=int, default=180, help="seconds for the main job")
+    p.add_argument("--tests-limit", type=int, default=150, help="seconds for pytest -m gpu")
+    p.add_argument("--main-job-limit", type=int, default=330, help="seconds for the main job")
     args = p.parse_args()
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)

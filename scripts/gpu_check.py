@@ -117,15 +117,25 @@ def machine(device: torch.device) -> list[str]:
 def gpu_tests(dry: bool, out: Path, limit_s: int) -> list[str]:
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-s", "-p", "no:cacheprovider",
            str(ROOT / "tests" / "test_gpu.py")] + (["--collect-only"] if dry else [])
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=limit_s)
-    (out / "pytest_gpu.log").write_text(proc.stdout + proc.stderr)
-    figures = [line for line in proc.stdout.splitlines()
+    rc, text = run_logged(cmd, ROOT, out / "pytest_gpu.log", limit_s, "--tests-limit")
+    figures = [line for line in text.splitlines()
                if re.search(r"vs|units of the rounding|moments", line) and not line.startswith(("E ", ">"))]
-    tail = [line for line in proc.stdout.splitlines() if line.strip()][-12:]
-    if proc.returncode not in (0, 5) or (not dry and proc.returncode == 5):
-        raise RuntimeError(f"pytest -m gpu exited {proc.returncode}:\n" + "\n".join(tail))
-    return [f"`{' '.join(cmd[2:])}` (exit {proc.returncode}; full log: pytest_gpu.log)", "",
+    tail = [line for line in text.splitlines() if line.strip()][-12:]
+    if rc not in (0, 5) or (not dry and rc == 5):
+        raise RuntimeError(f"pytest -m gpu exited {rc}:\n" + "\n".join(tail))
+    return [f"`{' '.join(cmd[2:])}` (exit {rc}; full log: pytest_gpu.log)", "",
             "```", *figures, *tail[-3:], "```"]
+
+
+def run_logged(cmd: list[str], cwd: Path, log: Path, limit_s: int, option: str) -> tuple[int | str, str]:
+    """Run ``cmd`` with its output going to ``log`` as it runs (a run stopped at ``limit_s``
+    keeps what it printed); the exit status, or why there is none, and the output."""
+    with log.open("w") as f:
+        try:
+            rc = subprocess.run(cmd, cwd=cwd, stdout=f, stderr=subprocess.STDOUT, timeout=limit_s).returncode
+        except subprocess.TimeoutExpired:
+            rc = f"nothing (stopped at the {limit_s} s limit, {option})"
+    return rc, log.read_text()
 
 
 def main_job(dry: bool, out: Path, limit_s: int) -> list[str]:
@@ -133,15 +143,9 @@ def main_job(dry: bool, out: Path, limit_s: int) -> list[str]:
            f"trainer.default_local_dir={out / 'main_job'}", "actor_rollout_ref.rollout.check_log_probs=warn"]
     if dry:
         return [f"dry run: would run `{' '.join(cmd[1:])}` (limit {limit_s} s)"]
-    log = out / "main_job.log"   # written as it runs: a job cut short by the limit leaves its steps
     t0 = time.perf_counter()
-    with log.open("w") as f:
-        try:
-            rc = subprocess.run(cmd, cwd=out, stdout=f, stderr=subprocess.STDOUT, timeout=limit_s).returncode
-        except subprocess.TimeoutExpired:
-            rc = f"nothing (stopped at the {limit_s} s limit, --main-job-limit)"
+    rc, text = run_logged(cmd, out, out / "main_job.log", limit_s, "--main-job-limit")
     wall = time.perf_counter() - t0
-    text = log.read_text()
     found = re.search(r"validation score: ([0-9.]+) \(first\) -> ([0-9.]+) \(last\)", text)
     phases = [line for line in text.splitlines() if line.startswith("wall time")]
     if rc != 0 or not found:
@@ -232,9 +236,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out", help="directory for the report (gpu_check.md) and logs")
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny model, seconds")
-    p.add_argument("--tests-limit", type=int, default=150, help="seconds for pytest -m gpu")
-    p.add_argument("--main-job-limit", type=int, default=330, help="seconds for the main job")
+    p.add_argument("--tests-limit", type=int, default=150, help="seconds for pytest -m gpu (71 s on an H200)")
+    p.add_argument("--main-job-limit", type=int, default=360, help="seconds for the main job (it took 296 s on an H200)")
     args = p.parse_args()
+    for name in ("tests_limit", "main_job_limit"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1 (seconds), got {getattr(args, name)}")
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     if not args.dry_run and not torch.cuda.is_available():

@@ -1,6 +1,6 @@
 """``scripts/gpu_check.sh --dry-run`` on the CPU, so the prepared GPU check cannot rot: every
 section runs (the GPU tests collected, the main job's command shown, the benchmark on a tiny
-fp32 model) and the report says each one is ok."""
+fp32 model) and the report says each one is ok; its limits keep a run cut short readable."""
 
 import subprocess
 from pathlib import Path
@@ -34,3 +34,30 @@ def test_gpu_check_refuses_a_machine_without_cuda(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), str(tmp_path)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "torch sees no CUDA GPU here; use --dry-run" in proc.stderr
+
+
+def test_a_command_stopped_at_its_limit_keeps_what_it_printed(tmp_path):
+    """The GPU window is short: a section cut off by its limit (pytest -m gpu, the main job)
+    still reports the steps it printed, and says it was stopped rather than how it exited."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from gpu_check import run_logged
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    code = "import time; print('step=1', flush=True); time.sleep(60)"
+    rc, text = run_logged([sys.executable, "-c", code], tmp_path, tmp_path / "x.log", 3, "--x-limit")
+    assert rc == "nothing (stopped at the 3 s limit, --x-limit)" and "step=1" in text, (rc, text)
+    assert (tmp_path / "x.log").read_text() == text
+    rc, text = run_logged([sys.executable, "-c", "print('done')"], tmp_path, tmp_path / "y.log", 30, "--y")
+    assert rc == 0 and text == "done\n"
+
+
+def test_gpu_check_refuses_a_limit_below_one_second(tmp_path):
+    import sys
+
+    for option in ("--tests-limit", "--main-job-limit"):
+        proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--dry-run",
+                               option, "0", str(tmp_path)], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and f"{option} must be >= 1 (seconds), got 0" in proc.stderr, proc.stderr

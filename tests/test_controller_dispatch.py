@@ -107,8 +107,10 @@ def test_register_builds_explicit_table_and_user_modes():
             def last(self):
                 return "last"
 
-        assert sorted(Base.remote_methods) == ["compute"]
-        assert sorted(Child.remote_methods) == ["compute", "last"]
+        every_role = ["start_profile", "stop_profile"]  # the base's own (trainer.profile_steps)
+        assert sorted(Worker.remote_methods) == every_role
+        assert sorted(Base.remote_methods) == ["compute"] + every_role
+        assert sorted(Child.remote_methods) == ["compute", "last"] + every_role
         spec = Child.remote_methods["last"]
         assert spec.dispatch == "test_last_only" and spec.blocking is False
         assert Child.remote_methods["compute"].collect_fn() is collect_dp_compute
@@ -156,7 +158,7 @@ def test_worker_group_lists_registered_methods_on_typos():
     group = WorkerGroup(RoleLayout("critic", (0, 1)), Critic, driver=None)
     assert group.compute_values.spec.dispatch == Dispatch.DP_COMPUTE
     assert "compute_values" in dir(group)
-    with pytest.raises(AttributeError, match=r"no remote method 'compute_value'.*\['compute_values'\]"):
+    with pytest.raises(AttributeError, match=r"no remote method 'compute_value'.*\['compute_values', 'start_profile'"):
         group.compute_value
 
 

@@ -131,7 +131,8 @@ def test_two_processes_and_resume_equals_uninterrupted(tiny_job, tmp_path):
     cases = [("grpo", "grpo", None, "grpo", one_mini), ("ppo", "ppo", None, "ppo", {}),
              ("unbalanced", "grpo", None, "unbalanced", {**one_mini, "trainer.balance_batch": False}),
              ("full", "ppo", None, "full", extra), ("first", "ppo", 2, "resumed", extra),
-             ("rest", "ppo", None, "resumed", extra),
+             # profiled (actor and critic share each process: one profile per rank)
+             ("rest", "ppo", None, "resumed", {**extra, "trainer.profile_steps": "[3]"}),
              # stopped after step 1, before its first checkpoint (save_freq 3), then rerun
              ("early", "grpo", 1, "early", {**extra, "trainer.save_freq": 3}),
              ("again", "grpo", None, "early", {**extra, "trainer.save_freq": 3})]
@@ -152,7 +153,17 @@ def test_two_processes_and_resume_equals_uninterrupted(tiny_job, tmp_path):
     full = [strip(h) for h in res["full"]]
     resumed = [strip(h) for h in res["first"] + res["rest"]]
     assert [h["step"] for h in resumed] == [0, 1, 2, 3, 4]
-    assert full == resumed
+    assert full == resumed                                   # the profiled step 3 too
+    profile = tmp_path / "resumed" / "profile"
+    assert sorted(p.name for p in profile.iterdir()) == ["step_3"]
+    assert sorted(p.name for p in (profile / "step_3").iterdir()) == [
+        "rank0.json", "rank0.txt", "rank1.json", "rank1.txt"]
+    for rank in (0, 1):
+        trace = json.loads((profile / "step_3" / f"rank{rank}.json").read_text())
+        names = {e.get("name") for e in trace["traceEvents"]}
+        assert {"aten::mm", "Optimizer.step#AdamW.step"} <= names, rank   # the update ran in it
+        table = (profile / "step_3" / f"rank{rank}.txt").read_text()
+        assert "Self CPU" in table and "aten::mm" in table, table
     a, b = final_params(tmp_path / "full", 4), final_params(tmp_path / "resumed", 4)
     assert all(torch.equal(a[k], b[k]) for k in a)
     rows = [json.loads(x) for x in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]

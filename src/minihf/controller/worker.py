@@ -214,6 +214,23 @@ class Worker:
     def tp_size(self) -> int:
         return self.ctx.layout.tp_size
 
+    # -- every role's: a profile of this process (trainer.profile_steps) ------------------
+    @register()
+    def start_profile(self, out_dir: str) -> bool:
+        """Profile this process into ``out_dir`` (``minihf.utils.profiling``); False where a
+        colocated role's worker started it already."""
+        from minihf.utils import profiling
+
+        return profiling.start(out_dir, f"rank{self.rank}", self.device.type == "cuda")
+
+    @register()
+    def stop_profile(self) -> str | None:
+        """Stop this process's profile and write it; the table's path, or None."""
+        from minihf.utils import profiling
+
+        return profiling.stop()
+
+
     @property
     def dp_group(self) -> Any:
         return self.ctx.dp_group
@@ -221,6 +238,10 @@ class Worker:
     @property
     def tp_group(self) -> Any:
         return self.ctx.tp_group
+
+
+# the base's own remote methods (``__init_subclass__`` collects those of its subclasses)
+Worker.remote_methods = {n: v.spec for n, v in vars(Worker).items() if isinstance(v, RemoteMethod)}
 
 
 def create_worker(cls: type[Worker], ctx: WorkerContext, args: tuple = (),

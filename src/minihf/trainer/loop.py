@@ -32,6 +32,7 @@ from minihf.config import dump_yaml
 from minihf.trainer.common import (RESUME_FIX, find_resume_path, hold_run_dir, mark_latest, nothing_to_train,
                                    resume_config_changes, save_config, write_atomic)
 from minihf.utils.files import read_json
+from minihf.utils.profiling import check_steps
 
 STATE_FILE = "driver_state.json"
 
@@ -112,9 +113,14 @@ class RunLoop:
         dump_yaml(self.cfg, self.out / "config.yaml")  # the resolved config of this start
         self.started(step)
         end = self.total_steps if stop_after is None else min(self.total_steps, step + stop_after)
+        profile = check_steps(getattr(self.cfg.trainer, "profile_steps", []), self.total_steps)
         while step < end:
             step += 1
+            if step in profile:
+                self.profile(step, start=True)
             metrics = self.train_step(step)
+            if step in profile:
+                self.profile(step, start=False)
             if self.validate_at(step):
                 metrics.update(self.validate(step))
             self.record(metrics)  # before the checkpoint: a kill after it must not lose the row
@@ -122,6 +128,17 @@ class RunLoop:
                 self.save(step)
         self.finished(time.perf_counter() - t0)
         return self.history
+
+    def profile(self, step: int, start: bool) -> None:
+        """Start or stop the profile of ``step`` in every process of the job (every role's
+        workers are asked; the first in a process does it: ``minihf.utils.profiling``)."""
+        groups = list(getattr(self, "groups", {}).values()) or list(self.checkpointed().values())
+        out = self.out / "profile" / f"step_{step}"
+        for group in groups:
+            group.start_profile(str(out)) if start else group.stop_profile()
+        if not start:
+            self.log(f"profiled step {step}: {out}/ (rank<R>.json: a Chrome trace; rank<R>.txt: "
+                     "the ops by their own time)")
 
     # -- checkpoints ----------------------------------------------------------------------
     def save(self, step: int) -> Path:

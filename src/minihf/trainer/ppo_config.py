@@ -22,6 +22,7 @@ from minihf.config import ConfigError, section_of
 from minihf.trainer.algorithm_config import AlgorithmConfig
 from minihf.controller.config import ControllerConfig, RoleSpec, refuse_tp
 from minihf.trainer.common import check_run_length
+from minihf.utils.profiling import check_steps
 from minihf.workers.config import ActorRolloutRefConfig, CriticConfig, LogProbConfig, RewardModelConfig
 
 
@@ -163,6 +164,7 @@ class PPOTrainerConfig:
     balance_batch: bool = True           # even out each mini-batch's tokens over the actor's DP ranks (rows move between ranks, not mini-batches)
     max_skipped_steps: int = 3           # steps in a row with a NaN/Inf gradient (update skipped) before the run stops; 0: never
     memory_check: bool = True            # on CUDA, refuse at start-up a placement whose predicted peak memory exceeds a device's (minihf.planner's model)
+    profile_steps: list[int] = field(default_factory=list)  # steps to profile with torch.profiler, every process: run_dir/profile/step_N/rankR.json (Chrome trace) and .txt (ops by time)
 
     def __post_init__(self):
         check_run_length(self.total_epochs, self.total_training_steps)
@@ -174,6 +176,7 @@ class PPOTrainerConfig:
         from minihf.trainer.loggers import check_loggers
 
         check_loggers(self.logger)
+        self.profile_steps = check_steps(self.profile_steps)
 
 
 @dataclass

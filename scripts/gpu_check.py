@@ -18,7 +18,8 @@ after each (a check cut short by the machine's time limit still leaves what it f
    SDPA flash vs math, packed vs padded, FSDP2 on NCCL, the in-place reshard gather, optimizer
    offload during generation) with its printed figures, within ``--tests-limit`` seconds;
 4. the main job on the GPU, one process (``scripts/train_ppo.py``): validation before and
-   after, wall time, within ``--main-job-limit`` seconds.
+   after, wall time, within ``--main-job-limit`` seconds, and its step 100 under
+   torch.profiler (``trainer.profile_steps``): the ops that take its time.
 
 The quickest section runs first, so that a window cut short still reports figures.
 
@@ -45,6 +46,7 @@ QWEN05 = dict(arch="qwen2", vocab_size=151936, hidden_size=896, num_hidden_layer
               num_attention_heads=14, num_key_value_heads=2, head_dim=64,
               intermediate_size=4864, attention_bias=True, tie_word_embeddings=True,
               max_position_embeddings=4096, rope_theta=1e6)
+PROFILED_STEP, PROFILE_ROWS = 100, 33  # the main job's step profiled; the table's lines in the report
 TINY = dict(arch="qwen2", vocab_size=512, hidden_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
             attention_bias=True, tie_word_embeddings=True, max_position_embeddings=512)
@@ -140,7 +142,8 @@ def run_logged(cmd: list[str], cwd: Path, log: Path, limit_s: int, option: str) 
 
 def main_job(dry: bool, out: Path, limit_s: int) -> list[str]:
     cmd = [sys.executable, str(ROOT / "scripts" / "train_ppo.py"),
-           f"trainer.default_local_dir={out / 'main_job'}", "actor_rollout_ref.rollout.check_log_probs=warn"]
+           f"trainer.default_local_dir={out / 'main_job'}", "actor_rollout_ref.rollout.check_log_probs=warn",
+           f"trainer.profile_steps=[{PROFILED_STEP}]"]
     if dry:
         return [f"dry run: would run `{' '.join(cmd[1:])}` (limit {limit_s} s)"]
     t0 = time.perf_counter()
@@ -150,9 +153,15 @@ def main_job(dry: bool, out: Path, limit_s: int) -> list[str]:
     phases = [line for line in text.splitlines() if line.startswith("wall time")]
     if rc != 0 or not found:
         raise RuntimeError(f"the main job exited {rc} after {wall:.0f} s (log: main_job.log):\n{text[-2000:]}")
-    return [f"`{' '.join(cmd[1:])}` in an empty directory (builds its data, model and SFT warm "
-            f"start first): validation score {found.group(1)} -> {found.group(2)}, "
-            f"{wall:.0f} s in all; {phases[0] if phases else ''}"]
+    lines = [f"`{' '.join(cmd[1:])}` in an empty directory (builds its data, model and SFT warm "
+             f"start first): validation score {found.group(1)} -> {found.group(2)}, "
+             f"{wall:.0f} s in all; {phases[0] if phases else ''}"]
+    table = out / "main_job" / "profile" / f"step_{PROFILED_STEP}" / "rank0.txt"
+    if table.exists():  # where the launch- and host-bound step's time goes, op by op
+        lines += ["", f"Step {PROFILED_STEP} under torch.profiler (`trainer.profile_steps`; the "
+                  "ops by their own GPU time, the first rows; the Chrome trace stays on the machine):",
+                  "", "```", *table.read_text().splitlines()[:PROFILE_ROWS], "```"]
+    return lines
 
 
 def peaks(device: torch.device, dtype: torch.dtype, dry: bool) -> dict[str, float]:

@@ -61,3 +61,29 @@ def test_gpu_check_refuses_a_limit_below_one_second(tmp_path):
         proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--dry-run",
                                option, "0", str(tmp_path)], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2 and f"{option} must be >= 1 (seconds), got 0" in proc.stderr, proc.stderr
+
+
+def test_the_main_job_section_reports_score_phases_and_the_profiled_step(tmp_path, monkeypatch):
+    """What the main job's section makes of a finished job (the job itself stubbed): the
+    validation scores, the phase line and the first rows of its profiled step's table."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    table = tmp_path / "main_job" / "profile" / f"step_{gpu_check.PROFILED_STEP}" / "rank0.txt"
+    table.parent.mkdir(parents=True)
+    table.write_text("\n".join(f"row {i}" for i in range(100)))
+    ran = []
+
+    def finished(cmd, cwd, log, limit_s, option):
+        ran.append(cmd)
+        return 0, "step=150 score=0.9\nvalidation score: 0.3760 (first) -> 0.9167 (last)\nwall time 270.7s; by phase: x\n"
+    monkeypatch.setattr(gpu_check, "run_logged", finished)
+    lines = gpu_check.main_job(False, tmp_path, 10)
+    assert f"trainer.profile_steps=[{gpu_check.PROFILED_STEP}]" in ran[0]
+    text = "\n".join(lines)
+    assert "validation score 0.3760 -> 0.9167" in text and "wall time 270.7s; by phase: x" in text, text
+    assert f"row {gpu_check.PROFILE_ROWS - 1}" in text and f"row {gpu_check.PROFILE_ROWS}\n" not in text, text

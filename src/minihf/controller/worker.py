@@ -14,6 +14,8 @@ so ``self.device`` and friends are usable inside ``__init__``; subclasses just c
 ``self.parallel(name)`` any declared one. A worker class declares its extra layouts with
 the classmethod ``declare_layouts(*args, **kwargs)`` (from its constructor arguments,
 e.g. the rollout TP size in its config), so every rank can build their groups at launch.
+Every worker has ``start_profile`` / ``stop_profile`` (``trainer.profile_steps``,
+``minihf.utils.profiling``).
 """
 
 from __future__ import annotations
@@ -214,6 +216,14 @@ class Worker:
     def tp_size(self) -> int:
         return self.ctx.layout.tp_size
 
+    @property
+    def dp_group(self) -> Any:
+        return self.ctx.dp_group
+
+    @property
+    def tp_group(self) -> Any:
+        return self.ctx.tp_group
+
     # -- every role's: a profile of this process (trainer.profile_steps) ------------------
     @register()
     def start_profile(self, out_dir: str) -> bool:
@@ -229,15 +239,6 @@ class Worker:
         from minihf.utils import profiling
 
         return profiling.stop()
-
-
-    @property
-    def dp_group(self) -> Any:
-        return self.ctx.dp_group
-
-    @property
-    def tp_group(self) -> Any:
-        return self.ctx.tp_group
 
 
 # the base's own remote methods (``__init_subclass__`` collects those of its subclasses)

@@ -3,8 +3,8 @@
 ``@register(dispatch=..., collect=..., blocking=..., layout=...)`` turns a method into a
 ``RemoteMethod`` descriptor: it still behaves like the plain method on the worker itself,
 and it carries a ``MethodSpec``. ``Worker.__init_subclass__`` builds the class's explicit
-table ``remote_methods`` (name -> spec) from its bases' tables plus the ``RemoteMethod``
-entries in the class body; ``WorkerGroup`` and the serve loop only ever look names up in
+table ``remote_methods`` (name -> spec) from the ``RemoteMethod`` entries of the class and
+its bases (``registered_methods``); ``WorkerGroup`` and the serve loop only ever look names up in
 that table (no ``dir()`` scans, no attribute-string conventions).
 
 The runtime creates a worker with ``create_worker``: it binds the ``WorkerContext`` (rank,
@@ -141,14 +141,7 @@ class Worker:
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        table: dict[str, MethodSpec] = {}
-        for base in reversed(cls.__mro__[1:]):
-            if issubclass(base, Worker):
-                table.update(base.remote_methods)
-        for name, value in vars(cls).items():
-            if isinstance(value, RemoteMethod):
-                table[name] = value.spec
-        cls.remote_methods = table
+        cls.remote_methods = registered_methods(cls)
 
     @classmethod
     def declare_layouts(cls, *args: Any, **kwargs: Any) -> dict[str, int]:
@@ -241,8 +234,16 @@ class Worker:
         return profiling.stop()
 
 
-# the base's own remote methods (``__init_subclass__`` collects those of its subclasses)
-Worker.remote_methods = {n: v.spec for n, v in vars(Worker).items() if isinstance(v, RemoteMethod)}
+def registered_methods(cls: type) -> dict[str, MethodSpec]:
+    """Name -> spec of every ``@register`` method of ``cls`` and its bases (a subclass's
+    entry wins); every worker class's ``remote_methods``, the base's included."""
+    table: dict[str, MethodSpec] = {}
+    for klass in reversed(cls.__mro__):
+        table.update((n, v.spec) for n, v in vars(klass).items() if isinstance(v, RemoteMethod))
+    return table
+
+
+Worker.remote_methods = registered_methods(Worker)  # subclasses get theirs in __init_subclass__
 
 
 def create_worker(cls: type[Worker], ctx: WorkerContext, args: tuple = (),

@@ -58,6 +58,26 @@ def test_a_held_dir_is_refused_naming_the_holder_and_taken_over_when_it_dies(tmp
         assert said == []
 
 
+def test_a_symlink_to_a_held_dir_is_the_same_dir(tmp_path):
+    """Two names of one run dir (a symlink, a path through a linked parent, ``..``) are one
+    lock: a job given the link is refused while another holds the target (it used to take a
+    lock of its own, and both jobs wrote every metrics row into the one directory)."""
+    run = tmp_path / "outputs" / "run"
+    run.mkdir(parents=True)
+    (tmp_path / "outputs" / "link").symlink_to(run)
+    (tmp_path / "parent_link").symlink_to(tmp_path / "outputs")
+    proc = holder(run)
+    try:
+        for name in (tmp_path / "outputs" / "link", tmp_path / "parent_link" / "run",
+                     tmp_path / "outputs" / "x" / ".." / "run"):
+            assert lock_path(name) == lock_path(run)
+            with pytest.raises(HeldByAnotherJob, match=rf"in use by another job: pid {proc.pid} "):
+                acquire(name, "the run dir", "pass another dir")
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+
+
 def test_without_file_locking_the_recorded_holder_decides(tmp_path, monkeypatch):
     def no_locking(fd, op):
         raise OSError(errno.ENOLCK, "No locks available")

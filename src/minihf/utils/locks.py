@@ -6,7 +6,8 @@ rank 0, for as long as it writes there. A second job is refused in one line nami
 holder (host, pid, start time, command); a lock left by a job that died (SIGKILL, a lost
 host) is taken over with a message.
 
-The lock is ``.<name>.lock`` beside ``<name>`` (``outputs/.grpo_sort.lock``), held with
+The lock is ``.<name>.lock`` beside ``<name>`` (``outputs/.grpo_sort.lock``; symlinks resolved
+first, so two names of one directory share its lock), held with
 ``flock``: the kernel drops it when the holding process dies, however it dies, so a stale
 lock is recognised without guessing. The file records who holds it; it is removed on
 release, and taken over when found without a live holder.
@@ -39,7 +40,10 @@ class HeldByAnotherJob(OSError):
 
 
 def lock_path(path: str | Path) -> Path:
-    path = Path(path).absolute()
+    """The lock file of ``path``, beside the directory it names once symlinks and ``..`` are
+    resolved: a job given ``outputs/link`` (a symlink to ``outputs/run``) and a job given
+    ``outputs/run`` write into one directory, so they must take one lock."""
+    path = Path(path).resolve()
     return path.with_name(f".{path.name}.lock")
 
 

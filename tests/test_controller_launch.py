@@ -363,18 +363,31 @@ def test_scripts_print_help_and_start_nothing(script, tmp_path, monkeypatch, cap
 
 
 CTRL_C_WHILE_IMPORTING = """
-import os, signal, time
+import os, signal, sys, time
 import minihf.utils.script_start  # as the scripts do, first
 os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while the imports below would run
-time.sleep(30)
+time.sleep(float(sys.argv[1]))
+print("still here")
 """
+
+
+def _with_sigint(disposition):
+    """A child's SIGINT as its shell would leave it: the default in a terminal's foreground
+    job; ignored in a background job of a non-interactive shell (`bash -c 'cmd &'`, nohup,
+    many job runners), which this suite itself may be, so the child sets it, not inherits it."""
+    return lambda: signal.signal(signal.SIGINT, disposition)
 
 
 def test_ctrl_c_while_a_script_imports_is_one_line():
     """A script's first seconds import torch: Ctrl-C there is one line, not an import
-    traceback per rank; once the job starts (run_script), Ctrl-C is Python's again."""
-    res = subprocess.run([sys.executable, "-c", CTRL_C_WHILE_IMPORTING], capture_output=True, text=True, timeout=60)
+    traceback per rank; once the job starts (run_script), Ctrl-C is Python's again. A SIGINT
+    the script was started with ignored (a background job) stays ignored."""
+    res = subprocess.run([sys.executable, "-c", CTRL_C_WHILE_IMPORTING, "30"], capture_output=True, text=True,
+                         timeout=60, preexec_fn=_with_sigint(signal.SIG_DFL))
     assert res.returncode == 130 and res.stderr == "[minihf] interrupted (SIGINT) while starting; nothing was written\n"
+    res = subprocess.run([sys.executable, "-c", CTRL_C_WHILE_IMPORTING, "0.2"], capture_output=True, text=True,
+                         timeout=60, preexec_fn=_with_sigint(signal.SIG_IGN))
+    assert res.returncode == 0 and res.stdout == "still here\n", res
     from minihf.controller.launch import run_script
     from minihf.utils import process_exit
 

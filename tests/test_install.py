@@ -4,7 +4,9 @@ show`` finds them, with where each value came from through ``base:``, and ``mini
 runs the default recipe from an empty directory (its data, model and warm start built)."""
 
 import os
+import re
 import shutil
+import site
 import subprocess
 import sys
 from pathlib import Path
@@ -24,15 +26,24 @@ def test_a_wheel_in_a_fresh_virtualenv_runs_the_packaged_recipes(tmp_path):
     for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, source / name)
     shutil.copytree(ROOT / "src", source / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
-    # torch and the other dependencies, pip and setuptools (no network) come from this
-    # interpreter's site-packages: the venv gets none of its own (a bundled old setuptools
-    # cannot read this pyproject)
+    # torch and the other dependencies, pip and setuptools (no network) come from the
+    # site-packages of the interpreter that runs this suite, which a newcomer's is a
+    # virtualenv: `venv --system-site-packages` would give the *base* interpreter's instead
+    # (no torch there, and maybe an old setuptools). A path line in a .pth file adds them
+    # without processing their own .pth files, so the checkout's editable install stays out.
     setuptools = pytest.importorskip("setuptools")
-    if int(setuptools.__version__.split(".")[0]) < 64:
-        pytest.skip(f"setuptools {setuptools.__version__} here; the build needs >= 64")
+    needed = int(re.search(r'"setuptools>=(\d+)', (ROOT / "pyproject.toml").read_text()).group(1))
+    if int(setuptools.__version__.split(".")[0]) < needed:   # the dev extra installs it
+        pytest.skip(f"setuptools {setuptools.__version__} here; the build needs >= {needed} "
+                    '(pip install -e ".[dev]" installs it)')
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     python, minihf = venv / "bin" / "python", venv / "bin" / "minihf"
+    venv_site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               check=True, capture_output=True, text=True).stdout.strip()
+    ours = [*site.getsitepackages(), *([site.getusersitepackages()] if site.ENABLE_USER_SITE else [])]
+    ours = [p for p in ours if Path(p).is_dir()]
+    (Path(venv_site) / "suite_site_packages.pth").write_text("".join(f"{p}\n" for p in ours))
     subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
                     str(source)], check=True, capture_output=True)
     work = tmp_path / "work"

@@ -1,6 +1,6 @@
 """LoRA: low-rank adapters on a built model's linear layers, added after construction.
 
-:func:`apply_lora` walks the modules (STYLE rule 1: the model files stay as they are) and
+:func:`apply_lora` walks the modules (CONTRIBUTING.md, rule 1: the model files stay as they are) and
 replaces each targeted ``Linear`` by a :class:`LoRALinear` that keeps the same ``weight``
 and ``bias`` parameters (same names: state-dict keys and the parallelism tables still
 match on ``...q_proj.weight``) and adds two: ``lora_A`` [r, in] and ``lora_B`` [out, r].

@@ -5,7 +5,7 @@ One forward serves training and generation:
 shared_prefix=None)``; ``shared_prefix`` [S] (packed input only) says which packed sequence
 each one continues (-1: none), so a prompt shared by several responses is packed once.
 The model never touches torch.distributed; tensor parallelism and FSDP are applied after
-construction by ``minihf.parallel``. Build order (STYLE rule 2): construct on the meta
+construction by ``minihf.parallel``. Build order (CONTRIBUTING.md, rule 2): construct on the meta
 device (``build_model(args, device="meta")``), parallelize, then ``materialize`` and load
 (``hf_io.load_hf``) or ``init_weights``.
 """

@@ -1,6 +1,6 @@
 """Tensor parallelism for the Llama-family decoder, applied after construction (Megatron style).
 
-Two steps (STYLE rule 2: the engine's model is built on the meta device, then filled):
+Two steps (CONTRIBUTING.md, rule 2: the engine's model is built on the meta device, then filled):
 
 * :func:`tp_rewrite` rewrites the module structure in place for one TP rank, on whatever
   device the model is (``meta`` included): q/k/v/gate/up -> :class:`ColumnParallelLinear`

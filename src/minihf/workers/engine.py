@@ -2,7 +2,7 @@
 over micro-batches. Training (optimizer, updates, checkpoints) is ``train_state.TrainState``.
 
 Role files (``actor.py``, ``critic.py``, ``reward_model.py``, ``sft_worker.py``) only say
-which model, which loss and which outputs. Build order (STYLE rule 2): the model is
+which model, which loss and which outputs. Build order (CONTRIBUTING.md, rule 2): the model is
 constructed on the meta device, sharded with ``apply_fsdp``, materialised, and each rank
 reads only its own rows of every parameter from the safetensors files
 (``minihf.parallel.fsdp.load_sharded``), so host memory does not grow with the rank count.

@@ -252,7 +252,7 @@ def test_memory_budget_and_free(tiny_dirs):
 def test_length_buckets_bound_padding():
     import random
 
-    from minihf.rollout.engine import length_buckets
+    from minihf.rollout.model_runner import length_buckets
 
     rng = random.Random(0)
     lens = [rng.randint(1, 200) for _ in range(300)]

@@ -2,7 +2,8 @@
 
 ``LLM(model_dir).generate(prompt_ids, SamplingParams(max_tokens=..., temperature=...))``
 is the offline API (vLLM's names). ``scheduler`` holds the torch-free batching decisions,
-``engine`` executes them, ``sampling`` draws tokens, ``kv_cache`` holds the slot cache.
+``model_runner`` alone runs the model (its weights, the slot cache in ``kv_cache``, the
+forwards), ``engine`` loops over the two, ``sampling`` draws tokens.
 """
 
 from .engine import Engine

@@ -73,7 +73,7 @@ class LLM:
     (bytes) or ``gpu_memory_utilization`` (fraction of free CUDA memory) bound the cache.
     An in-memory model is used as is (not copied): ``apply_tp`` shards it in place.
     ``cpu_column_major`` (default: only for models this class loads itself) re-lays Linear
-    weights out column-major on CPU for faster decoding (see ``engine.column_major_linears``);
+    weights out column-major on CPU for faster decoding (see ``model_runner.column_major_linears``);
     pass True for an in-memory model that only generates.
     """
 

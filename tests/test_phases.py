@@ -120,7 +120,8 @@ def test_hooks_add_wrap_replace_and_alongside(tiny_job, tmp_path):  # noqa: F811
     assert "timing_s/samples" not in m                           # untimed, as declared
 
     bad = make_plugin(lambda self: [after("nope", Phase("x", note("x")))])
-    with pytest.raises(ValueError, match=r"plug-in Probe: no phase 'nope' to after; phases: \['gen', "):
+    with pytest.raises(ValueError, match=r"plug-in Probe \(.*test_phases.py:Probe\): no phase 'nope' to "
+                                         r"after; phases: \['gen', "):
         apply_hooks(trainer.phases(), [bad(trainer.ctx)])
     bad = make_plugin(lambda self: [wrap("values", wrapper)])
     with pytest.raises(ValueError, match="'values' is a remote call sent with others"):

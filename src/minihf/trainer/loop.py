@@ -11,7 +11,10 @@ torchtitan's checkpoint manager takes them:
   ``global_step_N/<role>`` (``save_checkpoint`` / ``load_checkpoint``);
 * ``driver_state()``: name -> an object with ``state_dict`` / ``load_state_dict`` on the
   driver (data position, KL controller, plug-ins), saved together with the step in
-  ``global_step_N/driver_state.json``;
+  ``global_step_N/driver_state.json`` in ``minihf.utils.state_json``'s encoding (int keys,
+  tuples and tensors come back as saved; files of plain JSON, from earlier versions, still
+  load). It is encoded once after resume, before step 1, so state a checkpoint cannot hold
+  stops the run before it trains, and at each save before any shard is written;
 * ``driver_files()``: file name -> an object with ``save(path)`` / ``load(path or None)``,
   for driver state that is not JSON (the RL loop's batches generated ahead).
 
@@ -24,7 +27,6 @@ refused in one line.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -32,6 +34,7 @@ from minihf.config import dump_yaml
 from minihf.trainer.common import (RESUME_FIX, find_resume_path, hold_run_dir, mark_latest, nothing_to_train,
                                    resume_config_changes, save_config, write_atomic)
 from minihf.utils.files import read_json
+from minihf.utils.state_json import StateError, dumps, loads
 from minihf.utils.profiling import check_steps
 
 STATE_FILE = "driver_state.json"
@@ -111,6 +114,7 @@ class RunLoop:
         if done:
             self.on_nothing_to_train(done)
         dump_yaml(self.cfg, self.out / "config.yaml")  # the resolved config of this start
+        self.driver_state_text(step)  # state a checkpoint cannot hold: stop before training on it
         self.started(step)
         end = self.total_steps if stop_after is None else min(self.total_steps, step + stop_after)
         profile = check_steps(getattr(self.cfg.trainer, "profile_steps", []), self.total_steps)
@@ -141,14 +145,20 @@ class RunLoop:
                      "the ops by their own time)")
 
     # -- checkpoints ----------------------------------------------------------------------
+    def driver_state_text(self, step: int) -> str:
+        """The driver state file's text at ``step`` (``StateError`` naming the entry and the
+        path of what a checkpoint cannot hold)."""
+        state = {"step": step, **{k: v.state_dict() for k, v in self.driver_state().items()}}
+        return dumps(state, "driver state")
+
     def save(self, step: int) -> Path:
         path = self.out / f"global_step_{step}"
+        text = self.driver_state_text(step)  # first: a state that cannot be saved writes no shards
         for name, group in self.checkpointed().items():
             group.save_checkpoint(str(path / name))
         for name, obj in self.driver_files().items():
             obj.save(path / name)
-        state = {"step": step, **{k: v.state_dict() for k, v in self.driver_state().items()}}
-        write_atomic(path / STATE_FILE, json.dumps(state))
+        write_atomic(path / STATE_FILE, text)
         save_config(path, self.cfg)
         mark_latest(self.out, step)
         self.last_checkpoint = path
@@ -163,12 +173,15 @@ class RunLoop:
             return 0
         changed = resume_config_changes(path, self.cfg)  # refuses changes that cannot apply
         if (path / STATE_FILE).is_file():
-            state = read_json(path / STATE_FILE, RESUME_FIX)
+            state = loads(read_json(path / STATE_FILE, RESUME_FIX), path / STATE_FILE, RESUME_FIX)
             for name, group in self.checkpointed().items():
                 group.load_checkpoint(str(path / name))
         else:
             state = self.load_legacy(path)
-        self.load_driver_state(state)
+        try:
+            self.load_driver_state(state)
+        except StateError as e:  # a plug-in that cannot read its saved state: which, and where
+            raise StateError(f"cannot resume from {path / STATE_FILE}: {e}; or {RESUME_FIX}") from e
         for name, obj in self.driver_files().items():
             obj.load(path / name if (path / name).exists() else None)
         step = int(state["step"])

@@ -41,7 +41,17 @@ plug-ins, in ``minihf.trainer.plugins``). It declares
 * ``validate(out)``: per-row validation figures by name (``{"cost": [...]}`` becomes
   ``val-core/<source>/cost/mean@k`` and ``val-core/cost``);
 * ``state_dict()`` / ``load_state_dict(state)``: what it keeps across steps, saved in the
-  checkpoint's driver state.
+  checkpoint's driver state and given back exactly as saved (int keys, tuples, tensors:
+  ``minihf.utils.state_json`` lists what it may hold). It is checked once the plug-ins are
+  built, before step 1, and at each save; what a checkpoint cannot hold stops the run
+  naming the plug-in and the path (``state_dict()['seen'][0] is a set``).
+
+Mistakes in a plug-in stop the run in one line naming it (``plug-in <key> (<file.py>:<Class>)``):
+``hooks()`` returning something other than a list of ``Hook``s, a hook whose phase, wrapper
+or call is of the wrong type or whose target is not there, ``validate`` returning other
+than one number per row for each figure (``PluginError``); state a checkpoint cannot hold,
+``load_state_dict`` raising on the state saved for it (``StateError``, with the checkpoint
+file on resume). Both are ``ValueError``s: the job prints them as one line.
 
 It receives a ``StepContext`` (config, worker groups, data loader, tokenizer, the rule
 reward, ``rollout``/``generate``/``score`` functions, the step's metrics, ``timed``),
@@ -50,11 +60,13 @@ never the trainer. Metrics it writes use its own prefix (``safe/``, ``train/``).
 
 from __future__ import annotations
 
+import sys
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace as dc_replace
 from typing import Any, Callable, ClassVar, Optional, Union
 
 from minihf.protocol import Batch
+from minihf.utils.state_json import StateError, encode
 
 PhaseFn = Callable[["StepContext", Batch, dict], Union[Batch, None]]
 
@@ -217,19 +229,87 @@ def _apply(items: list[Item], hook: Hook) -> bool:
     return False
 
 
+class PluginError(ValueError):
+    """A plug-in that does not keep to the interface (see the module docstring)."""
+
+
+def plugin_label(plugin) -> str:
+    """``plug-in <key> (<where>:<Class>)`` for a plug-in or its class: where is the file of
+    a recipe's class, the module of a built-in."""
+    cls = plugin if isinstance(plugin, type) else type(plugin)
+    where = cls.__module__
+    if not where.startswith("minihf."):
+        where = getattr(sys.modules.get(where), "__file__", None) or where
+    return f"plug-in {cls.key()} ({where}:{cls.__qualname__})"
+
+
+HOOK_ITEMS = {"before": (Phase, "a Phase"), "after": (Phase, "a Phase"), "replace": (Phase, "a Phase"),
+              "wrap": (None, "a function fn(ctx, batch, metrics, inner)"), "alongside": (Call, "a Call")}
+
+
+def _what(value) -> str:
+    return f"{type(value).__name__} {value!r}"[:120]
+
+
+def plugin_hooks(plugin: Plugin) -> list[Hook]:
+    """``plugin.hooks()``, checked: a list of ``Hook``s, each item of the kind its ``how``
+    takes (``PluginError`` naming the plug-in otherwise)."""
+    label, hooks = plugin_label(plugin), plugin.hooks()
+    make = "made with before/after/replace/wrap/alongside (minihf.trainer.phases)"
+    if not isinstance(hooks, (list, tuple)):
+        raise PluginError(f"{label}: hooks() returned {_what(hooks)}; return a list of Hooks {make}")
+    for i, hook in enumerate(hooks):
+        if not isinstance(hook, Hook):
+            raise PluginError(f"{label}: hooks()[{i}] is {_what(hook)}, not a Hook; return a list of "
+                              f"Hooks {make}")
+        if not isinstance(hook.how, str) or hook.how not in HOOK_ITEMS or not isinstance(hook.target, str):
+            raise PluginError(f"{label}: hooks()[{i}] is Hook({hook.how!r}, {hook.target!r}); make it "
+                              f"with one of {list(HOOK_ITEMS)}, naming a phase by its str name")
+        cls, wanted = HOOK_ITEMS[hook.how]
+        item = hook.item
+        ok = callable(item) if cls is None else isinstance(item, cls)
+        if ok and isinstance(item, Phase):
+            ok = isinstance(item.name, str) and callable(item.run)
+        if not ok:
+            raise PluginError(f"{label}: hooks()[{i}] = {hook.how}({hook.target!r}, ...) got {_what(item)}; "
+                              f"{hook.how} takes {wanted}" + (" whose run is a function fn(ctx, batch, "
+                                                              "metrics)" if cls is Phase else ""))
+    return list(hooks)
+
+
+def plugin_figures(plugin: Plugin, out: Batch) -> dict[str, list]:
+    """``plugin.validate(out)``, checked: figure name -> one number per row of ``out``."""
+    figures, label = plugin.validate(out), plugin_label(plugin)
+    if not isinstance(figures, dict):
+        raise PluginError(f"{label}: validate(out) returned {_what(figures)}; return a dict of figure "
+                          "name -> one number per row of out (e.g. {'cost': [...]})")
+    for name, values in figures.items():
+        if not isinstance(name, str) or name == "reward":
+            raise PluginError(f"{label}: validate(out) has a figure named {name!r}; name it with a str "
+                              "other than 'reward' (the reward's own figure)")
+        if isinstance(values, (str, dict)) or not hasattr(values, "__len__") or len(values) != len(out):
+            raise PluginError(f"{label}: validate(out)[{name!r}] is {_what(values)}; give one number "
+                              f"per row of out ({len(out)} rows)")
+    return figures
+
+
 def apply_hooks(programs: dict[str, list[Item]], plugins: list[Plugin]) -> dict[str, list[Item]]:
     """The phase lists (e.g. ``{"step": [...], "round": [...]}``) with every plug-in's hooks
     applied, in plug-in order."""
     out = {k: list(v) for k, v in programs.items()}
     for plugin in plugins:
-        for hook in plugin.hooks():
-            if not any(_apply(items, hook) for items in out.values()):
+        for hook in plugin_hooks(plugin):
+            try:
+                applied = any(_apply(items, hook) for items in out.values())
+            except ValueError as e:
+                raise PluginError(f"{plugin_label(plugin)}: {e}") from None
+            if not applied:
                 names = [getattr(x, "name", None) for items in out.values() for x in items
                          if isinstance(x, Phase)]
                 calls = [c.name for items in out.values() for x in items if isinstance(x, Together)
                          for c in x.calls]
-                raise ValueError(f"plug-in {plugin.key()}: no phase {hook.target!r} to "
-                                 f"{hook.how}; phases: {names + calls}")
+                raise PluginError(f"{plugin_label(plugin)}: no phase {hook.target!r} to "
+                                  f"{hook.how}; phases: {names + calls}")
     return out
 
 
@@ -273,15 +353,29 @@ def _send_together(ctx: StepContext, calls: list[Call], batch: Batch) -> list:
 
 class PluginStates:
     """The plug-ins' states as one entry of the driver state, by plug-in name (a plug-in
-    new to a resumed run starts fresh)."""
+    new to a resumed run starts fresh). Each state is checked as it is taken: what a
+    checkpoint cannot hold is a ``StateError`` naming the plug-in and the path."""
 
     def __init__(self, plugins: list[Plugin]):
         self.plugins = plugins
 
     def state_dict(self) -> dict:
-        return {p.key(): p.state_dict() for p in self.plugins}
+        out = {}
+        for p in self.plugins:
+            state = p.state_dict()
+            try:
+                encode(state, "state_dict()")
+            except StateError as e:
+                raise StateError(f"{plugin_label(p)}: {e}") from None
+            out[p.key()] = state
+        return out
 
     def load_state_dict(self, state: dict) -> None:
         for p in self.plugins:
             if p.key() in state:
-                p.load_state_dict(state[p.key()])
+                try:
+                    p.load_state_dict(state[p.key()])
+                except Exception as e:  # the plug-in's own code: name it, and what it raised
+                    raise StateError(f"{plugin_label(p)}: load_state_dict() raised {type(e).__name__}: "
+                                     f"{str(e)[:200]} on the state saved for it; make it read what its "
+                                     "state_dict() saves") from e

@@ -119,6 +119,7 @@ class PPOTrainer(RunLoop):
                                self._generate, self._score, self._timed,
                                overlap=len(trained) > 1 and len(ranks) == len(set(ranks)))
         self.plugins = [cls(self.ctx) for cls in classes]
+        PluginStates(self.plugins).state_dict()  # state a checkpoint cannot hold: before any model loads
         self.history: list[dict] = []
         self.phase_totals: dict[str, float] = {}
         self.program = apply_hooks(self.phases(), self.plugins)

@@ -18,6 +18,7 @@ import numpy as np
 
 from minihf.multi_turn.loop import multi_turn_metrics, weighted_mean
 from minihf.trainer.metrics import sample_rows
+from minihf.trainer.phases import plugin_figures
 from minihf.trainer.scoring import mean_by_source, score_responses
 
 
@@ -45,7 +46,7 @@ def validate(trainer, step: int) -> dict:
         if "multi_turn_turns" in out.tensors:  # per batch, weighted by its size below
             mt_parts.append((len(out), multi_turn_metrics(out)))
         for plugin in trainer.plugins:
-            for name, values in plugin.validate(out).items():
+            for name, values in plugin_figures(plugin, out).items():
                 figures.setdefault(name, []).extend(values)
     k = cfg.actor_rollout_ref.rollout.val_kwargs.n
     sources = [r.source for r in rows]

@@ -5,7 +5,8 @@ dir take a checkpoint too.
 A LoRA checkpoint holds the adapters only (and a critic's value head); its base model is
 the dir ``meta.json`` names (``lora.base``). It exports as a PEFT adapter dir, or with
 ``merge`` as a plain model dir with ``W + B A * alpha / r`` in each adapted weight. A PEFT
-adapter dir given where a model dir is expected is merged into its base the same way."""
+adapter dir given where a model dir is expected is merged into its base the same way,
+after ``minihf.hub.peft``'s checks (a broken adapter is one line, never merged)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from minihf.hub.peft import is_adapter_dir, read_adapter_dir, write_adapter_dir
+from minihf.hub.peft import check_adapter, is_adapter_dir, read_adapter_dir, write_adapter_dir
 from minihf.models import build_model, load_args, load_hf, save_hf
 from minihf.models.lora import apply_lora, merge_lora_state, trained_with_lora
 from minihf.utils.checkpoint import TOKENIZER_FILES, load_model_state
@@ -116,20 +117,15 @@ def _merged(base: Path, head: str, state: dict, scaling: float, files: Path, out
 
 def merge_adapter_dir(adapter: str | Path, out: str | Path) -> Path:
     """A PEFT LoRA adapter dir merged into its base model (``base_model_name_or_path``, a
-    local dir) as an HF model dir at ``out``."""
-    cfg, adapters = read_adapter_dir(adapter)
-    base = _base_dir(cfg.get("base_model_name_or_path"),
-                     f"{Path(adapter) / 'adapter_config.json'} base_model_name_or_path")
+    local dir) as an HF model dir at ``out``, after ``minihf.hub.peft``'s checks."""
+    found = read_adapter_dir(adapter)
+    base = _base_dir(found.base, f"{found.config_file} base_model_name_or_path")
     model = load_hf(base)
-    names = sorted({n.rpartition(".")[0] for n in adapters})
-    apply_lora(model, int(cfg["r"]), float(cfg["lora_alpha"]), names)
-    state = model.state_dict()
-    for n, t in adapters.items():
-        if tuple(state[n].shape) != tuple(t.shape):
-            raise ValueError(f"{adapter}: {n} has shape {tuple(t.shape)}, the base model {base} "
-                             f"needs {tuple(state[n].shape)} (an adapter for another model?)")
-    return _merged(base, "lm", {**state, **{n: t.float() for n, t in adapters.items()}},
-                   float(cfg["lora_alpha"]) / int(cfg["r"]), base, Path(out), None)
+    check_adapter(found, model, f"the base model {base}")
+    apply_lora(model, found.rank, found.alpha, found.modules)
+    adapters = {n: t.float() for n, t in found.tensors.items()}
+    return _merged(base, "lm", {**model.state_dict(), **adapters}, found.alpha / found.rank, base,
+                   Path(out), None)
 
 
 def model_dir_of(path: str | Path, scratch: Path) -> Path:

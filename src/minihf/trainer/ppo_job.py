@@ -104,8 +104,9 @@ def check_rollout_tp(cfg: PPOConfig) -> None:
 
 def check_lora(cfg: PPOConfig) -> None:
     """The LoRA keys of the trained roles against their models, before any worker starts:
-    module names that match nothing, a ``lora_adapter_path`` that is no PEFT dir or does not
-    fit (its rank, alpha, modules, shapes)."""
+    module names that match nothing, a ``lora_adapter_path`` that is no PEFT dir, is broken
+    (``minihf.hub.peft``: bad config values, an unreadable file, non-finite values) or does
+    not fit (its rank, alpha, modules, shapes, its base model dir)."""
     from minihf.hub.peft import is_adapter_dir
     from minihf.models import build_model, load_args
     from minihf.models.lora import apply_lora, module_names

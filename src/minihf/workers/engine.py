@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn as nn
 
-from minihf.hub.peft import read_adapter_dir
+from minihf.hub.peft import check_adapter, read_adapter_dir
 from minihf.models import CheckpointReader, build_model, materialize
 from minihf.models.lora import (ALL_LINEAR, adaptable, apply_lora, init_lora_state, is_lora_param,
                                 module_names, target_list, trained_with_lora)
@@ -54,21 +54,23 @@ def build_fsdp_model(model_cfg: ModelConfig, fsdp_cfg: FSDPConfig, *, head: str,
 def adapter_state(model_cfg, model: nn.Module, section: str = "model") -> dict[str, torch.Tensor]:
     """The adapters' starting values (full tensors): peft's initialisation (the adapted
     model starts equal to its base), or the PEFT dir ``model.lora_adapter_path``, checked
-    against the config and the model (errors name the keys under ``section``)."""
+    (``minihf.hub.peft``: the dir itself, its fit to the model and to ``model.path`` as its
+    base) and against the config (errors name the keys under ``section``)."""
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters() if is_lora_param(n)}
     path = model_cfg.lora_adapter_path
     if path is None:
         return init_lora_state(shapes, seed=0)
-    cfg, state = read_adapter_dir(path)
+    adapter = read_adapter_dir(path)
+    check_adapter(adapter, model, f"{section}.path={model_cfg.path!r}", base_dir=model_cfg.path,
+                  base_key=f"{section}.path")
     where = f"{section}.lora_adapter_path={path!r}"
-    for key, ours, theirs in (("lora_rank", model_cfg.lora_rank, cfg.get("r")),
-                              ("lora_alpha", model_cfg.lora_alpha, cfg.get("lora_alpha"))):
-        if theirs is None or float(ours) != float(theirs):
+    for key, ours, theirs in (("lora_rank", model_cfg.lora_rank, adapter.rank),
+                              ("lora_alpha", model_cfg.lora_alpha, adapter.alpha)):
+        if float(ours) != float(theirs):
             raise ValueError(f"{where} was trained with {key}={theirs!r} but {section}.{key}="
                              f"{ours!r}; set {section}.{key}={theirs!r}")
-    if set(state) != set(shapes):
-        theirs = sorted({n.rpartition(".")[0] for n in state})
-        ours = sorted({n.rpartition(".")[0] for n in shapes})
+    if set(adapter.tensors) != set(shapes):
+        theirs, ours = adapter.modules, sorted({n.rpartition(".")[0] for n in shapes})
         every = adaptable(model)
         fix = (ALL_LINEAR if sorted(theirs) == sorted(every)
                else target_list([n for n in every if n in theirs], every))
@@ -76,11 +78,7 @@ def adapter_state(model_cfg, model: nn.Module, section: str = "model") -> dict[s
                          f"{section}.target_modules / exclude_modules select {len(ours)} "
                          f"({ours[:3]}...); set {section}.target_modules={fix!r} (and no "
                          "exclude_modules)")
-    for name, shape in shapes.items():
-        if tuple(state[name].shape) != shape:
-            raise ValueError(f"{where}: {name} has shape {tuple(state[name].shape)}, this model's "
-                             f"is {shape} (an adapter for another base model?)")
-    return {n: t.float() for n, t in state.items()}
+    return {n: t.float() for n, t in adapter.tensors.items()}
 
 
 def shard_model(model: nn.Module, fsdp_cfg: FSDPConfig, *, group, device: torch.device,

@@ -11,7 +11,9 @@ parsed as YAML scalars (``1e-6``, ``true``, ``[1, 2]``, ``null``); ``~key.sub`` 
 entry of a dict-typed field. Dicts are merged key by key at every level; lists are replaced.
 File references in a recipe's YAML (``reward.py``, ``algo.py:my_estimator``) that exist
 relative to the recipe's folder are made absolute, so a forked recipe folder carries its
-code; on the command line they are relative to the working directory.
+code; on the command line they are relative to the working directory. Recipe files and
+override values are read by ``minihf.utils.yaml_load`` (safe YAML; aliases that expand past
+a bound, the "billion laughs" file, are refused in one line naming the file).
 
 Every value is type-checked against the annotations (Optional, Union, Literal, list,
 tuple, dict, nested dataclasses); an unknown key is an error that lists the valid keys at
@@ -32,6 +34,8 @@ from typing import Any, Literal, TypeVar, Union
 
 import yaml
 
+from minihf.utils.yaml_load import YAMLInputError, load_yaml, load_yaml_file
+
 T = TypeVar("T")
 # minihf's own recipes: package data (``src/minihf/recipes``; ``recipes/`` in a checkout is a
 # link to it), so an installed wheel has them too
@@ -42,23 +46,14 @@ class ConfigError(ValueError):
     """A configuration value, key or file is invalid; the message says which and why."""
 
 
-class _Loader(yaml.SafeLoader):
-    """YAML 1.1 loader that also reads ``1e-6`` / ``3E5`` as floats (YAML 1.2 does)."""
-
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-    list("-+0123456789"))
-
-
 def parse_value(text: str) -> Any:
-    """Parse one override value as a YAML scalar or flow collection."""
+    """Parse one override value as a YAML scalar or flow collection (``load_yaml``)."""
     try:
-        return yaml.load(text, Loader=_Loader)
-    except yaml.YAMLError as e:
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise ConfigError(f"cannot parse value {text!r} as YAML ({problem}); quote it to pass a "
+        return load_yaml(text, f"value {text!r:.60}")
+    except YAMLInputError as e:
+        if not e.syntax:  # YAML, but refused (an alias bomb): quoting is not the fix
+            raise ConfigError(str(e)) from None
+        raise ConfigError(f"cannot parse value {text!r} as YAML ({e.problem}); quote it to pass a "
                           f"string: key='\"{text}\"'") from None
 
 
@@ -301,9 +296,9 @@ def recipe_layers(recipe: str | Path, recipes_dir: str | Path | None = None) -> 
             raise ConfigError(f"recipe bases loop: {chain}; one of them must not name a base")
         seen.append(path.resolve())
         try:
-            loaded = yaml.load(path.read_text(), Loader=_Loader) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"cannot parse recipe {path}: {e}") from None
+            loaded = load_yaml_file(path, "recipe") or {}
+        except YAMLInputError as e:
+            raise ConfigError(str(e)) from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"recipe {path} must be a mapping of keys, "
                               f"got {type(loaded).__name__}")

@@ -10,6 +10,17 @@ A failed job is one line naming the failing rank and its exit code, under that r
 own message (no launcher traceback or failure table); Ctrl-C ends every rank, each with
 its line, and exits 130. Unless ``OMP_NUM_THREADS`` is set, each rank gets the machine's
 cores divided by the ranks per node, said once.
+
+The launch arguments are checked before the config (``check_launch``, one line, exit 2):
+``--rdzv-endpoint`` must be ``HOST:PORT`` with a port in 1..65535 and a host that resolves
+(port 0, "any free port", left the ranks waiting 10 minutes on a port no one listened
+on); ``--nproc-per-node`` at most one rank per GPU on CUDA (rank r drives ``cuda:r``) and,
+on CPU, at most the ranks this host's available memory holds before any model loads
+(``max_local_ranks``: more ranks than cores share the cores and run, slower).
+The rendezvous (the launchers of all nodes meeting at node 0's endpoint) is torch's static
+one, wrapped (``minihf.controller.rendezvous``) because the launcher's own log lines are
+silenced: a node still waiting says so, and one that gives up after
+``controller.timeout_s`` says which side was missing instead of torch's C++ stack.
 """
 
 from __future__ import annotations
@@ -22,6 +33,9 @@ import os
 import sys
 
 KINDS = ("train", "sft", "rm")
+# what a CPU rank holds before any model: Python, torch, minihf, gloo (220 MB measured on
+# torch 2.13 CPU); the bound on ranks per node is the host's available memory over this
+RANK_FLOOR_BYTES = 256 * 2**20
 
 
 def recipe_and_overrides(args: list[str]) -> tuple[str | None, list[str]]:
@@ -67,33 +81,93 @@ def run(kind: str, cfg) -> None:
         run_rm(cfg)
 
 
-def launch_ranks(kind: str, args: list[str], nproc_per_node: int, nnodes: int = 1, node_rank: int = 0,
-                 rdzv_endpoint: str | None = None) -> int:
-    """Start the ranks of this node and wait for the job; its exit code (0, the failing
-    rank's, or 130 after Ctrl-C). ``args`` were validated with ``load`` already."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+def _available_memory() -> int | None:
+    """Bytes this host can still give processes (Linux ``MemAvailable``; else all of it)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (OSError, ValueError, AttributeError):
+        return None
 
-    from minihf.controller.ranks import free_port
 
+def max_local_ranks(cpu: bool = False) -> tuple[int, str]:
+    """The most ranks one node can start, and why: one per GPU with CUDA (rank r drives
+    ``cuda:r``); on CPU (or with ``cpu``: ranks that use no GPU), the host's available
+    memory over ``RANK_FLOOR_BYTES`` (what a rank holds before any model). CPU ranks beyond
+    the cores share them: slower, but they run."""
+    import torch
+
+    if not cpu and torch.cuda.is_available():
+        n = torch.cuda.device_count()
+        return n, (f"each rank drives one GPU (cuda:LOCAL_RANK) and this node has {n}; more nodes: "
+                   "--nnodes")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    memory = _available_memory()
+    if memory is None:  # no way to tell: a bound far above any CPU job, below a fork bomb
+        return 64 * cores, f"without a memory figure for this host, at most 64 ranks per core ({cores} cores)"
+    n = max(1, memory // RANK_FLOOR_BYTES)
+    return n, (f"each CPU rank is a process holding ~{RANK_FLOOR_BYTES / 2**30:.2f} GB before any model "
+               f"(Python, torch, gloo) and this host has {memory / 2**30:.1f} GB available, room for {n}; "
+               f"ranks beyond its {cores} cores share them (slower), so {cores} run fastest")
+
+
+def check_launch(nproc_per_node: int, nnodes: int = 1, node_rank: int = 0, rdzv_endpoint: str | None = None
+                 ) -> None:
+    """The launch arguments of ``minihf train|sft|rm``, before anything is loaded: a
+    ValueError naming the flag and the fix."""
     if nproc_per_node < 1 or nnodes < 1 or not 0 <= node_rank < nnodes:
         raise ValueError(f"--nproc-per-node {nproc_per_node}, --nnodes {nnodes}, --node-rank {node_rank}: "
                          "need >= 1 process per node, >= 1 node, and 0 <= node rank < nodes")
     if nnodes > 1 and not rdzv_endpoint:
         raise ValueError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT (node 0's address, the same "
                          "on every node)")
+    if rdzv_endpoint is not None:
+        from minihf.controller.rendezvous import parse_endpoint
+
+        parse_endpoint(rdzv_endpoint)
+    if nproc_per_node > 1:
+        most, why = max_local_ranks()
+        if nproc_per_node > most:
+            raise ValueError(f"--nproc-per-node {nproc_per_node} is more than this node can start: {why}; "
+                             f"use --nproc-per-node {most} or fewer")
+
+
+def launch_ranks(kind: str, args: list[str], nproc_per_node: int, nnodes: int = 1, node_rank: int = 0,
+                 rdzv_endpoint: str | None = None, rdzv_timeout_s: float = 600.0) -> int:
+    """Start the ranks of this node and wait for the job; its exit code (0, the failing
+    rank's, 1 when the nodes did not meet within ``rdzv_timeout_s`` (the job's
+    ``controller.timeout_s``), or 130 after Ctrl-C). ``args`` were validated with ``load``
+    already; the launch arguments are checked here again (``check_launch``)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from minihf.controller.ranks import free_port
+    from minihf.controller.rendezvous import RDZV_BACKEND, RendezvousFailed, WaitingRendezvous
+
+    check_launch(nproc_per_node, nnodes, node_rank, rdzv_endpoint)
+    rendezvous_handler_registry.register(RDZV_BACKEND, WaitingRendezvous.create)  # again: a no-op
     if "OMP_NUM_THREADS" not in os.environ:
         threads = max(1, (os.cpu_count() or 1) // nproc_per_node)
         os.environ["OMP_NUM_THREADS"] = str(threads)
         print(f"[minihf] OMP_NUM_THREADS={threads} per rank ({os.cpu_count()} cores, {nproc_per_node} ranks "
               "per node); set OMP_NUM_THREADS to choose", file=sys.stderr)
     config = LaunchConfig(min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc_per_node, run_id="minihf",
-                          rdzv_backend="static", rdzv_endpoint=rdzv_endpoint or f"127.0.0.1:{free_port()}",
-                          rdzv_configs={"rank": node_rank}, max_restarts=0)
+                          rdzv_backend=RDZV_BACKEND, rdzv_endpoint=rdzv_endpoint or f"127.0.0.1:{free_port()}",
+                          rdzv_configs={"rank": node_rank, "timeout": rdzv_timeout_s}, max_restarts=0)
     logging.disable(logging.ERROR)  # the launcher's own log lines: the ranks speak for themselves
     try:
         elastic_launch(config, sys.executable)("-m", "minihf.launcher", kind, *args)
+    except RendezvousFailed as exc:
+        print(f"[minihf] {exc}", file=sys.stderr)
+        return 1
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         code = failure.exitcode if failure.exitcode and failure.exitcode > 0 else 1

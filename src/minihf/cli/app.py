@@ -135,18 +135,21 @@ def generate(
 
 
 JOB = {"allow_extra_args": True, "ignore_unknown_options": True}
-NPROC = typer.Option(1, "--nproc-per-node", help="Ranks on this node; > 1 launches them (as torchrun would) after checking the config.")
+NPROC = typer.Option(1, "--nproc-per-node", help="Ranks on this node; > 1 launches them (as torchrun would) after checking the config. "
+                                                  "At most one per GPU; on CPU, what the host's memory holds.")
 NNODES = typer.Option(1, "--nnodes", help="Nodes (one launcher per node, same --rdzv-endpoint).")
 NODE_RANK = typer.Option(0, "--node-rank", help="This node's rank, 0 .. nnodes-1.")
-ENDPOINT = typer.Option(None, "--rdzv-endpoint", help="HOST:PORT of node 0 (several nodes).")
+ENDPOINT = typer.Option(None, "--rdzv-endpoint", help="HOST:PORT of node 0 (several nodes); the nodes wait "
+                                                       "controller.timeout_s for each other.")
 
 
 def _job(kind: str, ctx: typer.Context, nproc: int, nnodes: int, node_rank: int, endpoint: str | None) -> None:
-    """Check the whole config here (a bad key or value: one line, exit 2), then run the job
-    in this process, or launch its ranks (``minihf.launcher``)."""
+    """Check the launch arguments and the whole config here (a bad one: one line, exit 2),
+    then run the job in this process, or launch its ranks (``minihf.launcher``)."""
     from minihf import launcher
 
     try:
+        launcher.check_launch(nproc, nnodes, node_rank, endpoint)
         cfg = launcher.load(kind, ctx.args)
     except ValueError as exc:  # ConfigError, and the SFT/RM missing-file checks
         typer.echo(f"[minihf] {exc}", err=True)
@@ -154,7 +157,8 @@ def _job(kind: str, ctx: typer.Context, nproc: int, nnodes: int, node_rank: int,
     if nproc == 1 and nnodes == 1:
         return launcher.run(kind, cfg)
     try:
-        code = launcher.launch_ranks(kind, list(ctx.args), nproc, nnodes, node_rank, endpoint)
+        code = launcher.launch_ranks(kind, list(ctx.args), nproc, nnodes, node_rank, endpoint,
+                                     rdzv_timeout_s=cfg.controller.timeout_s)
     except ValueError as exc:
         typer.echo(f"[minihf] {exc}", err=True)
         raise typer.Exit(2) from None

@@ -1,7 +1,13 @@
-"""``minihf plan``: rank the placements of an RL job on a cluster (``minihf.planner``)."""
+"""``minihf plan``: rank the placements of an RL job on a cluster (``minihf.planner``).
+
+A search with more placements than the planner enumerates is refused in one line naming the
+``--unit`` that fits; a long one says how far it is every 10 s (on stderr); ``--measure``
+starts at most the ranks this machine can hold (``minihf.launcher.max_local_ranks``).
+"""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import typer
@@ -24,7 +30,7 @@ def _nested(flat: dict) -> dict:
 def write_plan(path: Path, recipe: str, overrides: list[str], plan_keys: dict) -> Path:
     """A recipe file: ``base:`` the planned recipe, the command line's overrides, the plan's
     keys; ``train_ppo.py recipe=PATH`` runs it as it is."""
-    from minihf.config import find_recipe
+    from minihf.config import find_recipe, parse_value
 
     found = find_recipe(recipe)
     base = recipe if "/" not in recipe and not Path(recipe).exists() else str(found.resolve())
@@ -32,7 +38,7 @@ def write_plan(path: Path, recipe: str, overrides: list[str], plan_keys: dict) -
     if deletions:  # a recipe file has no way to delete a key its base sets
         raise typer.BadParameter(f"--out cannot carry {deletions[0]!r} (a deletion); pass it to train_ppo.py "
                                  "with the written recipe instead")
-    given = {k: yaml.safe_load(v) for k, v in (o.split("=", 1) for o in overrides)}
+    given = {k: parse_value(v) for k, v in (o.split("=", 1) for o in overrides)}  # as train_ppo.py reads them
     body = {"base": base, **_nested({**given, **plan_keys})}
     path.write_text("# written by `minihf plan`; run with: torchrun ... scripts/train_ppo.py recipe="
                     f"{path}\n" + yaml.safe_dump(body, sort_keys=False))
@@ -42,6 +48,20 @@ def write_plan(path: Path, recipe: str, overrides: list[str], plan_keys: dict) -
 def _figures(p) -> str:
     return (f"{p.flops / 1e9:.1f} GFLOP/s, {p.memory_bandwidth / 1e9:.1f} GB/s memory, "
             f"{p.intra_node_bandwidth / 1e9:.2f} GB/s and {p.collective_latency * 1e6:.0f} us a collective")
+
+
+class _Progress:
+    """``search``'s progress callback: a line every ``every_s`` seconds of a long search."""
+
+    def __init__(self, every_s: float = 10.0):
+        self.start = self.last = time.monotonic()
+        self.every_s = every_s
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        if now - self.last >= self.every_s:
+            self.last = now
+            typer.echo(f"searching: {done:,} of {total:,} placements after {now - self.start:.0f} s", err=True)
 
 
 def plan(
@@ -74,6 +94,14 @@ def plan(
     bad = [m for m in model if "=" not in m]
     if bad:
         raise typer.BadParameter(f"--model {bad[0]!r}: give ROLE=DIR|NAME, e.g. all=llama-7b")
+    if measure:  # --devices ranks of this machine measure it: as many as it can start
+        from minihf.launcher import max_local_ranks
+
+        most, why = max_local_ranks(cpu=True)
+        if devices > most:
+            raise typer.BadParameter(f"--measure --devices {devices} starts {devices} ranks on this machine, more "
+                                     f"than it can: {why}; measure with --devices {most} or fewer, and plan a "
+                                     "larger cluster with --profile FILE")
     if measure and not args:  # this machine alone: matmuls at a square size
         prof = measure_machine(world=devices)
         typer.echo(f"wrote {save_profile(prof, profile_out)}: {_figures(prof)}")
@@ -99,7 +127,11 @@ def plan(
     except (ConfigError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
-    result = search(w, devices, prof, unit)
+    try:
+        result = search(w, devices, prof, unit, progress=_Progress())
+    except ValueError as exc:  # more placements than the planner enumerates
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
     typer.echo(f"job: {recipe}; {w.prompts} prompts x {w.sequences // w.prompts} samples, "
                f"{w.prompt_len}+{w.response_len} tokens; roles: "
                + ", ".join(f"{r.name} {r.model.params / 1e6:.1f}M" for r in w.roles))

@@ -6,8 +6,8 @@ threads), ``setup`` (roles, layouts, process groups, building the workers), ``wo
 table), ``layout`` (DP x TP arrangements of a role's ranks), ``group`` (``WorkerGroup``),
 ``driver`` (futures, ordering, heartbeat), ``peer`` (rank 0's link to one worker rank),
 ``transport`` (wire format), ``serve`` (the worker-side loop), ``ranks`` (ending an
-orphaned or frozen rank's process) and ``config``
-(``ControllerConfig``, role placement).
+orphaned or frozen rank's process), ``rendezvous`` (the launcher's nodes meeting, said while
+they wait) and ``config`` (``ControllerConfig``, role placement).
 """
 
 from minihf.controller.dispatch import (

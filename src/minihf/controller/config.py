@@ -2,7 +2,9 @@
 
 ``ControllerConfig`` is a field of every job's root config (``controller.*`` keys);
 ``resolve_placement`` turns its ``placement`` (role name -> ``RoleSpec``) into each role's
-default ``RoleLayout`` (global ranks, TP size) for a given world size. Pure data: no torch.
+default ``RoleLayout`` (global ranks, TP size) for a given world size; ``idle_ranks`` /
+``idle_warning``: the ranks such a placement leaves without a role (a warning, not an
+error: the job runs, those processes only wait). Pure data: no torch.
 """
 
 from __future__ import annotations
@@ -72,6 +74,25 @@ def resolve_placement(placement: PlacementConfig, world_size: int,
         except ConfigError as e:
             raise ConfigError(f"placement.{name}: {e}") from None
     return out
+
+
+def idle_ranks(layouts: dict[str, RoleLayout], world_size: int) -> list[int]:
+    """Ranks other than 0 that no role runs on: ``controller.placement`` names every role's
+    ranks and leaves these out, so they start and wait for the whole job (rank 0 runs the
+    driver, with or without a role)."""
+    used = {r for layout in layouts.values() for r in layout.ranks}
+    return [r for r in range(1, world_size) if r not in used]
+
+
+def idle_warning(layouts: dict[str, RoleLayout], world_size: int) -> str | None:
+    """The line ``run`` prints on rank 0 when ``idle_ranks`` is not empty, else None."""
+    idle = idle_ranks(layouts, world_size)
+    if not idle:
+        return None
+    placed = ", ".join(f"{n} {list(layout.ranks)}" for n, layout in sorted(layouts.items()))
+    return (f"[minihf] warning: controller.placement leaves rank(s) {idle} of {world_size} with no role "
+            f"({placed}): they wait for the whole job without work; add them to a role's ranks, or "
+            "start fewer processes")
 
 
 @dataclass

@@ -7,7 +7,8 @@ minihf that reads torchrun's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK
 never leaves a job hanging; a user error (bad value, missing file) is printed as one line
 and where it was raised, anything else with its full traceback (``failure_report``).
 ``run`` is the same job on an already initialised default process group (used by
-``launch`` and by multi-process tests); it raises instead of exiting.
+``launch`` and by multi-process tests); it raises instead of exiting. A placement that
+leaves ranks without a role is run, with one warning line from rank 0 naming them.
 
 The roles, their layouts, the process groups and the workers are set up by
 ``minihf.controller.setup``. With CUDA the backend is "cpu:gloo,cuda:nccl": pickled control
@@ -51,7 +52,7 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.distributed as dist
 
-from minihf.controller.config import ControllerConfig, resolve_placement
+from minihf.controller.config import ControllerConfig, idle_warning, resolve_placement
 from minihf.controller.layout import DEFAULT_LAYOUT
 from minihf.controller.ranks import kill_lost_rank, rank_processes
 from minihf.controller.driver import Driver, run_driver
@@ -106,7 +107,11 @@ def run(driver_fn: DriverFn, roles: Mapping[str, Role | type[Worker]],
     config = config or ControllerConfig()
     rank, world = dist.get_rank(), dist.get_world_size()
     roles = {name: r if isinstance(r, Role) else Role(r) for name, r in roles.items()}
-    layouts = role_layouts(roles, resolve_placement(config.placement, world, roles=list(roles)))
+    placed = resolve_placement(config.placement, world, roles=list(roles))
+    warning = idle_warning(placed, world) if rank == 0 else None
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
+    layouts = role_layouts(roles, placed)
     on_cuda = "nccl" in str(dist.get_backend())
     cuda = torch.device("cuda", torch.cuda.current_device()) if on_cuda else None
     device = device or cuda or torch.device("cpu")

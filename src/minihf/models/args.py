@@ -1,10 +1,13 @@
 """ModelArgs: the architecture hyper-parameters of a Llama-family decoder.
 
 Built from a Hugging Face ``config.json`` (a dict, a path, or a transformers config
-object) and turned back into one for saving. Both rope layouts are understood:
-transformers <= 4.x keeps ``rope_theta`` and ``rope_scaling`` at the top level,
-transformers 5.x nests both in ``rope_parameters``. The raw config is kept in
-``hf_config`` so a save writes back what was loaded, with only the head and dtype updated.
+object), whose values are checked first (``check_config``: one line naming the file, the
+key, the value and the fix; every reader of a model's shape, the trainers, ``minihf plan``
+and the exporters, goes through ``from_hf``), and turned back into one for saving. Both
+rope layouts are understood: transformers <= 4.x keeps ``rope_theta`` and ``rope_scaling``
+at the top level, transformers 5.x nests both in ``rope_parameters``. The raw config is
+kept in ``hf_config`` so a save writes back what was loaded, with only the head and dtype
+updated.
 """
 
 from __future__ import annotations
@@ -93,14 +96,15 @@ class ModelArgs:
             elif not path.exists():
                 raise FileNotFoundError(f"model dir {path} does not exist; pass a Hugging Face model "
                                         "dir (config.json + model.safetensors)")
-            cfg = read_json(path, MODEL_FIX)
+            cfg, where = read_json(path, MODEL_FIX), str(path)
         elif isinstance(config, dict):
-            cfg = copy.deepcopy(config)
+            cfg, where = copy.deepcopy(config), "the model config"
         elif hasattr(config, "to_dict"):
-            cfg = config.to_dict()
+            cfg, where = config.to_dict(), f"the {type(config).__name__}"
         else:
             raise TypeError(f"cannot read model args from {type(config).__name__}; pass a dict, "
                             "a path or a transformers config")
+        check_config(cfg, where)
         return cls(**_parse(cfg))
 
     # ---------------------------------------------------------------- writing
@@ -158,6 +162,52 @@ def _no_config_message(path: Path) -> str:
                 "transformers (`AutoModelForCausalLM.from_pretrained(dir).save_pretrained(out)` "
                 "writes config.json and model.safetensors)")
     return msg
+
+
+# config.json keys minihf reads as sizes: (key, required, what it counts)
+_SIZES = (("vocab_size", True, "tokens in the vocabulary"), ("hidden_size", True, "the model width"),
+          ("num_hidden_layers", True, "decoder layers"), ("num_attention_heads", True, "query heads"),
+          ("intermediate_size", True, "the MLP width"), ("num_key_value_heads", False, "KV heads"),
+          ("head_dim", False, "features per head"), ("max_position_embeddings", False, "the context length"))
+
+
+def check_config(cfg: Any, where: str) -> None:
+    """A config.json's values before anything is built from them: a ValueError naming
+    ``where`` (the file), the key, the value and the fix for a missing size, a size that is
+    not a whole number >= 1 (``0``, ``-4``, ``"32"``, ``true``), a non-positive ``rms_norm_eps``
+    or ``rope_theta``, head counts that do not divide, or a head dim that is 0 or odd
+    (rotary embeddings turn pairs of features). A zero used to surface deep inside the build
+    (``max() arg is an empty sequence`` for no layers)."""
+    fix = f"fix that value in config.json, or {MODEL_FIX}"
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{where} must be a JSON object of the model's settings, got "
+                         f"{type(cfg).__name__}; {MODEL_FIX}")
+    for key, required, what in _SIZES:
+        if key not in cfg or cfg[key] is None:
+            if required:
+                raise ValueError(f"{where} has no {key} ({what}); add it to config.json, or {MODEL_FIX}")
+            continue
+        value = cfg[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            kind = " (a string: write the number without quotes)" if isinstance(value, str) else ""
+            raise ValueError(f"{where}: {key}={value!r} must be a whole number >= 1 ({what}){kind}; {fix}")
+    for key in ("rms_norm_eps", "rope_theta"):
+        value = cfg.get(key)
+        if isinstance(cfg.get("rope_parameters"), dict) and key == "rope_theta" and value is None:
+            value = cfg["rope_parameters"].get("rope_theta")
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not value > 0):
+            raise ValueError(f"{where}: {key}={value!r} must be a number > 0; {fix}")
+    heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    if heads % kv:
+        raise ValueError(f"{where}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv} "
+                         f"(each KV head serves a whole group of query heads); {fix}")
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    if head_dim < 1 or head_dim % 2:
+        source = (f"head_dim={head_dim}" if cfg.get("head_dim") else
+                  f"hidden_size={cfg['hidden_size']} // num_attention_heads={heads} gives head_dim={head_dim}")
+        raise ValueError(f"{where}: {source}, which must be even and >= 2 (rotary embeddings turn pairs of "
+                         f"features); {fix}")
 
 
 def _parse(cfg: dict) -> dict:

@@ -5,7 +5,9 @@ kernel achieves, memory bandwidth (decode and the optimizer step are bound by it
 bandwidth of a collective inside a node and across nodes (bytes one rank receives per
 second in a ring all-gather). The built-in GPU profiles are vendors' datasheet peaks times
 an efficiency, said per figure; ``minihf plan --measure`` measures this machine instead
-(``measure``) and writes a YAML file that ``--profile FILE`` reads.
+(``measure``) and writes a YAML file that ``--profile FILE`` reads (through minihf's YAML
+loader, type-checked key by key like a config: a broken file is one line naming it and the
+key).
 """
 
 from __future__ import annotations
@@ -42,8 +44,14 @@ class DeviceProfile:
                 raise ValueError(f"profile {self.name!r}: {f} must be > 0, got {getattr(self, f)!r}")
         if not self.collective_latency >= 0:
             raise ValueError(f"profile {self.name!r}: collective_latency must be >= 0, got {self.collective_latency!r}")
-        if self.devices_per_node < 1 or self.bytes_per_param not in (2, 4):
-            raise ValueError(f"profile {self.name!r}: devices_per_node >= 1 and bytes_per_param 2 or 4")
+        if self.devices_per_node < 1:
+            raise ValueError(f"profile {self.name!r}: devices_per_node must be >= 1, got {self.devices_per_node!r}")
+        if self.bytes_per_param not in (2, 4):
+            raise ValueError(f"profile {self.name!r}: bytes_per_param must be 2 (bf16) or 4 (fp32), got "
+                             f"{self.bytes_per_param!r}")
+        if self.host_cores < 0 or self.threads_per_rank < 1:
+            raise ValueError(f"profile {self.name!r}: host_cores must be >= 0 and threads_per_rank >= 1, got "
+                             f"{self.host_cores!r} and {self.threads_per_rank!r}")
 
 
 # Efficiencies applied to datasheet peaks: 50% of dense bf16 peak for large training and
@@ -74,22 +82,28 @@ BUILTIN = {
 
 
 def load_profile(spec: str) -> DeviceProfile:
-    """A built-in profile by name, or a YAML file written by ``measure`` (or by hand)."""
+    """A built-in profile by name, or a YAML file written by ``measure`` (or by hand); a file
+    that is not YAML, not a mapping, or has a key of the wrong type or range is one line
+    naming the file and the key."""
     if spec in BUILTIN:
         return BUILTIN[spec]
     path = Path(spec)
     if not path.is_file():
         raise ValueError(f"--profile {spec!r} is neither a built-in profile ({', '.join(BUILTIN)}) nor a "
                          "file; write one with `minihf plan --measure --profile-out FILE`")
-    data = yaml.safe_load(path.read_text()) or {}
-    fields = {f.name for f in dataclasses.fields(DeviceProfile)}
-    unknown = sorted(set(data) - fields)
-    if unknown or not isinstance(data, dict):
-        raise ValueError(f"{path}: unknown profile keys {unknown}; the keys are {sorted(fields)}")
-    try:
-        return DeviceProfile(**data)
-    except TypeError as exc:
-        raise ValueError(f"{path}: {exc}") from None
+    from minihf.config import ConfigError, from_dict
+    from minihf.utils.yaml_load import load_yaml_file
+
+    fix = "fix it, or write a new one with `minihf plan --measure --profile-out FILE`"
+    data = load_yaml_file(path, "profile")  # YAMLInputError (a ValueError) names the file
+    if not isinstance(data, dict):
+        got = "it is empty" if data is None else f"got {type(data).__name__} {data!r:.40}"
+        raise ValueError(f"profile {path} must be a mapping of keys (name, memory_bytes, flops, ...), {got}; "
+                         f"{fix}")
+    try:  # every key type-checked: a wrong one is named, with the type it needs
+        return from_dict(DeviceProfile, data, "")
+    except ConfigError as exc:  # a range check's message names the profile already
+        raise ValueError(f"profile {path}: {str(exc).removeprefix('DeviceProfile: ')}; {fix}") from None
 
 
 def save_profile(profile: DeviceProfile, path: str | Path) -> Path:

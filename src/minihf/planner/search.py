@@ -11,14 +11,16 @@ The candidates (HybridFlow's Algorithm 1, over minihf's knobs):
    power-of-two micro-batch (rows per device) up to its share of a mini-batch that fits in
    memory (1 if none does; such a plan is then infeasible).
 Each candidate is estimated with ``cost.estimate``; those whose predicted peak memory
-exceeds a device are counted as infeasible and dropped.
+exceeds a device are counted as infeasible and dropped. The placements grow as
+C(N - 1, groups - 1): a search past ``MAX_PLACEMENTS`` of them is refused before it starts
+(``check_size`` names the ``--unit`` that fits), and a long one reports its progress.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Iterator
+from typing import Callable, Iterator
 
 from minihf.planner.cost import Estimate, Group, Plan, estimate
 from minihf.planner.job import Workload
@@ -49,7 +51,8 @@ def compositions(total: int, parts: int) -> Iterator[tuple[int, ...]]:
 
 
 def tp_options(devices: int, heads: int, kv_heads: int) -> list[int]:
-    return [t for t in range(1, devices + 1) if devices % t == 0 and heads % t == 0 and kv_heads % t == 0]
+    top = min(devices, heads, kv_heads)  # a TP size divides the heads: no need to try past them
+    return [t for t in range(1, top + 1) if devices % t == 0 and heads % t == 0 and kv_heads % t == 0]
 
 
 def _micro_options(rows_per_device: int) -> list[int]:
@@ -69,6 +72,38 @@ def groupings(w: Workload) -> Iterator[list[tuple[str, ...]]]:
                 yield [("actor", *part[i])] + [tuple(b) for j, b in enumerate(part) if j != i]
 
 
+# Placements (role groups x device counts) a search may enumerate. Most are refused at once
+# by the batch sizes (ppo_rm on 256 devices: 33,151 placements, 99.7% refused, searched in
+# ~5 s); the others are estimated, up to ~50 ms each with their micro-batches fitted, and a
+# long search reports its progress. A count past the bound is refused before it starts.
+MAX_PLACEMENTS = 100_000
+PROGRESS_EVERY = 1000
+
+
+def placement_count(w: Workload, units: int) -> int:
+    """Placements ``search`` enumerates on ``units`` groups of devices: per role grouping
+    of g groups, C(units - 1, g - 1) ways to size them (before the rollout TP sizes)."""
+    return sum(math.comb(units - 1, len(g) - 1) for g in groupings(w))
+
+
+def check_size(w: Workload, devices: int, unit: int = 1) -> None:
+    """A ValueError when ``devices / unit`` gives more than ``MAX_PLACEMENTS`` placements,
+    naming the count, the bound and the ``--unit`` that fits."""
+    units = devices // unit
+    count = placement_count(w, units)
+    if count <= MAX_PLACEMENTS:
+        return
+    lo, hi = 1, units  # the most units within the bound (the count grows with units)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if placement_count(w, mid) <= MAX_PLACEMENTS else (lo, mid - 1)
+    raise ValueError(
+        f"--devices {devices} --unit {unit}: {count:.3g} placements of the {len(w.roles)} roles "
+        f"({', '.join(r.name for r in w.roles)}) to estimate, over the planner's bound of {MAX_PLACEMENTS:,} "
+        f"(each may take ~50 ms); pass a --unit U that divides {devices} with {devices} / U <= {lo} (groups then "
+        "take multiples of U devices, e.g. U = the node size)")
+
+
 @dataclass
 class SearchResult:
     ranked: list[Estimate]               # feasible plans, fastest first
@@ -77,14 +112,19 @@ class SearchResult:
     refused: int                         # a trained role's ppo_mini_batch_size does not split over its devices
 
 
-def search(w: Workload, devices: int, profile: DeviceProfile, unit: int = 1) -> SearchResult:
+def search(w: Workload, devices: int, profile: DeviceProfile, unit: int = 1,
+           progress: Callable[[int, int], None] | None = None) -> SearchResult:
     """Every candidate of ``w`` on ``devices``, groups sized in multiples of ``unit`` devices
     (1: any size; the node size on a large cluster, where sizes in between multiply the
-    candidates without new shapes of plan)."""
+    candidates without new shapes of plan). More than ``MAX_PLACEMENTS`` placements is a
+    ValueError (``check_size``) before any is estimated; ``progress(done, total)`` is called
+    every ``PROGRESS_EVERY`` placements (the CLI says how far a long search is)."""
     if devices < 1:
         raise ValueError(f"--devices {devices}: need at least 1")
     if unit < 1 or devices % unit:
         raise ValueError(f"--unit {unit} must be >= 1 and divide --devices {devices}")
+    check_size(w, devices, unit)
+    total, done = placement_count(w, devices // unit), 0
     actor = w.role("actor").model
     seen: set = set()
     ranked, considered, infeasible, refused = [], 0, 0, 0
@@ -92,6 +132,9 @@ def search(w: Workload, devices: int, profile: DeviceProfile, unit: int = 1) -> 
         if len(grouping) > devices // unit:
             continue
         for units in compositions(devices // unit, len(grouping)):
+            done += 1
+            if progress is not None and done % PROGRESS_EVERY == 0:
+                progress(done, total)
             counts = [n * unit for n in units]
             first, groups = 0, []
             for roles, n in zip(grouping, counts):

@@ -1,0 +1,126 @@
+"""Reading the YAML users write (recipes, ``key=value`` overrides, planner profiles): one loader.
+
+``load_yaml`` is PyYAML's safe loader (plain data: no Python objects, no code) with two
+changes, and every YAML minihf reads from a user goes through it:
+
+* ``1e-6`` / ``3E5`` read as floats, as YAML 1.2 reads them (PyYAML's YAML 1.1 reads
+  strings);
+* the document may not stand for more than ``MAX_NODES`` values once its aliases are
+  expanded. An alias (``*name``) is a reference, so PyYAML builds a 12-line "billion
+  laughs" file (each line's list holding the previous one nine times) in a millisecond,
+  but minihf copies a recipe's values (merging layers, making file paths absolute,
+  validating), which expands every reference: such a file took minutes and gigabytes.
+  The count is made on the parsed nodes, each shared node counted once per reference
+  (memoized, so counting is linear in the file), before anything is built, and a file
+  over the bound is refused in milliseconds. Aliases themselves stay allowed: a recipe may
+  share a section (``safe_rlhf``'s ``cost_critic: *critic``). A merge key (``<<: *base``)
+  is counted the same way. A node that contains itself (``&a [*a]``) is refused too: a
+  config is a tree.
+
+Errors are ``YAMLInputError`` (a ``ValueError``), one line naming the file (or the value)
+and what to change, never PyYAML's multi-line report.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+# Values a document may stand for, aliases expanded. minihf's largest recipe is a few
+# hundred; a bound far above any real config and far below what takes time to copy.
+MAX_NODES = 100_000
+
+
+class YAMLInputError(ValueError):
+    """YAML that cannot be read as a config; ``problem`` is the reason without the file name,
+    ``syntax`` whether the text is not YAML at all (rather than YAML minihf refuses)."""
+
+    def __init__(self, message: str, problem: str, syntax: bool = False):
+        super().__init__(message)
+        self.problem, self.syntax = problem, syntax
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML 1.1 safe loader that also reads ``1e-6`` / ``3E5`` as floats (YAML 1.2 does)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"))
+
+
+class _SelfReference(Exception):
+    pass
+
+
+def expanded_size(root: yaml.Node, cap: int = MAX_NODES) -> int:
+    """Values ``root`` stands for with every alias expanded (each key and value one), at most
+    ``cap + 1``: a shared node is counted once per reference, its size computed once."""
+    sizes: dict[int, int] = {}
+    open_nodes: set[int] = set()
+
+    def size(node: yaml.Node) -> int:
+        key = id(node)
+        if key in sizes:
+            return sizes[key]
+        if key in open_nodes:
+            raise _SelfReference
+        total = 1
+        if isinstance(node, (yaml.SequenceNode, yaml.MappingNode)):
+            open_nodes.add(key)
+            children = (node.value if isinstance(node, yaml.SequenceNode)
+                        else [item for pair in node.value for item in pair])
+            for child in children:
+                total = min(total + size(child), cap + 1)  # small ints: no 9**9 sums
+            open_nodes.discard(key)
+        sizes[key] = total
+        return total
+
+    return size(root)
+
+
+def load_yaml(text: str, where: str) -> Any:
+    """The data of YAML ``text``; ``where`` names it in errors (e.g. ``recipe /path/x.yaml``)."""
+    loader = _Loader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        try:
+            size = expanded_size(node)
+        except _SelfReference:
+            raise YAMLInputError(f"{where}: an alias refers to the node that contains it (a loop, "
+                                 "e.g. `a: &x [*x]`); a config is a tree, so remove that alias",
+                                 "a recursive alias") from None
+        if size > MAX_NODES:
+            raise YAMLInputError(
+                f"{where}: its aliases (*name) expand to more than {MAX_NODES:,} values (a config has a few "
+                "hundred; aliases nested in aliases multiply, the \"billion laughs\" pattern); write the "
+                "values out, or use each alias once", "aliases expand to too many values")
+        return loader.construct_document(node)
+    except yaml.YAMLError as e:
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise YAMLInputError(f"cannot parse {where} as YAML: {problem}{at}", problem, syntax=True) from None
+    except RecursionError:
+        raise YAMLInputError(f"{where}: nested too deeply to read (thousands of levels); a config "
+                             "has a few", "nested too deeply") from None
+    finally:
+        loader.dispose()
+
+
+def load_yaml_file(path: str | Path, what: str = "") -> Any:
+    """``load_yaml`` of the file at ``path``; ``what`` names its kind in errors (``recipe``)."""
+    path = Path(path)
+    where = f"{what} {path}".strip()
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError:
+        raise YAMLInputError(f"{where} is not UTF-8 text (a binary or damaged file); it must be "
+                             "YAML", "not UTF-8") from None
+    return load_yaml(text, where)

@@ -19,8 +19,8 @@ def build_tiny(arch: str, path, heads: int = 4, kv_heads: int = 2, **extra):
     cls = dict(llama=LlamaConfig, qwen2=Qwen2Config, qwen3=Qwen3Config, mistral=MistralConfig)[arch]
     # a large init std makes logits peaky, so greedy comparisons are not decided by fp32 ties
     extra.setdefault("tie_word_embeddings", arch == "qwen2")
-    extra = {"vocab_size": 128, "intermediate_size": 128, **extra}
-    cfg = cls(hidden_size=64, num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
+    extra = {"vocab_size": 128, "intermediate_size": 128, "max_position_embeddings": 256, **extra}
+    cfg = cls(hidden_size=64, num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=kv_heads,
               initializer_range=0.2, eos_token_id=None, bos_token_id=None, pad_token_id=None, **extra)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()

@@ -79,7 +79,8 @@ def build_engine(args, cfg, dtype: torch.dtype, tp_group, device: torch.device,
                   max_model_len=cfg.prompt_length + cfg.response_length,
                   max_num_batched_tokens=cfg.max_num_batched_tokens,
                   gpu_memory_utilization=cfg.gpu_memory_utilization if device.type == "cuda" else None,
-                  eos_token_ids=eos_token_ids)
+                  eos_token_ids=eos_token_ids, enforce_eager=cfg.enforce_eager,
+                  cudagraph_capture_sizes=cfg.cudagraph_capture_sizes)
 
 
 class HybridEngine:
@@ -217,6 +218,8 @@ class HybridEngine:
                          "perf/reshard_bytes": self.last_reshard.get("bytes_received", 0),
                          "timing_s/gen_prefill": self.engine.last_stats.get("prefill_s", 0.0),
                          "timing_s/gen_decode": self.engine.last_stats.get("decode_s", 0.0),
+                         **({"timing_s/gen_capture": self.engine.last_stats["capture_s"]}
+                            if self.engine.runner.decode_mode != "eager" else {}),
                          **({"timing_s/env": runner.env_seconds,
                              "timing_s/gen_extend": self.engine.last_stats["extend_s"],
                              "multi_turn/evictions": self.engine.last_stats["evictions"]}
@@ -362,7 +365,7 @@ def episode_outputs(out: Batch, runner, seqs, turn_rewards: bool) -> None:
 
 # replicas run at once: the slowest counts (and the most bytes one rank received)
 MAX_META = ("timing_s/reshard", "timing_s/gen", "perf/reshard_bytes", "timing_s/gen_prefill",
-            "timing_s/gen_decode", "timing_s/gen_extend", "timing_s/env", "multi_turn/evictions")
+            "timing_s/gen_decode", "timing_s/gen_capture", "timing_s/gen_extend", "timing_s/env", "multi_turn/evictions")
 
 
 def collect_rollout(layout, outputs: list, ctx) -> Batch:

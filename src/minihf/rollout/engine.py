@@ -9,9 +9,12 @@ decode step over the dense slot prefix ``[0, num_rows)``, new sequences included
 slots; a multi-turn sequence that ended a turn is handed to the caller's environment). The
 host sees the sampled tokens once per forward (one device->host copy), nothing else.
 
-Not done yet (GPU): CUDA graphs / torch.compile for the decode step and flash-attn's KV-cache
-kernel; the decode runs eager SDPA over the used prefix of the cache. On CPU torch.compile
-recompiled on every new cache length and did not pay off.
+The decode step: with ``enforce_eager=False`` (the default, vLLM's key) on CUDA it is the
+static step of ``minihf.rollout.decode_step``, one CUDA graph per bucket of rows and cache
+length, captured on first use and replayed; ``enforce_eager=True``, and on CPU, it is the
+eager step over exactly the rows and cache prefix at hand (on CPU the static step computes
+the bucket's padding for nothing, with no launches to save: docs/models.md#generation).
+Not done yet: flash-attn's KV-cache kernel (the decode runs SDPA with a mask).
 
 The KV cache is allocated lazily, sized to the work at hand (``min(max_num_seqs, #sequences)``
 slots of ``min(max_model_len, longest prompt + max_tokens)`` positions) and capped by
@@ -62,16 +65,22 @@ class Engine:
 
     ``max_num_seqs`` caps concurrent sequences (cache slots), ``max_model_len`` caps prompt +
     completion, ``max_num_batched_tokens`` caps prompt tokens per prefill step, and
-    ``kv_cache_memory`` (bytes) / ``gpu_memory_utilization`` cap the cache size.
+    ``kv_cache_memory`` (bytes) / ``gpu_memory_utilization`` cap the cache size;
+    ``enforce_eager`` / ``cudagraph_capture_sizes``: the decode step (module docstring).
     """
 
     def __init__(self, model: torch.nn.Module, *, device: torch.device | str | None = None,
                  max_num_seqs: int = 256, max_model_len: int | None = None,
                  max_num_batched_tokens: int | None = None, kv_cache_memory: int | None = None,
                  gpu_memory_utilization: float | None = None, eos_token_ids: tuple[int, ...] = (), seed: int = 0,
-                 cpu_column_major: bool = True):
+                 cpu_column_major: bool = True, enforce_eager: bool = False,
+                 cudagraph_capture_sizes: list[int] | None = None, decode: str | None = None):
+        if decode is None:  # tests and benchmarks name the decode mode; users say enforce_eager
+            target = torch.device(device) if device is not None else next(model.parameters()).device
+            decode = "graph" if target.type == "cuda" and not enforce_eager else "eager"
         self.runner = ModelRunner(model, device=device, max_num_seqs=max_num_seqs, kv_cache_memory=kv_cache_memory,
-                                  gpu_memory_utilization=gpu_memory_utilization, cpu_column_major=cpu_column_major)
+                                  gpu_memory_utilization=gpu_memory_utilization, cpu_column_major=cpu_column_major,
+                                  decode=decode, capture_sizes=cudagraph_capture_sizes)
         args = model.args
         self.max_model_len = max_model_len or args.max_position_embeddings
         rope = getattr(model.model, "rope", None)
@@ -138,6 +147,7 @@ class Engine:
             sched.add(s)
         self.last_stats = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0,
                            "extend_s": 0.0, "extend_tokens": 0, "evictions": 0}
+        self.runner.stats.update(captures=0, capture_s=0.0)
         with torch.inference_mode():
             while sched.has_work():
                 if turns is not None and sched.num_paused():
@@ -148,6 +158,7 @@ class Engine:
                         break
                 self._step(sched, turns)
         self.last_stats["evictions"] = sched.evictions
+        self.last_stats.update(self.runner.stats)  # static buckets captured (decode_s includes them)
         return groups
 
     def _sequences(self, prompts: list[list[int]], plist: list[SamplingParams], multi_turn: bool

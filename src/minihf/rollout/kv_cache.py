@@ -57,7 +57,9 @@ class SlotKVCache:
         """Next forward appends one token to each row ``[0, len(positions))`` at ``positions`` [B];
         ``kv_len`` = 1 + the largest position (passed in: the host knows it, no device sync).
         ``same_length``: every row is at position ``kv_len - 1``, so every key is attended to
-        and no mask is needed (batch 1 always; saves the mask and its use in every layer)."""
+        and no mask is needed (batch 1 always; saves the mask and its use in every layer).
+        Device ops only (no host sync), so a static decode step can capture it: ``kv_len``
+        may then exceed every row's position (a length bucket), the mask hiding the rest."""
         self._prefill_slots = self._extend_slots = None
         self._rows = positions.shape[0]
         self._kv_len = kv_len

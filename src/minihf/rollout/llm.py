@@ -74,13 +74,17 @@ class LLM:
     An in-memory model is used as is (not copied): ``apply_tp`` shards it in place.
     ``cpu_column_major`` (default: only for models this class loads itself) re-lays Linear
     weights out column-major on CPU for faster decoding (see ``model_runner.column_major_linears``);
-    pass True for an in-memory model that only generates.
+    pass True for an in-memory model that only generates. ``enforce_eager`` and
+    ``cudagraph_capture_sizes`` (vLLM's names) choose the decode step (``minihf.rollout.engine``);
+    ``decode`` names it outright (``eager``, ``static``, ``graph``: tests and benchmarks).
     """
 
     def __init__(self, model, tp_group=None, dtype: torch.dtype | None = None, device: str | None = None,
                  max_num_seqs: int = 256, max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
                  kv_cache_memory: int | None = None, gpu_memory_utilization: float | None = None,
-                 eos_token_ids: tuple[int, ...] | None = None, seed: int = 0, cpu_column_major: bool | None = None):
+                 eos_token_ids: tuple[int, ...] | None = None, seed: int = 0, cpu_column_major: bool | None = None,
+                 enforce_eager: bool = False, cudagraph_capture_sizes: list[int] | None = None,
+                 decode: str | None = None):
         if device is None:
             if tp_group is not None and torch.cuda.is_available():
                 device = f"cuda:{torch.cuda.current_device()}"
@@ -108,6 +112,7 @@ class LLM:
             gpu_memory_utilization=gpu_memory_utilization,
             eos_token_ids=default_eos if eos_token_ids is None else tuple(eos_token_ids), seed=seed,
             cpu_column_major=owned if cpu_column_major is None else cpu_column_major,
+            enforce_eager=enforce_eager, cudagraph_capture_sizes=cudagraph_capture_sizes, decode=decode,
         )
 
     def generate(self, prompts: list[list[int]], sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:

@@ -8,7 +8,10 @@ sampling parameters, and runs the three kinds of forward the engine asks for:
   are copied to the others' slots; each sequence draws its own first token.
 * ``extend(seqs)``: resumed multi-turn sequences append their new tokens (the turn's last
   sampled token and the observation) after their cached history.
-* ``decode(tokens, positions, seqs)``: one token for each row ``[0, len(tokens))``.
+* ``decode(tokens, positions, seqs)``: one token for each row ``[0, len(tokens))``, eager
+  over exactly those rows and the cache prefix they use (``decode="eager"``), or the static
+  step of ``minihf.rollout.decode_step`` over a bucket of rows and cache length, run as is
+  (``"static"``) or replayed as a CUDA graph (``"graph"``).
 
 Prefill and extend are one code path (:meth:`ModelRunner._forward_new`): contexts
 right-padded in length buckets, written at ``start .. start + T - 1`` of their slots, only
@@ -27,6 +30,7 @@ import torch
 
 from minihf.parallel.tp import ColumnParallelLinear, RowParallelLinear, VocabParallelLMHead
 
+from .decode_step import StaticDecode, bucket, default_capture_sizes, length_bucket
 from .kv_cache import SlotKVCache
 from .sampling import RowParams, sample
 from .scheduler import Sequence
@@ -76,12 +80,17 @@ class ModelRunner:
     """Runs one model (possibly TP-sharded) over a slot KV cache on ``device``.
 
     ``max_num_seqs`` caps the cache's slots, ``kv_cache_memory`` (bytes) or
-    ``gpu_memory_utilization`` (of free CUDA memory) its size.
+    ``gpu_memory_utilization`` (of free CUDA memory) its size. ``decode``: ``eager``,
+    ``static`` or ``graph`` (see the module docstring), the static step's batch buckets
+    ``capture_sizes`` (default: :func:`default_capture_sizes`).
     """
+
+    DECODE_MODES = ("eager", "static", "graph")
 
     def __init__(self, model: torch.nn.Module, *, device: torch.device | str | None = None,
                  max_num_seqs: int = 256, kv_cache_memory: int | None = None,
-                 gpu_memory_utilization: float | None = None, cpu_column_major: bool = True):
+                 gpu_memory_utilization: float | None = None, cpu_column_major: bool = True,
+                 decode: str = "eager", capture_sizes: list[int] | None = None):
         self.model = model.eval()
         param_device = next(model.parameters()).device
         if device is None and param_device.type == "meta":
@@ -94,6 +103,14 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.kv_cache_memory = kv_cache_memory
         self.gpu_memory_utilization = gpu_memory_utilization
+        if decode not in self.DECODE_MODES:
+            raise ValueError(f"decode={decode!r}; choose one of {self.DECODE_MODES}")
+        if decode == "graph" and self.device.type != "cuda":
+            raise ValueError(f"decode='graph' captures CUDA graphs, but the device is {self.device}")
+        self.decode_mode = decode
+        self.capture_sizes = sorted(set(capture_sizes or default_capture_sizes(max_num_seqs)))
+        self.static: StaticDecode | None = None  # the static step's buffers and graphs, per cache
+        self.stats = {"captures": 0, "capture_s": 0.0}  # static buckets prepared (engine resets it)
         self.cache: SlotKVCache | None = None
         self._rows_key: tuple | None = None
         self._rows: RowParams | None = None
@@ -138,8 +155,10 @@ class ModelRunner:
             torch.cuda.empty_cache()
 
     def reset(self) -> None:
-        """Drop the KV cache and the cached per-row sampling parameters."""
+        """Drop the KV cache, the static step's buffers and graphs (they hold the cache's and
+        the weights' addresses) and the cached per-row sampling parameters."""
         self.cache = None
+        self.static = None
         self._rows = self._rows_key = None
 
     # -- the KV cache -------------------------------------------------------------------
@@ -169,9 +188,11 @@ class ModelRunner:
         if cap is not None:
             slots = min(slots, cap)
         if self.cache is None or not self.cache.fits(slots, max_len, p.dtype, p.device):
-            self.cache = None  # release the old buffers before allocating new ones
+            self.reset()  # release the old buffers (and graphs over them) before allocating new ones
             layers, kv, hd = self._cache_geometry
             self.cache = SlotKVCache(layers, slots, kv, max_len, hd, p.dtype, p.device)
+            if self.decode_mode != "eager":
+                self.static = StaticDecode(self.cache.num_slots, p.device, capture=self.decode_mode == "graph")
         self._rows_key = None  # ids of dead sequences may be reused by the next call's
         return self.cache.num_slots
 
@@ -241,12 +262,31 @@ class ModelRunner:
                ) -> tuple[list[int], list[float]]:
         """One decode step over rows ``[0, len(tokens))``: row b appends ``tokens[b]`` at
         ``positions[b]``; ``seqs[b]`` is None for a hole (its output is ignored)."""
+        if self.static is not None:
+            return self._decode_static(tokens, positions, seqs)
         dev = self.cache.k.device  # the model's; cheaper than walking parameters every step
         tok = torch.tensor(tokens, dtype=torch.long, device=dev)[:, None]  # [B, 1]
         pos = torch.tensor(positions, dtype=torch.long, device=dev)[:, None]
         self.cache.begin_decode(pos[:, 0], max(positions) + 1, same_length=min(positions) == max(positions))
         logits = self.model(tok, pos, kv_cache=self.cache)[:, -1]  # [B, V]
         return self._sample(logits, seqs)
+
+    def _decode_static(self, tokens: list[int], positions: list[int], seqs: list[Sequence | None]
+                       ) -> tuple[list[int], list[float]]:
+        """:meth:`decode` through the static step: the rows padded to the next capture size
+        (at most the cache's slots), the cache read up to the next length bucket."""
+        n, slots = len(tokens), self.cache.num_slots
+        rows = bucket(n, [s for s in self.capture_sizes if s < slots] + [slots])
+        padded = seqs + [None] * (rows - n)
+        self.static.set_rows([s.params[0] if s else None for s in padded], [s.params[1] if s else 0 for s in padded],
+                             tuple(id(s) for s in padded))
+        before = self.static.captures, self.static.capture_s
+        out = self.static.run(rows, length_bucket(max(positions) + 1, self.cache.max_len), self.model, self.cache,
+                              tokens, positions, [len(s.tokens) if s else 0 for s in seqs])
+        self.stats["captures"] += self.static.captures - before[0]
+        self.stats["capture_s"] += self.static.capture_s - before[1]
+        both = out[:, :n].cpu()  # the one host sync per step
+        return [int(t) for t in both[0].tolist()], both[1].tolist()
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence | None]) -> tuple[list[int], list[float]]:
         # per-row parameters change only when the row composition does (admission, finish, move)

@@ -270,6 +270,8 @@ class RolloutConfig:
     seed: int = 0                        # base of every sample's seed (with step, uid, sample index)
     check_log_probs: Literal["off", "warn", "error"] = "off"  # engine vs trainer log-probs within rounding, every step
     free_base_weights: bool = False      # LoRA actor: sleeping frees the engine's base weights too (gathered again each step); default keeps them, so only the adapters move
+    enforce_eager: bool = False          # false: on CUDA the decode step is a CUDA graph per bucket (captured on first use, again after each sleep); true: eager. CPU: always eager
+    cudagraph_capture_sizes: Optional[list[int]] = None  # the decode step's batch buckets; null: powers of two up to max_num_seqs, and max_num_seqs
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
@@ -288,6 +290,11 @@ class RolloutConfig:
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"rollout.max_num_batched_tokens={self.max_num_batched_tokens} "
                              "must be >= 1, or null (no cap)")
+        sizes = self.cudagraph_capture_sizes
+        if sizes is not None and (not isinstance(sizes, list) or not sizes
+                                  or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in sizes)):
+            raise ValueError(f"rollout.cudagraph_capture_sizes={sizes!r} must be a non-empty list of ints >= 1 "
+                             "(batch sizes, e.g. [1, 2, 4, 8, 16]), or null (powers of two up to max_num_seqs)")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"rollout.gpu_memory_utilization={self.gpu_memory_utilization} "
                              "must be in (0, 1]")

@@ -1,0 +1,151 @@
+"""The static decode step: fixed shapes per bucket, inputs written in place, replayable.
+
+The eager decode (``ModelRunner.decode`` with ``static=None``) runs over exactly the rows
+and the cache prefix at hand, so its shapes change every step: nothing can be captured.
+This step runs over a **bucket**: the batch padded up to the next capture size
+(``rollout.cudagraph_capture_sizes``, vLLM's name) and the cache read up to the next power
+of two (at least 256 positions, at most the cache's length). Per bucket it is one
+function of device buffers only:
+
+* inputs: ``tokens``, ``positions``, ``steps`` (the sampler's counters) and the rows'
+  sampling parameters are device tensors, written in place before each step (one
+  host->device copy for the three per-step vectors, one per composition change for the
+  parameters);
+* the cache mask (``key position <= row position``) and the write offsets are built on
+  the device from ``positions``;
+* sampling runs on the device (counter-based: no generator state), into an output buffer
+  the host reads once per step, as the eager path does.
+
+Padding rows are cache slots past the last occupied one (free: the scheduler keeps the
+running sequences in a dense prefix), so they sample greedily from token 0 at position 0,
+which the slot's next prefill overwrites; their outputs are dropped. Cache positions past a
+row's own are masked (stale entries included), so the bucket's extra length changes no
+value.
+
+What runs the function per bucket is the only device-specific part: on CUDA it is captured
+once as a CUDA graph (a shared memory pool; the first use of a bucket captures it, later
+steps replay it: no Python, no kernel launches but the graph's) unless
+``rollout.enforce_eager``; elsewhere it is called as is, which is how the CPU tests cover
+the same logic. Captured graphs hold the addresses of the weights, the KV cache and these
+buffers: :meth:`StaticDecode.clear` drops them whenever one of those is reallocated
+(sleep, wake-up, a new cache), and the next use recaptures, timed in ``capture_s``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from .sampling import RowParams, SamplingParams, sample
+
+
+def default_capture_sizes(max_num_seqs: int) -> list[int]:
+    """Powers of two up to ``max_num_seqs``, and ``max_num_seqs`` itself: at most twice the
+    rows of a step are computed, with few graphs to capture (vLLM captures 1, 2, 4 and every
+    multiple of 8, cheaper per step but ~70 graphs)."""
+    sizes = [1 << i for i in range(max_num_seqs.bit_length()) if 1 << i < max_num_seqs]
+    return sizes + [max_num_seqs]
+
+
+def bucket(value: int, sizes: list[int]) -> int:
+    """The smallest of ``sizes`` (ascending) that is >= ``value``."""
+    for s in sizes:
+        if s >= value:
+            return s
+    raise ValueError(f"{value} rows exceed the largest capture size {sizes[-1]}")
+
+
+def length_bucket(kv_len: int, max_len: int, floor: int = 256) -> int:
+    """The cache prefix a decode step reads: the next power of two >= ``kv_len`` (at least
+    ``floor``), capped at the cache's ``max_len``: log2(max_len / floor) + 1 lengths at most."""
+    return min(max_len, max(floor, 1 << (kv_len - 1).bit_length()))
+
+
+class StaticDecode:
+    """Device buffers for up to ``max_rows`` rows and, per ``(rows, length, sampler mode)``
+    bucket, a step that reads them: a CUDA graph (``capture=True``) or the function itself."""
+
+    def __init__(self, max_rows: int, device: torch.device, capture: bool):
+        self.max_rows, self.device, self.capture = max_rows, device, capture
+        self.inputs = torch.zeros(3, max_rows, dtype=torch.long, device=device)  # tokens, positions, steps
+        self.out = torch.zeros(2, max_rows, dtype=torch.float64, device=device)  # tokens, log-probs
+        self.temperature = torch.zeros(max_rows, dtype=torch.float32, device=device)
+        self.top_k = torch.full((max_rows,), -1, dtype=torch.int64, device=device)
+        self.top_p = torch.ones(max_rows, dtype=torch.float32, device=device)
+        self.keys = torch.zeros(max_rows, dtype=torch.int64, device=device)
+        self.steps: dict[tuple, Callable[[], None]] = {}
+        self.captures = 0       # buckets captured (or first run) since this object was made
+        self.capture_s = 0.0    # seconds spent capturing them
+        self._pool = None
+        self._composition: tuple | None = None
+        self._flags = (True, False)
+
+    def clear(self) -> None:
+        """Forget every captured step (their addresses are about to become invalid)."""
+        self.steps.clear()
+        self._pool = None
+
+    def set_rows(self, params: list[SamplingParams | None], keys: list[int], composition: tuple) -> None:
+        """Write the rows' sampling parameters (padding rows: None, greedy) when they changed."""
+        if composition == self._composition:
+            return
+        rows = RowParams.build(params, keys, "cpu")
+        n = len(params)
+        for buf, new in ((self.temperature, rows.temperature), (self.top_k, rows.top_k),
+                         (self.top_p, rows.top_p), (self.keys, rows.keys)):
+            buf[:n].copy_(new, non_blocking=True)
+        self._flags = (rows.all_greedy, rows.truncate)
+        self._composition = composition
+
+    def run(self, rows: int, length: int, forward: Callable, cache, tokens: list[int], positions: list[int],
+            steps: list[int]) -> torch.Tensor:
+        """One step over the bucket of ``rows`` rows and ``length`` cache positions; the first
+        ``len(tokens)`` rows are real. Returns the output buffer [2, rows] (tokens, log-probs)."""
+        n = len(tokens)
+        staged = torch.tensor([tokens, positions, steps], dtype=torch.long)
+        if n < rows:  # padding rows: token 0 at position 0, counter 0
+            staged = torch.nn.functional.pad(staged, (0, rows - n))
+        self.inputs[:, :rows].copy_(staged, non_blocking=True)
+        key = (rows, length, *self._flags)
+        step = self.steps.get(key)
+        if step is None:
+            t0 = time.perf_counter()
+            step = self.steps[key] = self._prepare(key, forward, cache)
+            self.captures += 1
+            self.capture_s += time.perf_counter() - t0
+        step()
+        return self.out[:, :rows]
+
+    def _body(self, key: tuple, forward: Callable, cache) -> Callable[[], None]:
+        rows, length, all_greedy, truncate = key
+        tokens, positions, counters = self.inputs[0, :rows], self.inputs[1, :rows], self.inputs[2, :rows]
+        params = RowParams(self.temperature[:rows], self.top_k[:rows], self.top_p[:rows], self.keys[:rows],
+                           all_greedy=all_greedy, truncate=truncate, uniform_temperature=None)
+        out = self.out[:, :rows]
+
+        def body() -> None:
+            cache.begin_decode(positions, length)  # mask and write offsets from the device buffer
+            logits = forward(tokens[:, None], positions[:, None], kv_cache=cache)[:, -1]  # [rows, V]
+            tok, logp = sample(logits, params, counters)
+            out.copy_(torch.stack([tok.double(), logp.double()]))
+        return body
+
+    def _prepare(self, key: tuple, forward: Callable, cache) -> Callable[[], None]:
+        body = self._body(key, forward, cache)
+        if not self.capture:
+            return body
+        # warm-up on a side stream (kernel selection, lazy allocations), then capture; the
+        # warm-up writes the same keys and values the step itself writes
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            body()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            body()
+        return graph.replay

@@ -1,0 +1,140 @@
+"""The static decode step (``minihf.rollout.decode_step``) against the eager one, on CPU.
+
+On CUDA the static step is captured as a CUDA graph; here the same function runs as is
+(``decode="static"``), so these tests cover the fast path's logic: the buckets, the device
+buffers written in place, the on-device mask over a padded cache length, the padding rows,
+sampling on the device, and when buckets are prepared (captured) again. Tokens must equal
+the eager path's and log-probs stay within the rounding bound of a float64 forward: the two
+paths differ only in GEMM shapes (padded rows) and the mask (the eager step at one shared
+length has none), which change the summation order, not the result beyond rounding.
+"""
+
+import pytest
+import torch
+
+from logprob_reference import float64_log_probs, rounding_ratio
+from minihf.models import load_hf
+from minihf.rollout import LLM, SamplingParams
+from minihf.rollout.decode_step import bucket, default_capture_sizes, length_bucket
+
+from test_multi_turn_engine import STOP, FixedObservations, check_against_forward
+from test_rollout_engine import PROMPTS, build_tiny, one_row
+
+SAMPLERS = {"greedy": SamplingParams(temperature=0, max_tokens=12),
+            "sampled": SamplingParams(temperature=0.8, max_tokens=12, seed=7),
+            "top-k/top-p": SamplingParams(temperature=1.0, top_k=20, top_p=0.9, max_tokens=12, seed=3)}
+
+
+def test_buckets_by_hand():
+    assert default_capture_sizes(1) == [1]
+    assert default_capture_sizes(16) == [1, 2, 4, 8, 16]
+    assert default_capture_sizes(48) == [1, 2, 4, 8, 16, 32, 48]
+    assert [bucket(n, [1, 2, 4, 8]) for n in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
+    with pytest.raises(ValueError, match="9 rows exceed the largest capture size 8"):
+        bucket(9, [1, 2, 4, 8])
+    assert [length_bucket(n, 4096) for n in (1, 256, 257, 1000, 4096)] == [256, 256, 512, 1024, 4096]
+    assert length_bucket(300, 300) == 300 and length_bucket(20, 23) == 23  # capped at the cache
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("static") / "llama"
+    build_tiny("llama", path)
+    return path
+
+
+def _worst(model, prompts, got, want, temperature) -> float:
+    """The largest log-prob gap, over every token, as a fraction of its rounding bound."""
+    worst = 0.0
+    for prompt, g, w in zip(prompts, got, want):
+        g, w = g.outputs[0], w.outputs[0]
+        assert g.token_ids == w.token_ids and g.finish_reason == w.finish_reason, prompt
+        _, scale = float64_log_probs(model, one_row(prompt, w.token_ids), temperature or 1.0)
+        worst = max(worst, rounding_ratio(torch.tensor([g.logprobs]), torch.tensor([w.logprobs]), scale,
+                                          torch.ones(1, len(w.logprobs)), pairwise=True))
+    return worst
+
+
+@pytest.mark.parametrize("name", SAMPLERS)
+def test_static_step_equals_eager_and_prepares_each_bucket_once(tiny, name):
+    """6 prompts over 4 slots (refills, a shrinking batch): the same tokens as the eager step,
+    log-probs within rounding; each bucket is prepared once, and a second generate over a
+    cache that still fits prepares none (a captured graph would be replayed)."""
+    sp = SAMPLERS[name]
+    eager = LLM(str(tiny), max_num_seqs=4).generate(PROMPTS, sp)
+    llm = LLM(str(tiny), max_num_seqs=4, decode="static", cudagraph_capture_sizes=[1, 2])
+    got = llm.generate(PROMPTS, sp)
+    stats = llm.engine.last_stats
+    used = set(llm.engine.runner.static.steps)
+    assert stats["captures"] == len(used) >= 2, (stats, used)  # no bucket prepared twice
+    assert {rows for rows, *_ in used} <= {1, 2, 4}             # capture sizes, then the cache's 4 slots
+    assert _worst(load_hf(tiny), PROMPTS, got, eager, sp.temperature) <= 1
+    again = llm.generate(PROMPTS, sp)
+    assert llm.engine.last_stats["captures"] == 0
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in got]
+
+
+def test_static_step_is_batch_invariant_with_bucket_padding(tiny):
+    """A request alone (bucket 1) and among 2, 4 and 10 others (buckets padded with rows
+    that sample from token 0): the same tokens, log-probs within rounding."""
+    sp = SAMPLERS["sampled"]
+    model = load_hf(tiny)
+    llm = LLM(load_hf(tiny), decode="static", cudagraph_capture_sizes=[1, 4, 8])
+    prompt = PROMPTS[0]
+    alone = llm.generate([prompt], sp)[0]
+    g = torch.Generator().manual_seed(0)
+    for others in (2, 4, 10):
+        batch = [torch.randint(1, 100, (int(n),), generator=g).tolist() for n in torch.randint(1, 20, (others,), generator=g)]
+        params = [SamplingParams(temperature=1.0, max_tokens=int(m), seed=100 + i)
+                  for i, m in enumerate(torch.randint(1, 16, (others,), generator=g))]
+        at = others // 2
+        outs = llm.generate(batch[:at] + [prompt] + batch[at:], params[:at] + [sp] + params[at:])
+        assert _worst(model, [prompt], [outs[at]], [alone], sp.temperature) <= 1, others
+
+
+def test_static_step_with_multi_turn_extends_and_a_long_cache(tmp_path):
+    """Multi-turn (paused rows are holes, extends between decodes) and a cache longer than
+    the first length bucket (256), so a generation crosses into the next bucket (512)."""
+    path = tmp_path / "qwen3"
+    build_tiny("qwen3", path, max_position_embeddings=1024)
+    prompts = [[1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    sp = SamplingParams(temperature=0, max_tokens=40, stop_token_ids=list(STOP), max_turn_tokens=6)
+    runs = {}
+    for mode in ("eager", "static"):
+        llm = LLM(str(path), max_num_seqs=2, decode=mode)
+        runs[mode] = [g[0] for g in llm.engine.generate(prompts, sp, turns=FixedObservations(turns=3, delay=True))]
+    model = load_hf(path)
+    for prompt, e, s in zip(prompts, runs["eager"], runs["static"]):
+        assert s.tokens == e.tokens and s.finish_reason == e.finish_reason and len(s.observations) >= 1
+        assert check_against_forward(model, prompt, s)[0] <= 1
+    long = LLM(str(path), max_num_seqs=2, decode="static")
+    out = long.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=300, ignore_eos=True))[0].outputs[0]
+    eager = LLM(str(path), max_num_seqs=2).generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=300,
+                                                                                ignore_eos=True))[0].outputs[0]
+    assert out.token_ids == eager.token_ids
+    assert {length for _, length, *_ in long.engine.runner.static.steps} == {256, 303}  # cache max_len 303
+
+
+def test_decode_modes_and_their_errors(tiny):
+    llm = LLM(str(tiny))
+    assert llm.engine.runner.decode_mode == "eager"  # CPU: the eager step, whatever enforce_eager says
+    with pytest.raises(ValueError, match="decode='fast'; choose one of"):
+        LLM(str(tiny), decode="fast")
+    with pytest.raises(ValueError, match="captures CUDA graphs, but the device is cpu"):
+        LLM(str(tiny), decode="graph")
+
+
+def test_rollout_keys_reach_the_engine_and_bad_values_are_refused(tiny):
+    """``rollout.enforce_eager`` / ``cudagraph_capture_sizes`` as the hybrid engine builds its
+    engine (CPU: the eager step whatever enforce_eager says; the sizes are kept for CUDA)."""
+    from minihf.hybrid.engine import build_engine
+    from minihf.models import load_args
+    from minihf.workers.config import RolloutConfig
+
+    for eager in (False, True):
+        cfg = RolloutConfig(prompt_length=8, response_length=8, enforce_eager=eager, cudagraph_capture_sizes=[4, 1])
+        engine = build_engine(load_args(tiny), cfg, torch.float32, None, torch.device("cpu"), ())
+        assert engine.runner.decode_mode == "eager" and engine.runner.capture_sizes == [1, 4]
+    for bad in ([], [0], [2.5], "8"):
+        with pytest.raises(ValueError, match=r"rollout.cudagraph_capture_sizes=.* must be a non-empty list of ints >= 1"):
+            RolloutConfig(cudagraph_capture_sizes=bad)

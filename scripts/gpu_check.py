@@ -12,8 +12,9 @@ after each (a check cut short by the machine's time limit still leaves what it f
    varlen kernel when installed; SDPA's flash backend otherwise);
 2. a ~0.5B random Qwen2-style model (Qwen2.5-0.5B's shapes) in bf16: the bf16 matmul peak
    and the copy bandwidth measured first, then prefill and training (forward + backward)
-   against the peak (MFU), decode tokens/s at batch 1 and 64 against the bandwidth bound
-   (weights + KV cache read once per step), and peak memory;
+   against the peak (MFU), decode at batch 1, 16, 64 and 256 against the bandwidth bound
+   (weights + KV cache read once per step) on three paths: minihf eager, minihf's fast path
+   (a CUDA graph per bucket) and transformers' static-cache generate compiled, and peak memory;
 3. ``pytest -m gpu`` (``tests/test_gpu.py``: engine vs trainer log-probs in fp32 and bf16,
    SDPA flash vs math, packed vs padded, FSDP2 on NCCL, the in-place reshard gather, optimizer
    offload during generation) with its printed figures, within ``--tests-limit`` seconds;
@@ -219,19 +220,7 @@ def benchmark(device: torch.device, dry: bool) -> list[str]:
     lines.append(f"| training (forward + backward) | {b} x {t} | {s * 1e3:.1f} ms | "
                  f"{rate(flops / s)} | {rate(peak['flops'])} | {flops / s / peak['flops']:.1%} |")
     weight_bytes = params * torch.finfo(dtype).bits // 8
-    new, prompt = (16, 16) if dry else (128, 32)
-    for batch in (1, 64):
-        llm = LLM(model, dtype=dtype, device=str(device), max_num_seqs=batch, eos_token_ids=())
-        prompts = [[(7 * i + j) % args.vocab_size for j in range(prompt)] for i in range(batch)]
-        sp = SamplingParams(temperature=1.0, max_tokens=new, ignore_eos=True, seed=0)
-        s = timed(lambda: llm.generate(prompts, sp), device, repeats=2)
-        tokens = batch * new
-        # per decode step: every weight once, plus the KV cache of all sequences so far
-        kv_bytes = 2 * L * kv * args.head_dim * (prompt + new / 2) * batch * torch.finfo(dtype).bits // 8
-        bound = peak["bandwidth"] / 2 / (weight_bytes + kv_bytes) * batch   # reads only: half the copy figure
-        lines.append(f"| decode (prefill included) | batch {batch}, {prompt} + {new} tokens | {s:.2f} s "
-                     f"| {tokens / s:.0f} tokens/s | {bound:.0f} tokens/s | {tokens / s / bound:.1%} |")
-        llm.free(weights=False)
+    lines += decode_rows(model, args, device, dtype, weight_bytes, peak["bandwidth"], dry)
     if device.type == "cuda":
         lines += ["", f"Peak memory: {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB allocated "
                   f"({torch.cuda.max_memory_reserved(device) / 2**30:.1f} GiB reserved)"]
@@ -239,6 +228,79 @@ def benchmark(device: torch.device, dry: bool) -> list[str]:
               "forward + backward) plus causal attention; the decode bound reads each weight and "
               "the KV cache once per step at half the copy bandwidth (a copy reads and writes)."]
     return lines
+
+
+def decode_rows(model, args, device, dtype, weight_bytes: int, bandwidth: float, dry: bool) -> list[str]:
+    """Decode per batch, minihf's eager step against its fast one (``enforce_eager=False``:
+    a CUDA graph per bucket; the dry run's CPU runs the same static step uncaptured) and
+    transformers' static-cache generate compiled (``reduce-overhead``) where it runs: the same
+    prompts and lengths, each against the bandwidth bound. The fast path's tokens are compared
+    with the eager path's (bf16: a near-tie may flip a sampled token, then the sequence
+    differs) and its log-probs' largest gap on the tokens both sampled is shown."""
+    from minihf.rollout import LLM, SamplingParams
+
+    L, kv = args.num_hidden_layers, args.num_key_value_heads
+    new, prompt = (16, 16) if dry else (128, 32)
+    rows = ["", "Decode (prefill included), the same prompts and lengths on each path:", "",
+            "| batch | path | time | tokens/s | bound | of bound | vs eager |", "|---|---|---|---|---|---|---|"]
+    agree = []
+    for batch in ((1, 4) if dry else (1, 16, 64, 256)):
+        prompts = [[(7 * i + j) % args.vocab_size for j in range(prompt)] for i in range(batch)]
+        sp = SamplingParams(temperature=1.0, max_tokens=new, ignore_eos=True, seed=0)
+        # per decode step: every weight once, plus the KV cache of all sequences so far
+        kv_bytes = 2 * L * kv * args.head_dim * (prompt + new / 2) * batch * torch.finfo(dtype).bits // 8
+        bound = bandwidth / 2 / (weight_bytes + kv_bytes) * batch   # reads only: half the copy figure
+        outs, times = {}, {}
+        for path, decode in (("minihf eager", "eager"), ("minihf fast", "static" if dry else "graph")):
+            llm = LLM(model, dtype=dtype, device=str(device), max_num_seqs=batch, eos_token_ids=(), decode=decode)
+            times[path] = timed(lambda: outs.__setitem__(path, llm.generate(prompts, sp)), device, repeats=2)
+            captured = llm.engine.last_stats["captures"]
+            llm.free(weights=False)
+        try:
+            times["transformers static+compile"] = hf_static_compiled(model, prompts, new, device, dtype, dry)
+        except Exception as exc:  # recorded, the other rows stand
+            rows.append(f"| {batch} | transformers static+compile | failed: {type(exc).__name__}: "
+                        f"{str(exc).splitlines()[0][:120] if str(exc) else ''} | | | | |")
+        for path, s in times.items():
+            tokens = batch * new
+            rows.append(f"| {batch} | {path} | {s:.2f} s | {tokens / s:.0f} | {bound:.0f} | {tokens / s / bound:.1%} "
+                        f"| {times['minihf eager'] / s:.2f}x |")
+        same = gap = 0
+        for e, f in zip(outs["minihf eager"], outs["minihf fast"]):
+            e, f = e.outputs[0], f.outputs[0]
+            same += e.token_ids == f.token_ids
+            k = next((i for i, (a, b) in enumerate(zip(e.token_ids, f.token_ids)) if a != b), len(e.token_ids))
+            gap = max([gap] + [abs(a - b) for a, b in zip(e.logprobs[:k + 1], f.logprobs[:k + 1])])
+        agree.append(f"batch {batch}: {same}/{batch} sequences token-identical, largest log-prob gap "
+                     f"{gap:.2e} up to the first differing token; buckets captured in the timed call: {captured}")
+    return rows + ["", "Fast path vs eager: " + "; ".join(agree) + "."]
+
+
+def hf_static_compiled(model, prompts, new: int, device, dtype, dry: bool) -> float:
+    """transformers' best generate on the same weights: a static KV cache and the forward
+    compiled with CUDA graphs (``reduce-overhead``); seconds of the best of two timed calls.
+    The dry run compiles with the ``eager`` backend: the same calls, none of inductor's
+    minutes on a CPU."""
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+
+    from minihf.models import save_hf
+
+    with tempfile.TemporaryDirectory() as tmp:
+        save_hf(model, tmp)
+        hf = AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype).to(device).eval()
+    hf.generation_config.cache_implementation = "static"
+    hf.forward = (torch.compile(hf.forward, backend="eager", fullgraph=True) if dry
+                  else torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True))
+    ids = torch.tensor(prompts, device=device)
+    mask = torch.ones_like(ids)
+
+    def run():
+        with torch.no_grad():
+            hf.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=True,
+                        temperature=1.0, top_k=0, pad_token_id=0)
+    return timed(run, device, repeats=2)
 
 
 def main() -> None:

@@ -18,9 +18,10 @@ def test_gpu_check_dry_run(tmp_path):
         assert section in report, report
     assert report.count("(ok, ") == 4 and "FAILED" not in report, report
     assert "7 tests collected" in report, report          # tests/test_gpu.py imports and collects
-    for phase in ("prefill (forward)", "training (forward + backward)", "decode (prefill included) | batch 1",
-                  "decode (prefill included) | batch 64"):
+    for phase in ("prefill (forward)", "training (forward + backward)", "| 1 | minihf eager |", "| 1 | minihf fast |",
+                  "| 4 | minihf eager |", "| 4 | minihf fast |", "| 4 | transformers static+compile |"):
         assert phase in report, report
+    assert "batch 4: 4/4 sequences token-identical" in report, report  # the static step vs eager (fp32, tiny)
 
 
 def test_gpu_check_refuses_a_machine_without_cuda(tmp_path):

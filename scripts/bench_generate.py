@@ -6,6 +6,8 @@
 Models are random-init Llama configs built locally (no download) and loaded by both
 libraries from the same checkpoint dir. Greedy decoding with ``ignore_eos`` so lengths
 match; the script asserts token-identical outputs, runs the two libraries alternately
+(and minihf's fast decode path, ``enforce_eager=False``'s static step: CUDA graphs on CUDA,
+uncaptured on CPU, its ``fast tok/s`` and ``fast/eager`` columns)
 (``--repeats`` rounds) and reports the best round of each (the least disturbed by other load
 on a shared machine), tokens/s and the ratio. A second workload (``--varlen``) gives
 requests very different lengths (per-request ``max_tokens``) to compare continuous batching
@@ -136,26 +138,34 @@ def bench_fixed(name, path, device, dtype, batches, prompt_len, new, repeats):
 
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     llm = LLM(path, dtype=dtype, device=str(device), max_num_seqs=max(batches))
+    # the fast decode path, alternated with the others: CUDA graphs on CUDA, the same static
+    # step uncaptured on CPU (where minihf runs the eager step: this row says why)
+    fast = LLM(path, dtype=dtype, device=str(device), max_num_seqs=max(batches),
+               decode="graph" if device.type == "cuda" else "static")
     vocab = MODELS[name][5]
     nparams = sum(p.numel() for p in hf.parameters())
     print(f"\n== model {name} ({nparams / 1e6:.1f}M params), prompt {prompt_len}, {new} new tokens, greedy ==")
     cpu = device.type == "cpu"
     flop_cols = f" {'minihf GF/s':>11} {'hf GF/s':>8} {'linear GF/s':>11} {'mm peak':>7} {'ceiling':>7}" if cpu else ""
-    print(f"{'batch':>5} {'minihf tok/s':>13} {'hf tok/s':>10} {'ratio':>6} {'cpu-time ratio':>15}{flop_cols}  identical")
+    print(f"{'batch':>5} {'minihf tok/s':>13} {'hf tok/s':>10} {'ratio':>6} {'cpu-time ratio':>15}{flop_cols}"
+          f" {'fast tok/s':>10} {'fast/eager':>10}  identical")
     params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
     rows = []
     for batch in batches:
         prompts = torch.randint(0, vocab, (batch, prompt_len), generator=torch.Generator().manual_seed(batch))
-        best_m = best_h = cpu_m = cpu_h = float("inf")
+        best_m = best_h = cpu_m = cpu_h = best_f = float("inf")
         for _ in range(repeats):
             ref, ch = run_hf(hf, prompts.to(device), new)
             got, cm = run_minihf(llm, prompts.tolist(), params)
-            best_h, best_m = min(best_h, ch.wall), min(best_m, cm.wall)
+            got_fast, cf = run_minihf(fast, prompts.tolist(), params)
+            best_h, best_m, best_f = min(best_h, ch.wall), min(best_m, cm.wall), min(best_f, cf.wall)
             cpu_h, cpu_m = min(cpu_h, ch.cpu), min(cpu_m, cm.cpu)
-            same = got == ref
+            same = got == ref and got_fast == got
             if not same:
                 bad = sum(a != b for a, b in zip(got, ref))
-                raise AssertionError(f"{name} batch {batch}: {bad}/{batch} sequences differ from transformers")
+                bad_fast = sum(a != b for a, b in zip(got_fast, got))
+                raise AssertionError(f"{name} batch {batch}: {bad}/{batch} sequences differ from transformers, "
+                                     f"{bad_fast}/{batch} between minihf's eager and fast decode")
         tm_s, th_s = batch * new / best_m, batch * new / best_h
         flop_vals = ""
         if cpu:
@@ -163,11 +173,14 @@ def bench_fixed(name, path, device, dtype, batches, prompt_len, new, repeats):
             lin = linear_gflops(llm.engine.model, batch)
             flop_vals = (f" {flops / best_m / 1e9:>11.1f} {flops / best_h / 1e9:>8.1f} {lin:>11.1f}"
                          f" {mm_peak_gflops():>7.1f} {best_h / (flops / lin / 1e9):>6.2f}x")
-        print(f"{batch:>5} {tm_s:>13.0f} {th_s:>10.0f} {tm_s / th_s:>6.2f} {cpu_h / cpu_m:>15.2f}{flop_vals}  {same}")
+        tf_s = batch * new / best_f
+        print(f"{batch:>5} {tm_s:>13.0f} {th_s:>10.0f} {tm_s / th_s:>6.2f} {cpu_h / cpu_m:>15.2f}{flop_vals}"
+              f" {tf_s:>10.0f} {tf_s / tm_s:>10.2f}  {same}")
         rows.append((name, batch, tm_s, th_s))
         if device.type == "cuda":
             report_bandwidth(llm, hf, prompts.tolist(), new, best_m)
     llm.free()
+    fast.free()
     del hf
     return rows
 

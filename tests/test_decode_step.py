@@ -138,3 +138,19 @@ def test_rollout_keys_reach_the_engine_and_bad_values_are_refused(tiny):
     for bad in ([], [0], [2.5], "8"):
         with pytest.raises(ValueError, match=r"rollout.cudagraph_capture_sizes=.* must be a non-empty list of ints >= 1"):
             RolloutConfig(cudagraph_capture_sizes=bad)
+
+
+def test_each_generate_writes_its_own_sampling_parameters(tiny):
+    """Calls in a row on one engine with other sampling parameters: a new call's sequences
+    may reuse the ids of the last call's dead ones, so the static step's parameter buffers
+    are written afresh each call (the eager path rebuilds them likewise)."""
+    static = LLM(str(tiny), max_num_seqs=4, decode="static")
+    eager = LLM(str(tiny), max_num_seqs=4)
+    for sp in (SAMPLERS["greedy"], SAMPLERS["top-k/top-p"], SAMPLERS["greedy"], SAMPLERS["sampled"]):
+        got, want = static.generate(PROMPTS, sp), eager.generate(PROMPTS, sp)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want], sp
+    # whether CPython reuses the ids is up to its allocator: the reset itself, deterministically
+    runner = static.engine.runner
+    assert runner.static._composition is not None
+    runner.ensure_cache(len(PROMPTS), 8)  # the first thing each generate does
+    assert runner.static._composition is None

@@ -87,6 +87,11 @@ class StaticDecode:
         self.steps.clear()
         self._pool = None
 
+    def forget_rows(self) -> None:
+        """The next ``set_rows`` writes the parameters whatever its composition (a new
+        generate call: ids of its sequences may be those of the last call's dead ones)."""
+        self._composition = None
+
     def set_rows(self, params: list[SamplingParams | None], keys: list[int], composition: tuple) -> None:
         """Write the rows' sampling parameters (padding rows: None, greedy) when they changed."""
         if composition == self._composition:

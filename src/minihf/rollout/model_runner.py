@@ -194,6 +194,8 @@ class ModelRunner:
             if self.decode_mode != "eager":
                 self.static = StaticDecode(self.cache.num_slots, p.device, capture=self.decode_mode == "graph")
         self._rows_key = None  # ids of dead sequences may be reused by the next call's
+        if self.static is not None:
+            self.static.forget_rows()
         return self.cache.num_slots
 
     def move(self, src: int, dst: int, length: int) -> None:

@@ -21,6 +21,16 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
+def _finite(**flags: float) -> None:
+    """Typer reads ``nan`` and ``inf`` as floats; no float flag here means them (``nan``
+    compares false with every bound, so it slipped past the range checks: greedy decoding)."""
+    import math
+
+    for name, value in flags.items():
+        if not math.isfinite(value):
+            raise typer.BadParameter(f"--{name.replace('_', '-')} {value}: must be a finite number")
+
+
 @app.callback()
 def main(
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
@@ -80,10 +90,16 @@ def make_data(
     """Generate a synthetic task's train/test files in verl's format."""
     from minihf.data.tasks import make_task_data
 
+    from minihf.utils.files import check_output_dir
+
     out = Path(out_dir)
     if out.is_file() or (out.is_dir() and any(out.iterdir()) and not overwrite):
         raise typer.BadParameter(f"{out_dir} " + ("is a file" if out.is_file() else
                                  "is not empty; pass --overwrite to write into it, or choose a new dir"))
+    try:  # before generating: a dir under a file, or where nothing can be made (/proc, read-only)
+        check_output_dir(out, "make-data: the data dir", staged=False)
+    except (FileExistsError, ValueError) as exc:
+        raise typer.BadParameter(str(exc)) from exc
     if sample_model and not pairs:
         raise typer.BadParameter("--sample-model adds preference pairs: pass --pairs too")
     if sample_model and not Path(sample_model, "config.json").is_file():
@@ -113,7 +129,8 @@ def generate(
     n: int = typer.Option(1, help="Completions per prompt."),
     seed: int = typer.Option(None, help="Seed for reproducible sampling."),
     chat: bool = typer.Option(False, help="Wrap each prompt in the tokenizer's chat template."),
-    max_model_len: int = typer.Option(None, help="Context length (prompt + completion); default: the model's."),
+    max_model_len: int = typer.Option(None, help="Context length (prompt + completion), at most the model's "
+                                                 "max_position_embeddings; default: that."),
     allow_unk: bool = typer.Option(False, help="Generate even when a prompt has characters outside the vocabulary."),
 ) -> None:
     """Generate completions with minihf's rollout engine.
@@ -124,6 +141,7 @@ def generate(
     from minihf.rollout import SamplingParams
     from minihf.cli.generate import generate_text
 
+    _finite(temperature=temperature, top_p=top_p)
     try:
         params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed)
         outs = generate_text(model_dir, prompt, params, chat=chat, max_model_len=max_model_len, allow_unk=allow_unk)
@@ -151,6 +169,10 @@ def _job(kind: str, ctx: typer.Context, nproc: int, nnodes: int, node_rank: int,
     try:
         launcher.check_launch(nproc, nnodes, node_rank, endpoint)
         cfg = launcher.load(kind, ctx.args)
+        if kind == "train":  # SFT/RM check it in load; RL before its ranks start too
+            from minihf.trainer.common import check_run_dir, run_dir
+
+            check_run_dir(run_dir(cfg.trainer), "trainer.default_local_dir")
     except ValueError as exc:  # ConfigError, and the SFT/RM missing-file checks
         typer.echo(f"[minihf] {exc}", err=True)
         raise typer.Exit(2) from None
@@ -232,12 +254,18 @@ def eval_(
     top_p: float = typer.Option(1.0, help="Nucleus of the n answers (1 = off)."),
     top_k: int = typer.Option(-1, help="Top-k of the n answers (-1 = off)."),
     greedy: bool = typer.Option(True, help="Also score one greedy answer per prompt."),
-    max_tokens: int = typer.Option(256, help="Response tokens at most."),
+    max_tokens: int = typer.Option(256, help="Response tokens at most (the longest prompt + this must fit the "
+                                            "model's max_position_embeddings)."),
     max_prompt_length: int = typer.Option(1024, help="Prompt tokens at most."),
     reward: str = typer.Option(None, help="Reward function file.py:function (default: the built-in one per data_source)."),
     pass_threshold: float = typer.Option(1.0, help="A sample passes (pass@k) when its score is at least this."),
     seed: int = typer.Option(0, help="Sampling seed."),
-    json_out: str = typer.Option(None, "--json", help="Also write the metrics to this JSON file."),
+    json_out: str = typer.Option(None, "--json", help="Also write the metrics to this JSON file. An existing "
+                                                     "file is replaced only if it holds earlier metrics (or "
+                                                     "nothing); any other file, a prompt file above all, is "
+                                                     "refused."),
+    allow_unk: bool = typer.Option(False, help="Score prompts even when they have characters outside the "
+                                               "vocabulary (as `minihf generate --allow-unk`)."),
 ) -> None:
     """Score a model on prompt files the way training validates.
 
@@ -255,18 +283,21 @@ def eval_(
     files = list(files or []) + list(data or [])
     if not files:
         raise typer.BadParameter("no prompt files; list them after MODEL or pass --data FILE")
-    if json_out:  # before the evaluation, not after it
-        from minihf.utils.files import check_writable_file
+    _finite(temperature=temperature, top_p=top_p, pass_threshold=pass_threshold)
+    if reward:  # read, not run: a missing file or name is one line before any model loads
+        from minihf.utils.imports import check_ref
 
         try:
-            check_writable_file(json_out, "--json")
-        except ValueError as exc:
-            raise typer.BadParameter(str(exc)) from exc
+            check_ref(reward, "reward function")
+        except (FileNotFoundError, ValueError, AttributeError) as exc:
+            raise typer.BadParameter(f"--reward {reward}: {exc}") from exc
+    if json_out:  # before the evaluation, not after it
+        _check_json_out(json_out, files)
     group = join_launcher_group()  # under torchrun: the prompts are split over the ranks
     try:
         cfg = EvalConfig(n=n, temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy,
                          max_tokens=max_tokens, max_prompt_length=max_prompt_length, reward=reward,
-                         pass_threshold=pass_threshold, seed=seed)
+                         pass_threshold=pass_threshold, seed=seed, allow_unk=allow_unk)
         metrics = evaluate(model, files, cfg)
         if group:  # no rank tears gloo down while a peer's last receive is in flight
             dist.barrier()  # (a rank exiting early was seen to abort in gloo's threads)
@@ -282,6 +313,34 @@ def eval_(
         typer.echo(f"{key:<40} {value:.4f}" if isinstance(value, float) else f"{key:<40} {value}")
     if json_out:
         Path(json_out).write_text(json.dumps(metrics, indent=2) + "\n")
+
+
+def _check_json_out(path: str, files: list[str]) -> None:
+    """``eval --json PATH``: a writable file that is not one of the prompt ``files``; an
+    existing file is replaced only when it holds earlier metrics (a JSON object with
+    ``prompts``, what this command writes) or nothing."""
+    import json
+
+    from minihf.utils.files import check_writable_file
+
+    try:
+        check_writable_file(path, "--json")
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    target = Path(path)
+    if not target.exists():
+        return
+    if any(Path(f).exists() and target.samefile(f) for f in files):
+        raise typer.BadParameter(f"--json {path} is one of the prompt files; writing the metrics there would "
+                                 "destroy it: choose another path")
+    try:
+        text = target.read_text()
+        old = json.loads(text) if text.strip() else {"prompts": 0}
+    except (UnicodeDecodeError, ValueError):
+        old = None
+    if not (isinstance(old, dict) and "prompts" in old):
+        raise typer.BadParameter(f"--json {path} exists and does not hold metrics of `minihf eval`; it would be "
+                                 "replaced: choose another path, or delete it first")
 
 
 @app.command("convert-gguf")

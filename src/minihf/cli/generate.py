@@ -48,13 +48,63 @@ def generate_text(model_dir: str | Path, prompts: list[str], params: SamplingPar
                              "UTF-8 (e.g. `iconv -f latin1 -t utf-8` on the file it came from)") from None
     with tempfile.TemporaryDirectory(prefix="minihf-generate-") as scratch:
         return _generate_text(model_dir_of(model_dir, Path(scratch)), prompts, params, chat,
-                              max_model_len, allow_unk)
+                              max_model_len, allow_unk, str(model_dir))
+
+
+def check_max_model_len(model_dir: Path, max_model_len: int | None, name: str) -> None:
+    """``max_model_len`` within the model's context (``minihf.trainer.common.context_error``,
+    the wording training uses): past it the positions have no trained rotary angles, and a
+    cache of that length is allocated first (a traceback, or minutes, for a huge one)."""
+    from minihf.models import load_args
+    from minihf.trainer.common import context_error
+
+    if max_model_len is None:
+        return
+    limit = load_args(model_dir).max_position_embeddings
+    if max_model_len < 1:
+        raise ValueError(f"--max-model-len {max_model_len} must be >= 1 (leave it out for the model's "
+                         f"context, {limit})")
+    message = context_error(f"--max-model-len {max_model_len}", max_model_len, limit, f"model {name}",
+                            f"pass at most {limit}, or leave it out (the model's context)")
+    if message:
+        raise ValueError(message)
+
+
+def chat_template_file(model_dir: Path) -> str:
+    """Where a model dir's chat template is (what ``load_tokenizer`` reads)."""
+    if (Path(model_dir) / "chat_template.jinja").is_file():
+        return "chat_template.jinja"
+    return "tokenizer_config.json's chat_template"
+
+
+def encode_chats(tok, prompts: list[str], model_dir: Path, name: str) -> list[list[int]]:
+    """Each prompt as one user turn through the chat template; a template that does not
+    compile or raises (``raise_exception``) is one line naming its file and jinja's error."""
+    from minihf.data.tokenizer import encode_chat
+
+    out = []
+    for p in prompts:
+        try:
+            out.append(encode_chat(tok, [{"role": "user", "content": p}]))
+        except ValueError:  # no template at all: encode_chat says so
+            raise
+        except Exception as exc:  # noqa: BLE001 - jinja's errors (TemplateSyntaxError, TemplateError, ...)
+            line = getattr(exc, "lineno", None)
+            at = f" at line {line}" if line else ""
+            text = (getattr(exc, "message", None) or str(exc) or "").splitlines()
+            raise ValueError(f"the chat template of {name} ({chat_template_file(model_dir)}) failed{at}: "
+                             f"{type(exc).__name__}: {text[0] if text else ''}; fix the template, or "
+                             "generate without --chat") from None
+    return out
 
 
 def _generate_text(model_dir: Path, prompts: list[str], params: SamplingParams, chat: bool,
-                   max_model_len: int | None, allow_unk: bool) -> list[list[tuple[str, str]]]:
-    from minihf.data.tokenizer import encode_chat, load_tokenizer
+                   max_model_len: int | None, allow_unk: bool, name: str | None = None
+                   ) -> list[list[tuple[str, str]]]:
+    from minihf.data.tokenizer import load_tokenizer
 
+    name = name or str(model_dir)
+    check_max_model_len(model_dir, max_model_len, name)
     tok = load_tokenizer(model_dir)
     if not allow_unk:
         for p in prompts:
@@ -63,7 +113,7 @@ def _generate_text(model_dir: Path, prompts: list[str], params: SamplingParams, 
                 raise ValueError(f"prompt {p!r} has characters outside the model's vocabulary: {bad} (they "
                                  f"would all become {tok.unk_token!r}); remove them, or pass --allow-unk")
     if chat:
-        ids = [encode_chat(tok, [{"role": "user", "content": p}]) for p in prompts]
+        ids = encode_chats(tok, prompts, model_dir, name)
     else:
         ids = [tok(p, add_special_tokens=True)["input_ids"] for p in prompts]
     empty = [p for p, i in zip(prompts, ids) if not i]

@@ -27,6 +27,29 @@ def _nested(flat: dict) -> dict:
     return out
 
 
+PLAN_HEADER = "# written by `minihf plan`"
+
+
+def check_plan_out(path: Path) -> None:
+    """``--out``: a file that can be written, and, when it exists, a plan written before
+    (replaced); any other file (a recipe, a data file) is refused: it would be lost."""
+    from minihf.utils.files import check_writable_file
+
+    try:
+        check_writable_file(path, "--out")
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    if path.exists():
+        try:
+            with open(path, "rb") as f:
+                first = f.read(len(PLAN_HEADER))
+        except OSError as exc:
+            raise typer.BadParameter(f"--out {path}: cannot be read ({exc.strerror}); choose another path") from exc
+        if first != PLAN_HEADER.encode():
+            raise typer.BadParameter(f"--out {path} exists and is not a plan `minihf plan` wrote (it does not "
+                                     f"start with {PLAN_HEADER!r}); choose another path, or delete it first")
+
+
 def write_plan(path: Path, recipe: str, overrides: list[str], plan_keys: dict) -> Path:
     """A recipe file: ``base:`` the planned recipe, the command line's overrides, the plan's
     keys; ``train_ppo.py recipe=PATH`` runs it as it is."""
@@ -40,7 +63,7 @@ def write_plan(path: Path, recipe: str, overrides: list[str], plan_keys: dict) -
                                  "with the written recipe instead")
     given = {k: parse_value(v) for k, v in (o.split("=", 1) for o in overrides)}  # as train_ppo.py reads them
     body = {"base": base, **_nested({**given, **plan_keys})}
-    path.write_text("# written by `minihf plan`; run with: torchrun ... scripts/train_ppo.py recipe="
+    path.write_text(f"{PLAN_HEADER}; run with: torchrun ... scripts/train_ppo.py recipe="
                     f"{path}\n" + yaml.safe_dump(body, sort_keys=False))
     return path
 
@@ -71,10 +94,11 @@ def plan(
     profile: str = typer.Option(None, "--profile", help="A100-80GB | H100 | H200, or a file from --measure"),
     model: list[str] = typer.Option([], "--model", help="ROLE=DIR|NAME (e.g. all=llama-7b): a role's model "
                                     "instead of its model.path"),
-    top: int = typer.Option(10, "--top", help="plans to show"),
+    top: int = typer.Option(10, "--top", help="plans to show (>= 1)"),
     unit: int = typer.Option(1, "--unit", help="give groups multiples of UNIT devices (e.g. 8, the node "
                              "size, on a large cluster: far fewer candidates)"),
-    out: Path = typer.Option(None, "--out", help="write the best plan as a recipe file train_ppo.py runs"),
+    out: Path = typer.Option(None, "--out", help="write the best plan as a recipe file train_ppo.py runs "
+                             "(an existing file is replaced only if it is a plan written before)"),
     measure: bool = typer.Option(False, "--measure", help="measure this machine (matmuls at the recipe's "
                                  "shapes when one is given), write --profile-out and plan with it"),
     profile_out: Path = typer.Option(Path("profile.yaml"), "--profile-out", help="where --measure writes"),
@@ -91,6 +115,17 @@ def plan(
         raise typer.BadParameter(f"--devices {devices} must be >= 1 and split evenly over --nodes {nodes}")
     if unit < 1 or devices % unit:
         raise typer.BadParameter(f"--unit {unit} must be >= 1 and divide --devices {devices}")
+    if top < 1:
+        raise typer.BadParameter(f"--top {top} must be >= 1 (the number of plans to show)")
+    if out is not None:  # before the search, not after its table
+        check_plan_out(out)
+    if measure:
+        from minihf.utils.files import check_writable_file
+
+        try:
+            check_writable_file(profile_out, "--profile-out")
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from exc
     bad = [m for m in model if "=" not in m]
     if bad:
         raise typer.BadParameter(f"--model {bad[0]!r}: give ROLE=DIR|NAME, e.g. all=llama-7b")

@@ -59,13 +59,22 @@ def gsm8k_score(solution_str: str, ground_truth: str, method: str = "strict", fo
     return score if equal else format_score
 
 
+NO_GROUND_TRUTH = ("no ground truth: the row has no reward_model column, or its ground_truth is null; "
+                   "add reward_model.ground_truth to the data, or score with a reward function of "
+                   "your own")
+
+
 def _task_fn(module) -> RewardFn:
     def fn(data_source, solution_str, ground_truth, extra_info=None):
+        if ground_truth is None:  # str(None) reached the task's int() parse: "invalid literal"
+            raise ValueError(NO_GROUND_TRUTH)
         return module.compute_score(solution_str, ground_truth, extra_info)
     return fn
 
 
 def _gsm8k_fn(data_source, solution_str, ground_truth, extra_info=None):
+    if ground_truth is None:
+        raise ValueError(NO_GROUND_TRUTH)
     return gsm8k_score(solution_str, ground_truth)
 
 

@@ -19,7 +19,7 @@ from minihf.hub.peft import check_adapter, is_adapter_dir, read_adapter_dir, wri
 from minihf.models import build_model, load_args, load_hf, save_hf
 from minihf.models.lora import apply_lora, merge_lora_state, trained_with_lora
 from minihf.utils.checkpoint import TOKENIZER_FILES, load_model_state
-from minihf.utils.files import check_output_dir, read_json, staged_dir
+from minihf.utils.files import CorruptFileError, check_output_dir, read_json, staged_dir
 
 
 def role_checkpoint(path: str | Path) -> Path | None:
@@ -55,9 +55,7 @@ def export_hf(ckpt: str | Path, out: str | Path, dtype: torch.dtype | None = Non
                                 ".../global_step_N/critic)")
     ckpt = found
     check_output_dir(out, "export target")
-    meta = read_json(ckpt / "meta.json", "the checkpoint was not written completely; export an earlier "
-                     "global_step_N")
-    head, lora = meta.get("head"), meta.get("lora")
+    head, lora = read_meta(ckpt)
     if lora:
         return _export_lora(ckpt, out, head, lora, dtype, merge)
     model = build_model(load_args(ckpt / "hf"), head)
@@ -66,6 +64,27 @@ def export_hf(ckpt: str | Path, out: str | Path, dtype: torch.dtype | None = Non
     model.load_state_dict(state)
     model.tie_weights()
     return _write_model(model, ckpt / "hf", out, dtype)
+
+
+META_FIX = "the checkpoint was not written completely; export an earlier global_step_N"
+LORA_KEYS = ("rank", "alpha", "modules", "target_modules", "base")  # what training writes
+
+
+def read_meta(ckpt: Path) -> tuple[str | None, dict | None]:
+    """``head`` and ``lora`` of a role checkpoint's ``meta.json``; one line naming the file
+    when it is not the object training writes (a list, a ``lora`` without its keys)."""
+    path = ckpt / "meta.json"
+    meta = read_json(path, META_FIX)
+    if not isinstance(meta, dict):
+        raise CorruptFileError(f"{path} holds a JSON {type(meta).__name__}, not an object with the "
+                               f"checkpoint's head and settings; {META_FIX}")
+    head, lora = meta.get("head"), meta.get("lora")
+    if head is not None and not isinstance(head, str):
+        raise CorruptFileError(f"{path}: head={head!r} is not a head name (lm, value, score); {META_FIX}")
+    if lora and not (isinstance(lora, dict) and all(k in lora for k in LORA_KEYS)):
+        missing = [k for k in LORA_KEYS if k not in lora] if isinstance(lora, dict) else list(LORA_KEYS)
+        raise CorruptFileError(f"{path}: lora={lora!r:.60} lacks {missing}; {META_FIX}")
+    return head, lora or None
 
 
 def _write_model(model, files: Path, out: Path, dtype: torch.dtype | None) -> Path:

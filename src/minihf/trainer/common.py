@@ -37,18 +37,55 @@ def run_dir(trainer) -> Path:
 
 
 def check_run_dir(path: Path, key: str) -> None:
-    """Fail at start-up, naming ``key``, if the run dir cannot be created or written."""
+    """Fail at start-up, naming ``key``, if the run dir cannot be resolved (a symlink loop),
+    created or written, before any lock is taken: the lock file (``minihf.utils.locks``) is
+    made beside the resolved dir, so its parent must take new files too. Whether a dir
+    takes new entries is tried, not asked (``minihf.utils.files.cannot_create_in``: root
+    passes ``os.access`` under ``/proc`` too)."""
     from minihf.config import ConfigError
+    from minihf.utils.files import cannot_create_in, nearest_existing
 
+    path = Path(path)
+    shown = f"{key}={str(path)!r}"
+    try:  # a symlink loop: RuntimeError before Python 3.13, a link left unresolved after
+        resolved = path.resolve()
+        if any(p.is_symlink() for p in [resolved, *resolved.parents]):
+            raise RuntimeError(f"symlink loop at {resolved}")
+    except (RuntimeError, OSError) as exc:
+        raise ConfigError(f"{shown}: {path} cannot be resolved ({exc}); fix the symlinks or "
+                          "choose another run dir") from None
+    if resolved == resolved.parent:
+        raise ConfigError(f"{shown}: the filesystem root cannot be a run dir; choose a directory in it")
     for parent in [path, *path.parents]:
         if parent.exists():
             if not parent.is_dir():
-                raise ConfigError(f"{key}={str(path)!r}: {parent} is a file, not a directory; choose "
+                raise ConfigError(f"{shown}: {parent} is a file, not a directory; choose "
                                   "another run dir")
             if not os.access(parent, os.W_OK | os.X_OK):
-                raise ConfigError(f"{key}={str(path)!r}: {parent} is not writable; choose a run dir you "
+                raise ConfigError(f"{shown}: {parent} is not writable; choose a run dir you "
                                   "can write to")
-            return
+            break
+    # the run dir's own files and, beside it, its lock file; else the dir that will hold it
+    probes = [p for p in (resolved, resolved.parent) if p.is_dir()] or [nearest_existing(resolved)]
+    for where in probes:
+        why = cannot_create_in(where)
+        if why is not None:
+            raise ConfigError(f"{shown}: {resolved} cannot be created or written: making an entry in "
+                              f"{where} fails ({why}); choose a run dir you can write to")
+
+
+def context_error(lengths: str, total: int, max_position_embeddings: int, model: str,
+                  fix: str) -> str | None:
+    """The one line for a prompt + response length past a model's context (``lengths``, e.g.
+    ``"data.max_prompt_length + data.max_response_length = 512 + 4096"``, sums to
+    ``total``), naming ``model`` and the ``fix``; None when it fits. Training refuses such a
+    config at start-up with this wording (``ppo_job.check_rollout_tp``), ``minihf eval``
+    and ``minihf generate`` too: past it the positions have no trained rotary angles and a
+    KV cache of the length asked for is allocated (or filled for minutes) first."""
+    if total <= max_position_embeddings:
+        return None
+    return (f"{lengths} exceeds the model's context, max_position_embeddings="
+            f"{max_position_embeddings} ({model}); {fix}")
 
 
 def run_dir_lock(path: Path, key: str = "trainer.default_local_dir") -> tuple[str, str]:

@@ -10,6 +10,12 @@ score of ``n`` sampled answers per prompt (``mean@n``), ``pass@k`` for k = 1, 2,
 at least ``pass_threshold``) and the greedy answer's score, so a trained checkpoint compares
 with its base model on equal terms.
 
+Before any model loads, each prompt is checked as ``minihf generate`` checks its own: a
+character outside the vocabulary (it would be scored as the unknown token) is refused
+unless ``allow_unk``, and so is a row without the ground truth the built-in rewards score
+against, and a ``max_tokens`` that, after the longest prompt, runs past the model's
+context (training refuses the same at start-up); each error names the data file and row.
+
 The model is an HF dir or a training checkpoint (``.../global_step_N`` or its ``actor``),
 exported to a temporary dir first. Under torchrun each rank generates for every
 ``world``-th prompt and the scores are gathered; sample j of prompt i draws from a stream
@@ -45,8 +51,13 @@ class EvalConfig:
     reward: str | None = None       # file.py:function; None: the built-in scorer per data_source
     pass_threshold: float = 1.0     # a sample passes (for pass@k) when it scores at least this
     seed: int = 0
+    allow_unk: bool = False         # score prompts with characters outside the vocabulary
 
     def __post_init__(self):
+        for key in ("temperature", "top_p", "pass_threshold"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{key}={value!r} must be a finite number")
         if self.n < 0 or (self.n == 0 and not self.greedy):
             raise ValueError(f"n={self.n} with greedy={self.greedy}: nothing to evaluate; use n >= 1 or greedy")
         if self.max_tokens < 1 or self.max_prompt_length < 1:
@@ -78,21 +89,34 @@ def evaluate(model: str | Path, files: str | Path | Sequence[str | Path], cfg: E
     prompts of ``files`` (verl-format parquet/jsonl); the same on every rank."""
     cfg = cfg or EvalConfig()
     with tempfile.TemporaryDirectory(prefix="minihf-eval-") as scratch:
-        return _evaluate(model_dir_of(model, Path(scratch)), files, cfg)
+        return _evaluate(model_dir_of(model, Path(scratch)), files, cfg, str(model))
 
 
-def _evaluate(model_dir: Path, files, cfg: EvalConfig) -> dict:
+def _evaluate(model_dir: Path, files, cfg: EvalConfig, model_name: str | None = None) -> dict:
+    """``evaluate`` of an HF model dir; ``model_name``: the model as the user gave it (for
+    messages: a checkpoint is exported to a scratch dir first)."""
     from minihf.data import RLDataset, load_tokenizer
+    from minihf.data.files import read_many
     from minihf.rollout.llm import eos_ids_from_dir
     from minihf.trainer.reward import RuleReward, load_reward
     from minihf.utils.files import MODEL_FIX, read_json
     from minihf.utils.imports import split_ref
 
+    model_name = model_name or str(model_dir)
     rank, world = _rank_world()
+    try:  # before the data and the model: a wrong name is one line naming what the file has
+        fn = load_reward(*split_ref(cfg.reward)) if cfg.reward else load_reward(None, "")
+    except (AttributeError, TypeError, ImportError) as exc:
+        raise ValueError(f"reward {cfg.reward}: {exc}") from None
     tok = load_tokenizer(model_dir)
-    ds = RLDataset(files, tok, max_prompt_length=cfg.max_prompt_length,
-                   apply_chat_template=cfg.apply_chat_template)
-    fn = load_reward(*split_ref(cfg.reward)) if cfg.reward else load_reward(None, "")
+    try:
+        ds = RLDataset(files, tok, max_prompt_length=cfg.max_prompt_length,
+                       apply_chat_template=cfg.apply_chat_template)
+    except ValueError as exc:
+        raise _template_error(exc, model_dir, model_name) from None
+    wheres = [f"data file {path}, row {i}" for path, i, _ in read_many(files)]  # eval filters no row
+    check_prompts(ds, wheres, tok, cfg)
+    check_context(ds, wheres, model_dir, model_name, cfg)
     reward = RuleReward(fn, tok)
     hf = read_json(model_dir / "config.json", MODEL_FIX)
     eos = set(eos_ids_from_dir(model_dir, hf)) | ({tok.eos_token_id} if tok.eos_token_id is not None else set())
@@ -111,6 +135,60 @@ def _evaluate(model_dir: Path, files, cfg: EvalConfig) -> dict:
             raise ValueError("; ".join(errors))
         results = {name: [r for part, _ in gathered for r in part[name]] for name in results}
     return summarize({name: sorted(rows) for name, rows in results.items()}, len(ds), cfg)
+
+
+def _template_error(exc: ValueError, model_dir: Path, name: str) -> ValueError:
+    """``exc`` with the chat template's file named when the template failed (a jinja error)."""
+    import jinja2
+
+    if not isinstance(exc.__cause__, jinja2.TemplateError):
+        return exc
+    where = ("chat_template.jinja" if (model_dir / "chat_template.jinja").is_file()
+             else "tokenizer_config.json's chat_template")
+    return ValueError(f"{exc} (the chat template is the {where} of {name}); fix the template")
+
+
+def check_prompts(ds, wheres: Sequence[str], tok, cfg: EvalConfig) -> None:
+    """Refuse, naming the data file and row, a prompt with characters outside the
+    vocabulary (they would all be scored as the unknown token; ``minihf generate`` refuses
+    them too; ``allow_unk`` lets them through) and, scored by the built-in rewards, a row
+    with no ground truth (no ``reward_model`` column, or ``ground_truth: null``)."""
+    unk = tok.unk_token_id
+    unknown: set[str] = set()
+    if unk is not None and not cfg.allow_unk:
+        chars = {c for rec in ds.records for m in rec["raw_prompt"] for c in m["content"]}
+        unknown = {c for c in chars if unk in tok(c, add_special_tokens=False)["input_ids"]}
+    for where, rec in zip(wheres, ds.records):
+        text = "".join(m["content"] for m in rec["raw_prompt"])
+        bad = sorted(unknown & set(text)) if not (tok.unk_token and tok.unk_token in text) else []
+        if bad:
+            raise ValueError(f"{where}: the prompt has characters outside the model's vocabulary: {bad} "
+                             f"(they would all become {tok.unk_token!r}); remove them, or pass --allow-unk")
+        if cfg.reward is None and rec["ground_truth"] is None:
+            from minihf.data.files import DataFileError
+
+            raise DataFileError(
+                f"{where}: no ground truth (column 'reward_model' missing, or its ground_truth is "
+                f"null); the built-in reward for data_source {rec['data_source']!r} scores against "
+                "it: add reward_model.ground_truth, or pass --reward file.py:function")
+
+
+def check_context(ds, wheres: Sequence[str], model_dir: Path, name: str, cfg: EvalConfig) -> None:
+    """The longest prompt + ``max_tokens`` must fit the model's context (training's start-up
+    check, ``minihf.trainer.common.context_error``): past it, a KV cache of that length is
+    allocated and a model that never says EOS is decoded for minutes."""
+    from minihf.models import load_args
+    from minihf.trainer.common import context_error
+
+    limit = load_args(model_dir).max_position_embeddings
+    i = max(range(len(ds)), key=lambda j: len(ds.input_ids[j]))
+    prompt = len(ds.input_ids[i])
+    fix = (f"lower --max-tokens to at most {limit - prompt}" if prompt < limit
+           else "shorten that prompt")
+    message = context_error(f"the longest prompt ({wheres[i]}) + max_tokens = {prompt} + {cfg.max_tokens}",
+                            prompt + cfg.max_tokens, limit, f"model {name}", fix)
+    if message:
+        raise ValueError(message)
 
 
 def _score_prompts(model_dir: Path, ds, mine: list[int], reward, eos: set, pad_id: int,

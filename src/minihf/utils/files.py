@@ -13,6 +13,7 @@ import errno
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -98,21 +99,56 @@ def read_int(path: str | Path, fix: str) -> int:
         raise CorruptFileError(f"{path} holds {shown}, not a step number; {fix}") from None
 
 
-def check_output_dir(path: str | Path, what: str) -> None:
-    """A FileExistsError naming ``what`` if directory ``path`` cannot be created because it, or
-    one of its parents, is a file (e.g. ``minihf export CKPT afile/sub``)."""
+class UnwritablePathError(ValueError):
+    """An output path that cannot be created or written (a one-line user error)."""
+
+
+def cannot_create_in(directory: str | Path) -> str | None:
+    """Why no new entry can be made in the existing directory ``directory`` (the error's
+    text), or None when one can. A real directory is made and removed: ``os.access`` says yes
+    to root everywhere, also under ``/proc`` or on a read-only mount, where creating fails."""
+    try:
+        probe = tempfile.mkdtemp(prefix=".minihf-probe-", dir=directory)
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+    os.rmdir(probe)
+    return None
+
+
+def nearest_existing(path: Path) -> Path:
+    """``path`` or its nearest ancestor that exists."""
+    for p in [path, *path.parents]:
+        if p.exists():
+            return p
+    return Path(path.anchor or ".")
+
+
+def check_output_dir(path: str | Path, what: str, staged: bool = True) -> None:
+    """One line naming ``what`` if directory ``path`` cannot be made: it, or one of its
+    parents, is a file (``FileExistsError``, e.g. ``minihf export CKPT afile/sub``), or it
+    cannot be created there (``UnwritablePathError``: not writable, ``/proc``, a read-only
+    mount). ``staged``: the dir is built beside its final name (``staged_dir``), so its
+    parent must take new entries, also when ``path`` exists; else the files are written
+    into ``path`` itself (it must take them, or be creatable)."""
     path = Path(path)
     for p in [path, *path.parents]:
         if p.exists():
             if not p.is_dir():
                 raise FileExistsError(f"{what} {path}: {p} is a file, not a directory; choose "
                                       "another path")
-            return
+            break
+    where = nearest_existing(path.absolute().parent if staged else path.absolute())
+    why = cannot_create_in(where)
+    if why is not None:
+        cannot = "cannot be written" if where == path.absolute() else "cannot be created"
+        raise UnwritablePathError(f"{what} {path} {cannot}: making an entry in {where} fails ({why}); "
+                                  "choose a path you can write to")
 
 
 def check_writable_file(path: str | Path, what: str) -> None:
     """A ValueError naming ``what`` unless ``path`` can be written as a file: not a
-    directory, in an existing, writable directory (checked before long work, not after)."""
+    directory, in an existing directory that takes new files (checked before long work, not
+    after; a file is made and removed there, see :func:`cannot_create_in`)."""
     path = Path(path)
     if path.is_dir():
         raise ValueError(f"{what} {path} is a directory; give a file path")
@@ -121,6 +157,12 @@ def check_writable_file(path: str | Path, what: str) -> None:
                          "the directory first or choose another path")
     if not os.access(path.parent, os.W_OK):
         raise ValueError(f"{what} {path}: {path.parent} is not writable")
+    why = cannot_create_in(path.parent)
+    if why is not None:
+        raise UnwritablePathError(f"{what} {path} cannot be written: making a file in {path.parent} "
+                                  f"fails ({why}); choose a path you can write to")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise UnwritablePathError(f"{what} {path} exists and is not writable; choose another path")
 
 
 @contextlib.contextmanager

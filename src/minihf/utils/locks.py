@@ -39,12 +39,24 @@ class HeldByAnotherJob(OSError):
     """The directory is held by another job (a one-line user error)."""
 
 
+class LockFileError(OSError):
+    """The lock file cannot be made (a one-line user error: the path, and why)."""
+
+
 def lock_path(path: str | Path) -> Path:
     """The lock file of ``path``, beside the directory it names once symlinks and ``..`` are
     resolved: a job given ``outputs/link`` (a symlink to ``outputs/run``) and a job given
-    ``outputs/run`` write into one directory, so they must take one lock."""
-    path = Path(path).resolve()
-    return path.with_name(f".{path.name}.lock")
+    ``outputs/run`` write into one directory, so they must take one lock. Callers check
+    the path first (``minihf.trainer.common.check_run_dir``); what slips through is still
+    one line here, a ``LockFileError``."""
+    try:
+        resolved = Path(path).resolve()
+    except (RuntimeError, OSError) as exc:  # a symlink loop: RuntimeError before Python 3.13
+        raise LockFileError(f"{path} cannot be resolved ({exc}); fix the symlinks or choose "
+                            "another path") from None
+    if resolved == resolved.parent:
+        raise LockFileError(f"{path} is the filesystem root; choose a directory in it")
+    return resolved.with_name(f".{resolved.name}.lock")
 
 
 def _holder_text(info: dict) -> str:
@@ -74,6 +86,15 @@ def _alive_here(info: dict) -> bool:
     return True
 
 
+def _open(lock: Path, what: str) -> int:
+    try:
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        return os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise LockFileError(f"{what}: cannot create its lock file {lock} ({exc.strerror or exc}); "
+                            "choose a path you can write to") from None
+
+
 class _Held:
     def __init__(self, path: Path, fd: int):
         self.path, self.fd, self.count = path, fd, 1
@@ -89,9 +110,8 @@ def acquire(path: str | Path, what: str, fix: str, log=print) -> None:
     if lock in _held:
         _held[lock].count += 1
         return
-    lock.parent.mkdir(parents=True, exist_ok=True)
     while True:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = _open(lock, what)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -130,7 +150,10 @@ def acquire(path: str | Path, what: str, fix: str, log=print) -> None:
 
 def release(path: str | Path) -> None:
     """Give up one hold of ``path``; the last one removes the lock file."""
-    lock = lock_path(path)
+    try:
+        lock = lock_path(path)
+    except LockFileError:  # never held: a release in a ``finally`` must not hide the error
+        return
     held = _held.get(lock)
     if held is None:
         return

@@ -16,6 +16,10 @@ changes, and every YAML minihf reads from a user goes through it:
   share a section (``safe_rlhf``'s ``cost_critic: *critic``). A merge key (``<<: *base``)
   is counted the same way. A node that contains itself (``&a [*a]``) is refused too: a
   config is a tree.
+* the text may not be longer than ``MAX_BYTES``. PyYAML parses in pure Python (~15 us a
+  byte here), so the node count above comes only after the whole parse: a 4.5 MB recipe
+  took over a minute to refuse. A file's size is known before it is read, and one over
+  the bound is refused at once; minihf's recipes and profiles are a few KB.
 
 Errors are ``YAMLInputError`` (a ``ValueError``), one line naming the file (or the value)
 and what to change, never PyYAML's multi-line report.
@@ -32,6 +36,9 @@ import yaml
 # Values a document may stand for, aliases expanded. minihf's largest recipe is a few
 # hundred; a bound far above any real config and far below what takes time to copy.
 MAX_NODES = 100_000
+# Bytes of YAML text. minihf's largest recipe is ~3 KB; this bound parses in a couple of
+# seconds at most, where a file 20x over it would take a minute.
+MAX_BYTES = 128 * 1024
 
 
 class YAMLInputError(ValueError):
@@ -85,6 +92,8 @@ def expanded_size(root: yaml.Node, cap: int = MAX_NODES) -> int:
 
 def load_yaml(text: str, where: str) -> Any:
     """The data of YAML ``text``; ``where`` names it in errors (e.g. ``recipe /path/x.yaml``)."""
+    if len(text) > MAX_BYTES:
+        raise _too_large(where, len(text))
     loader = _Loader(text)
     try:
         node = loader.get_single_node()
@@ -118,9 +127,22 @@ def load_yaml_file(path: str | Path, what: str = "") -> Any:
     """``load_yaml`` of the file at ``path``; ``what`` names its kind in errors (``recipe``)."""
     path = Path(path)
     where = f"{what} {path}".strip()
+    with open(path, "rb") as f:  # at most the bound and a byte: a huge file (or /dev/zero) is not read
+        data = f.read(MAX_BYTES + 1)
+    if len(data) > MAX_BYTES:
+        size = path.stat().st_size
+        raise _too_large(where, size if size > MAX_BYTES else None)
     try:
-        text = path.read_text()
+        text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise YAMLInputError(f"{where} is not UTF-8 text (a binary or damaged file); it must be "
                              "YAML", "not UTF-8") from None
     return load_yaml(text, where)
+
+
+def _too_large(where: str, size: int | None) -> YAMLInputError:
+    shown = f"{size:,} bytes" if size is not None else "a stream"
+    return YAMLInputError(
+        f"{where} is {shown}, over the {MAX_BYTES // 1024} KiB minihf reads as YAML (a recipe or profile "
+        "is a few KB; parsing one this large would take minutes); is it the right file? Keep data "
+        "in data files (data.train_files) and a recipe to its keys", "too large")

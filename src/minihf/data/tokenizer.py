@@ -12,7 +12,10 @@ transformers resolves the tokenizer class from the model type in config.json, so
 tokenizer saved next to a Qwen2 config.json reloads as ``Qwen2Tokenizer``, which re-derives
 its pre-tokenizer and silently changes ids (spaces vanish). When tokenizer_config.json names
 a generic class ("PreTrainedTokenizerFast"/"TokenizersBackend"), tokenizer.json is the
-whole truth, so we load it with ``PreTrainedTokenizerFast`` directly.
+whole truth, so we load it with ``PreTrainedTokenizerFast`` directly. Before transformers
+reads anything, ``check_tokenizer_files`` checks the files (one line naming the file and key
+for a broken one), and after it a tokenizer that encodes text to no ids (built from
+tokenizer_config.json without its vocabulary) is refused.
 """
 
 from __future__ import annotations
@@ -44,6 +47,14 @@ _GENERIC_CLASSES = {"PreTrainedTokenizerFast", "TokenizersBackend"}
 # Any one of these marks a dir that holds a tokenizer (fast, sentencepiece, BPE, WordPiece).
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
                     "vocab.txt")
+# The JSON files transformers reads from a tokenizer dir; each must be a JSON object.
+_JSON_FILES = ("tokenizer_config.json", "special_tokens_map.json", "tokenizer.json", "added_tokens.json",
+               "vocab.json")
+_SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+_SPECIAL_LISTS = ("additional_special_tokens", "extra_special_tokens")
+# Text every real tokenizer encodes to at least one id (byte-level BPE, sentencepiece and
+# character tokenizers alike, through <unk> if need be); none means it has no vocabulary.
+_PROBE = "Hello, world 0123456789"
 
 
 # A tool-use template: extra roles (``tool``), and the tools offered (``tools=``) as one
@@ -165,24 +176,29 @@ def load_tokenizer(model_dir: str | Path, padding_side: str = "left"):
             "copy the tokenizer files of the checkpoint into it, or save one with "
             "tokenizer.save_pretrained(dir)"
         )
-    config_file = model_dir / "tokenizer_config.json"
-    config = read_json(config_file, "copy a good tokenizer_config.json from the model's source") \
-        if config_file.exists() else {}
+    config = check_tokenizer_files(model_dir)
     # trust_remote_code=False always: a model dir's own code (``auto_map``) is never run, and
     # transformers would otherwise ask "run the custom code? [y/N]" on a terminal
-    if config.get("tokenizer_class") in _GENERIC_CLASSES and (model_dir / "tokenizer.json").exists():
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(model_dir), trust_remote_code=False)
-    else:
-        try:
+    try:
+        if config.get("tokenizer_class") in _GENERIC_CLASSES:
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(str(model_dir), trust_remote_code=False)
+        else:
             tokenizer = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False)
-        except ValueError as e:
-            if "trust_remote_code" not in str(e):
-                raise
-            raise ValueError(
-                f"load_tokenizer: {model_dir} needs its own code to load its tokenizer "
-                f"(tokenizer_class {config.get('tokenizer_class')!r} via auto_map); minihf never runs "
-                "code from a model dir: use a tokenizer transformers ships (a tokenizer.json with "
-                "tokenizer_class PreTrainedTokenizerFast, or a built-in class)") from None
+    except ValueError as e:
+        if "trust_remote_code" not in str(e):
+            raise _unreadable(model_dir, e) from e
+        raise ValueError(
+            f"load_tokenizer: {model_dir} needs its own code to load its tokenizer "
+            f"(tokenizer_class {config.get('tokenizer_class')!r} via auto_map); minihf never runs "
+            "code from a model dir: use a tokenizer transformers ships (a tokenizer.json with "
+            "tokenizer_class PreTrainedTokenizerFast, or a built-in class)") from None
+    except (KeyError, TypeError, AttributeError, IndexError) as e:  # a ValueError is handled above
+        raise _unreadable(model_dir, e) from e
+    except Exception as e:  # the tokenizers library raises a bare Exception for a file it cannot read
+        if type(e) is not Exception:
+            raise
+        raise _unreadable(model_dir, e) from e
+    _check_has_vocabulary(tokenizer, model_dir)
     if tokenizer.chat_template is None and "chat_template" in config:
         tokenizer.chat_template = config["chat_template"]
     if tokenizer.pad_token is None:
@@ -199,6 +215,109 @@ def load_tokenizer(model_dir: str | Path, padding_side: str = "left"):
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = padding_side
     return tokenizer
+
+
+def _fix(name: str) -> str:
+    return f"copy a good {name} from the model's source (or the tokenizer dir it was made from)"
+
+
+def _check_special_tokens(entries: dict, path: Path) -> None:
+    """Special-token values: a string, an AddedToken object ({"content": ...}) or null; the
+    additional ones a list of those (or, in transformers 5, a dict of named ones)."""
+    def token_ok(v):
+        return v is None or isinstance(v, str) or (isinstance(v, dict) and isinstance(v.get("content"), str))
+
+    for key in _SPECIAL_KEYS:
+        if key in entries and not token_ok(entries[key]):
+            raise ValueError(f"{path}: {key}={entries[key]!r} must be a token string (e.g. \"<eos>\") or null; "
+                             f"{_fix(path.name)}")
+    for key in _SPECIAL_LISTS:
+        value = entries.get(key)
+        items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else None
+        if value is not None and (items is None or not all(token_ok(v) and v is not None for v in items)):
+            raise ValueError(f"{path}: {key}={value!r} must be a list of token strings; {_fix(path.name)}")
+
+
+def check_tokenizer_files(model_dir: str | Path) -> dict:
+    """The tokenizer files of ``model_dir`` checked before transformers reads them; returns
+    tokenizer_config.json's settings (``{}`` without one).
+
+    A ValueError naming the file (and key) for a JSON file that is empty, truncated, not JSON
+    or not an object (``_JSON_FILES``); a tokenizer.json without the ``model`` object or
+    ``added_tokens`` list a tokenizer needs; special tokens that are not strings; settings of
+    the wrong kind (``tokenizer_class``, ``chat_template``, ``model_max_length``,
+    ``padding_side``); a chat_template.jinja that is not text; and a generic tokenizer class
+    without the tokenizer.json it is read from. transformers itself would raise a KeyError
+    or AttributeError from deep inside, or (tokenizer.json missing) build a tokenizer without
+    a vocabulary that encodes every text to no ids."""
+    model_dir = Path(model_dir)
+    data = {}
+    for name in _JSON_FILES:
+        path = model_dir / name
+        if path.is_file():
+            data[name] = read_json(path, _fix(name))
+            if not isinstance(data[name], dict):
+                raise ValueError(f"{path} must be a JSON object, got a {type(data[name]).__name__}; {_fix(name)}")
+    tok_json = data.get("tokenizer.json")
+    if tok_json is not None:
+        path = model_dir / "tokenizer.json"
+        if not isinstance(tok_json.get("model"), dict):
+            raise ValueError(f"{path} has no \"model\" object (the vocabulary and how text is split), so it "
+                             f"is not a tokenizers tokenizer.json; {_fix(path.name)}")
+        if not isinstance(tok_json.get("added_tokens", []), list) or "added_tokens" not in tok_json:
+            raise ValueError(f"{path}: added_tokens={tok_json.get('added_tokens')!r} must be a list (the special "
+                             f"tokens; [] for none); {_fix(path.name)}")
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):
+        if name in data:
+            _check_special_tokens(data[name], model_dir / name)
+    config = data.get("tokenizer_config.json", {})
+    path = model_dir / "tokenizer_config.json"
+    kinds = {"tokenizer_class": (str,), "chat_template": (str, list), "model_max_length": (int, float)}
+    for key, types in kinds.items():
+        value = config.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, types)):
+            want = {"tokenizer_class": "a class name string", "chat_template": "a Jinja template string",
+                    "model_max_length": "a number"}[key]
+            raise ValueError(f"{path}: {key}={value!r} must be {want}; {_fix(path.name)}")
+    for key in ("padding_side", "truncation_side"):
+        if config.get(key) not in (None, "left", "right"):
+            raise ValueError(f"{path}: {key}={config[key]!r} must be \"left\" or \"right\"; {_fix(path.name)}")
+    template = model_dir / "chat_template.jinja"
+    if template.is_file():
+        try:
+            template.read_text()
+        except UnicodeDecodeError:
+            raise ValueError(f"{template} is not UTF-8 text (a binary or damaged file); "
+                             f"{_fix(template.name)}") from None
+    cls = config.get("tokenizer_class")
+    if cls in _GENERIC_CLASSES and tok_json is None:
+        raise ValueError(f"{path}: tokenizer_class {cls!r} reads its vocabulary from tokenizer.json, and "
+                         f"{model_dir} has none; copy tokenizer.json from the model's source (without it "
+                         "every text would encode to no tokens)")
+    return config
+
+
+def _unreadable(model_dir: Path, exc: BaseException) -> ValueError:
+    """One line for a tokenizer dir transformers could not load past our checks."""
+    files = [n for n in (*_JSON_FILES, "tokenizer.model", "vocab.txt", "merges.txt") if (model_dir / n).exists()]
+    reason = (str(exc).splitlines() or [""])[0][:200]
+    return ValueError(f"load_tokenizer: transformers could not load the tokenizer in {model_dir} from "
+                      f"{', '.join(files) or 'its files'} ({type(exc).__name__}: {reason}); one of them is "
+                      "damaged or of another format: copy the tokenizer files from the model's source")
+
+
+def _check_has_vocabulary(tokenizer, model_dir: Path) -> None:
+    """A ValueError if ``tokenizer`` encodes ordinary text to no ids: transformers builds such
+    a tokenizer from tokenizer_config.json when the vocabulary files are missing."""
+    try:
+        ids = tokenizer(_PROBE, add_special_tokens=False)["input_ids"]
+    except Exception:  # e.g. a vocabulary without <unk>: it has one, the probe just does not fit it
+        return
+    if not ids:
+        wanted = sorted(set(getattr(tokenizer, "vocab_files_names", {}).values())) or ["tokenizer.json"]
+        raise ValueError(f"load_tokenizer: the tokenizer in {model_dir} ({type(tokenizer).__name__}, from "
+                         f"tokenizer_config.json) has no vocabulary: it encodes every text to no tokens; "
+                         f"copy its vocabulary file(s) ({', '.join(wanted)}) from the model's source")
 
 
 def encode_chat(tokenizer, messages, add_generation_prompt: bool = True) -> list[int]:

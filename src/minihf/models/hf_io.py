@@ -38,11 +38,14 @@ def load_hf(path: str | Path, dtype: torch.dtype = torch.float32,
     """Load an HF checkpoint dir as a minihf model with ``head`` (lm|value|score).
 
     Built on the meta device, materialised on ``device`` and filled from the safetensors
-    files, cast to ``dtype``."""
+    files, cast to ``dtype``. The shapes are checked against the checkpoint's before any
+    memory is allocated, so a config.json that disagrees with its weights (say a vocab_size
+    with an extra digit) is one line, not an allocation of the size it claims."""
     reader = CheckpointReader(path, head)
-    model = materialize(build_model(reader.args, head, device="meta", dtype=dtype), device)
-    params = dict(model.named_parameters())  # dedups tied lm_head
-    reader.check({n: tuple(p.shape) for n, p in params.items()})
+    model = build_model(reader.args, head, device="meta", dtype=dtype)
+    reader.check({n: tuple(p.shape) for n, p in model.named_parameters()})  # dedups tied lm_head
+    materialize(model, device)
+    params = dict(model.named_parameters())
     with torch.no_grad():
         for name, p in params.items():
             p.copy_(reader.read(name))

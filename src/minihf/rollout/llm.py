@@ -45,23 +45,39 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
 
 
-def eos_ids(hf_config: dict, generation_config: dict | None = None) -> tuple[int, ...]:
+def eos_ids(hf_config: dict, generation_config: dict | None = None,
+            where: tuple[str, str] = ("the model config", "the generation config")) -> tuple[int, ...]:
     """EOS ids from the generation config (preferred, as transformers does) or the model config.
 
-    ``eos_token_id`` may be an int or a list in either; absent in both gives ``()``."""
-    ids = hf_config.get("eos_token_id")
+    ``eos_token_id`` may be an int or a list in either; absent in both gives ``()``. Each id
+    must be a whole number below the model config's ``vocab_size`` (an id the model cannot
+    sample would never end a sequence): a ValueError naming the file (``where``: the model
+    config's, the generation config's) and the key otherwise."""
+    from minihf.models.args import check_token_ids
+    from minihf.utils.files import MODEL_FIX
+
+    if not isinstance(hf_config, dict):
+        raise ValueError(f"{where[0]} must be a JSON object of the model's settings, got "
+                         f"{type(hf_config).__name__}; {MODEL_FIX}")
+    vocab = hf_config.get("vocab_size")
+    ids = check_token_ids(hf_config.get("eos_token_id"), "eos_token_id", where[0], vocab,
+                          f"fix that value in config.json, or {MODEL_FIX}")
     if generation_config is not None:
-        ids = generation_config.get("eos_token_id", ids)
-    if ids is None:
-        return ()
-    return tuple(int(i) for i in ids) if isinstance(ids, list) else (int(ids),)
+        fix = ("fix that value in generation_config.json, or delete the file (eos ids then come from "
+               "config.json)")
+        if not isinstance(generation_config, dict):
+            raise ValueError(f"{where[1]} must be a JSON object, got {type(generation_config).__name__}; {fix}")
+        if "eos_token_id" in generation_config:
+            ids = check_token_ids(generation_config["eos_token_id"], "eos_token_id", where[1], vocab, fix)
+    return ids
 
 
 def eos_ids_from_dir(path: Path, hf_config: dict) -> tuple[int, ...]:
     """:func:`eos_ids` with ``path/generation_config.json`` read when the dir has one."""
     gen = Path(path) / "generation_config.json"
     fix = "fix or delete generation_config.json (eos ids then come from config.json)"
-    return eos_ids(hf_config, read_json(gen, fix) if gen.exists() else None)
+    return eos_ids(hf_config, read_json(gen, fix) if gen.exists() else None,
+                   where=(str(Path(path) / "config.json"), str(gen)))
 
 
 class LLM:

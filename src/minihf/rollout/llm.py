@@ -53,7 +53,7 @@ def eos_ids(hf_config: dict, generation_config: dict | None = None,
     must be a whole number below the model config's ``vocab_size`` (an id the model cannot
     sample would never end a sequence): a ValueError naming the file (``where``: the model
     config's, the generation config's) and the key otherwise."""
-    from minihf.models.args import check_token_ids
+    from minihf.models.config_checks import check_token_ids
     from minihf.utils.files import MODEL_FIX
 
     if not isinstance(hf_config, dict):

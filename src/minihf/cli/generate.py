@@ -17,10 +17,11 @@ from minihf.utils.files import MODEL_FIX, read_json
 
 def unknown_chars(tok, text: str) -> list[str]:
     """The characters of ``text`` the tokenizer can only encode as its unknown token."""
-    unk = tok.unk_token_id
-    if unk is None or (tok.unk_token and tok.unk_token in text):
+    from minihf.data.tokenizer import chars_outside_vocab
+
+    if tok.unk_token and tok.unk_token in text:  # the text spells the unknown token itself
         return []
-    return sorted(c for c in set(text) if unk in tok(c, add_special_tokens=False)["input_ids"])
+    return sorted(chars_outside_vocab(tok, text))
 
 
 def generate_text(model_dir: str | Path, prompts: list[str], params: SamplingParams, chat: bool = False,

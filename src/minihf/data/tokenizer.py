@@ -333,3 +333,12 @@ def encode_chat(tokenizer, messages, add_generation_prompt: bool = True) -> list
         )
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def chars_outside_vocab(tok, chars) -> set[str]:
+    """The characters among ``chars`` that ``tok`` can only encode as its unknown token (none
+    when it has no unknown token): what ``minihf generate`` and ``minihf eval`` refuse."""
+    unk = tok.unk_token_id
+    if unk is None:
+        return set()
+    return {c for c in set(chars) if unk in tok(c, add_special_tokens=False)["input_ids"]}

@@ -153,11 +153,11 @@ def check_prompts(ds, wheres: Sequence[str], tok, cfg: EvalConfig) -> None:
     vocabulary (they would all be scored as the unknown token; ``minihf generate`` refuses
     them too; ``allow_unk`` lets them through) and, scored by the built-in rewards, a row
     with no ground truth (no ``reward_model`` column, or ``ground_truth: null``)."""
-    unk = tok.unk_token_id
+    from minihf.data.tokenizer import chars_outside_vocab
+
     unknown: set[str] = set()
-    if unk is not None and not cfg.allow_unk:
-        chars = {c for rec in ds.records for m in rec["raw_prompt"] for c in m["content"]}
-        unknown = {c for c in chars if unk in tok(c, add_special_tokens=False)["input_ids"]}
+    if not cfg.allow_unk:
+        unknown = chars_outside_vocab(tok, {c for rec in ds.records for m in rec["raw_prompt"] for c in m["content"]})
     for where, rec in zip(wheres, ds.records):
         text = "".join(m["content"] for m in rec["raw_prompt"])
         bad = sorted(unknown & set(text)) if not (tok.unk_token and tok.unk_token in text) else []

@@ -68,7 +68,7 @@ def test_doctor_names_the_library_of_the_cpu_linears(monkeypatch):
 def test_doctor_reports_this_machine():
     res = CliRunner().invoke(app, ["doctor"])
     assert res.exit_code == 0, res.output
-    lines = {line[:22].strip(): line[23:] for line in res.output.splitlines()}  # "key<22 value"
+    lines = {line[:26].strip(): line[27:] for line in res.output.splitlines()}  # "key<26 value"
     assert lines["torch"] == torch.__version__
     assert lines["gloo"] == "True"  # every torch build this project supports has gloo
     assert lines["torch threads"] == str(torch.get_num_threads())
@@ -76,6 +76,25 @@ def test_doctor_reports_this_machine():
                 "cpu cores"):
         assert key in lines, key
     assert set(report()) == set(lines)
+
+
+def test_doctor_checks_the_threads_of_planned_ranks(monkeypatch):
+    from minihf.utils import threads
+
+    monkeypatch.setattr(threads, "usable_cores", lambda: threads.Cores(2, "2 in this process's CPU affinity"))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    res = CliRunner().invoke(app, ["doctor", "--nproc-per-node", "2"])
+    assert res.exit_code == 0, res.output
+    lines = {line[:26].strip(): line[27:] for line in res.output.splitlines()}
+    assert lines["usable cores"] == "2 (2 in this process's CPU affinity)"
+    assert lines["threads per rank (auto)"] == "1 x 2 ranks: fits"
+    assert lines["threads per rank (inherit)"] == ("2 x 2 ranks: oversubscribed: 4 threads on 2 cores "
+                                                   "(controller.threads=auto, the default, avoids it)")
+    res = CliRunner().invoke(app, ["doctor", "--nproc-per-node", "3"])
+    assert "1 x 3 ranks: oversubscribed: 3 threads on 2 cores; start at most 2 ranks here" in res.output
+    res = CliRunner().invoke(app, ["doctor", "--nproc-per-node", "0"])
+    assert res.exit_code != 0 and "--nproc-per-node" in res.output
 
 
 def test_doctor_survives_a_broken_install(tmp_path, monkeypatch):

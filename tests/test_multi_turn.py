@@ -130,7 +130,8 @@ def test_deltas_and_append_only_check(smollm2_tokenizer_dir, caplog):
     ("import ctypes\nctypes.string_at(0)", "error: PermissionError: the python tool does not allow ctypes.dlopen"),
     ("while True: print('x' * 1000)", "error: OSError: [Errno 27] File too large"),
     ("import resource\nresource.setrlimit(resource.RLIMIT_CPU, (99, 99))", "error: PermissionError"),
-    ("import os\nprint(sorted(os.environ))", "['LC_CTYPE']\n"),
+    ("import os\nprint(sorted(os.environ))",  # python's own locale, and one thread per numeric library
+     "['LC_CTYPE', 'MKL_NUM_THREADS', 'OMP_NUM_THREADS', 'OPENBLAS_NUM_THREADS']\n"),
 ], ids=["ok", "loop", "sleep", "fork_bomb", "subprocess", "10GB", "segfault", "ctypes", "flood", "rlimit", "env"])
 def test_python_sandbox_contains_abuse(code, expect):
     """The ``python`` tool's limits: each abuse ends as an ``error: ...`` observation,

@@ -8,8 +8,9 @@ local port), or ``--nnodes M --node-rank R --rdzv-endpoint HOST:PORT`` with one 
 per node, as ``torchrun --nnodes M --node-rank R --master-addr HOST --master-port PORT``.
 A failed job is one line naming the failing rank and its exit code, under that rank's
 own message (no launcher traceback or failure table); Ctrl-C ends every rank, each with
-its line, and exits 130. Unless ``OMP_NUM_THREADS`` is set, each rank gets the machine's
-cores divided by the ranks per node, said once.
+its line, and exits 130. Unless ``OMP_NUM_THREADS`` is set, the ranks start with this
+host's usable cores divided by the ranks per node, said once; each rank then settles its
+threads from ``controller.threads`` (``minihf.utils.threads``).
 
 The launch arguments are checked before the config (``check_launch``, one line, exit 2):
 ``--rdzv-endpoint`` must be ``HOST:PORT`` with a port in 1..65535 and a host that resolves
@@ -107,7 +108,9 @@ def max_local_ranks(cpu: bool = False) -> tuple[int, str]:
         n = torch.cuda.device_count()
         return n, (f"each rank drives one GPU (cuda:LOCAL_RANK) and this node has {n}; more nodes: "
                    "--nnodes")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    from minihf.utils.threads import usable_cores
+
+    cores = usable_cores().usable
     memory = _available_memory()
     if memory is None:  # no way to tell: a bound far above any CPU job, below a fork bomb
         return 64 * cores, f"without a memory figure for this host, at most 64 ranks per core ({cores} cores)"
@@ -151,14 +154,16 @@ def launch_ranks(kind: str, args: list[str], nproc_per_node: int, nnodes: int = 
 
     from minihf.controller.ranks import free_port
     from minihf.controller.rendezvous import RDZV_BACKEND, RendezvousFailed, WaitingRendezvous
+    from minihf.utils.threads import usable_cores
 
     check_launch(nproc_per_node, nnodes, node_rank, rdzv_endpoint)
     rendezvous_handler_registry.register(RDZV_BACKEND, WaitingRendezvous.create)  # again: a no-op
-    if "OMP_NUM_THREADS" not in os.environ:
-        threads = max(1, (os.cpu_count() or 1) // nproc_per_node)
+    if "OMP_NUM_THREADS" not in os.environ:  # the ranks' OpenMP starts at their share
+        cores = usable_cores()
+        threads = max(1, cores.usable // nproc_per_node)
         os.environ["OMP_NUM_THREADS"] = str(threads)
-        print(f"[minihf] OMP_NUM_THREADS={threads} per rank ({os.cpu_count()} cores, {nproc_per_node} ranks "
-              "per node); set OMP_NUM_THREADS to choose", file=sys.stderr)
+        print(f"[minihf] OMP_NUM_THREADS={threads} per rank ({cores.usable} usable cores: {cores.why}; "
+              f"{nproc_per_node} ranks per node); controller.threads decides in each rank", file=sys.stderr)
     config = LaunchConfig(min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc_per_node, run_id="minihf",
                           rdzv_backend=RDZV_BACKEND, rdzv_endpoint=rdzv_endpoint or f"127.0.0.1:{free_port()}",
                           rdzv_configs={"rank": node_rank, "timeout": rdzv_timeout_s}, max_restarts=0)

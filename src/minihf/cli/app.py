@@ -42,12 +42,13 @@ def main(
 
 
 @app.command()
-def doctor() -> None:
+def doctor(nproc_per_node: int = typer.Option(1, "--nproc-per-node", min=1,
+                                              help="Ranks you plan to start here: checks their threads.")) -> None:
     """Print what this machine offers minihf: torch, CUDA/NCCL/gloo, flash-attn, the CPU and its linears, threads."""
     from minihf.cli.doctor import report
 
-    for key, value in report().items():
-        typer.echo(f"{key:<22} {value}")
+    for key, value in report(nproc_per_node).items():
+        typer.echo(f"{key:<26} {value}")
 
 
 @app.command("init-model")

@@ -39,8 +39,33 @@ def cpu_linears() -> str:
     return f"oneDNN from {MIN_MACS_PER_THREAD / 2**20:g}M multiply-adds per thread, MKL below"
 
 
-def report() -> dict[str, str]:
-    """Key/value pairs describing torch, accelerators, distributed backends and threads."""
+def threads_report(nproc_per_node: int = 1) -> dict[str, str]:
+    """The cores this process may use, and the threads ``nproc_per_node`` ranks would run
+    here under ``controller.threads=auto`` and with the environment's value (``inherit``),
+    oversubscribed or not (``minihf.utils.threads``)."""
+    import torch
+
+    from minihf.utils.threads import plan, usable_cores
+
+    cores = usable_cores()
+    env = os.environ.get("OMP_NUM_THREADS")
+    ranks = f"{nproc_per_node} rank{'s' if nproc_per_node > 1 else ''}"
+    out = {"usable cores": f"{cores.usable} ({cores.why})"}
+    for setting in ("auto", "inherit"):
+        p = plan(setting, cores, nproc_per_node, torch.get_num_threads(), env)
+        verdict = (f"oversubscribed: {p.threads * nproc_per_node} threads on {cores.usable} cores"
+                   if p.oversubscribed else "fits")
+        out[f"threads per rank ({setting})"] = f"{p.threads} x {ranks}: {verdict}"
+    if nproc_per_node > cores.usable:
+        out["threads per rank (auto)"] += f"; start at most {cores.usable} ranks here"
+    elif plan("inherit", cores, nproc_per_node, torch.get_num_threads(), env).oversubscribed:
+        out["threads per rank (inherit)"] += " (controller.threads=auto, the default, avoids it)"
+    return out
+
+
+def report(nproc_per_node: int = 1) -> dict[str, str]:
+    """Key/value pairs describing torch, accelerators, distributed backends and threads
+    (checked for ``nproc_per_node`` ranks on this host)."""
     import torch
     import torch.distributed as dist
 
@@ -68,6 +93,7 @@ def report() -> dict[str, str]:
         "cpu cores": str(os.cpu_count()),
         "torch threads": str(torch.get_num_threads()),
         "torch interop threads": str(torch.get_num_interop_threads()),
+        **threads_report(nproc_per_node),
     }
     if cuda:
         info["gpu 0"] = torch.cuda.get_device_name(0)

@@ -111,6 +111,11 @@ class ControllerConfig:
     timeout_s: float = 600.0  # collectives, calls and dead-peer detection give up after this
     idle_timeout_s: float | None = None  # worker waiting for a command; None: no limit
     placement: PlacementConfig = field(default_factory=dict)  # role -> ranks (+ tp_size); empty: all ranks
+    # each rank's CPU threads: auto = its share of the host's usable cores (affinity, cgroup
+    # quota) over the ranks on the host, never above OMP_NUM_THREADS; an integer; or inherit
+    # (OMP_NUM_THREADS / torch's default). A host whose ranks oversubscribe its cores is
+    # named in a warning at start-up (minihf.utils.threads)
+    threads: Union[Literal["auto", "inherit"], int] = "auto"
 
     def __post_init__(self):
         if self.backend not in ("auto", "gloo", "nccl"):
@@ -118,6 +123,10 @@ class ControllerConfig:
         if not self.timeout_s >= 1:  # below it, starting the process groups alone times out
             raise ValueError(f"timeout_s must be >= 1 (seconds; the default is 600), got "
                              f"{self.timeout_s}: shorter, the ranks cannot even connect")
+        if self.threads not in ("auto", "inherit") and not (
+                isinstance(self.threads, int) and not isinstance(self.threads, bool) and self.threads >= 1):
+            raise ValueError(f"threads must be auto (each rank's share of the host's cores), an integer "
+                             f">= 1, or inherit (OMP_NUM_THREADS / torch's default), got {self.threads!r}")
         if self.idle_timeout_s is not None and not self.idle_timeout_s > 0:
             raise ValueError(f"idle_timeout_s must be > 0 or null (no limit while the driver "
                              f"is alive), got {self.idle_timeout_s}")

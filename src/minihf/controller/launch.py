@@ -42,6 +42,7 @@ thread, 133-148 ms on a pool thread after the main thread had run one parallel r
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import time
 import traceback
@@ -202,7 +203,9 @@ def join_launcher_group(timeout_s: float = 1800.0) -> bool:
     alone, do nothing and return False."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return False
-    _init_from_env(ControllerConfig(backend="gloo", timeout_s=timeout_s))
+    config = ControllerConfig(backend="gloo", timeout_s=timeout_s)
+    set_threads(config)  # each rank's share of the host's cores, as a job's ranks get
+    _init_from_env(config)
     return True
 
 
@@ -244,6 +247,20 @@ def run_script(main: Callable[[list[str]], Any], argv: list[str]) -> None:
         sys.exit(1)
 
 
+def set_threads(config: ControllerConfig, local_ranks: int | None = None, interop: bool = True) -> None:
+    """This rank's CPU threads from ``config.threads`` (``minihf.utils.threads``), before the
+    job builds anything; each host's local rank 0 prints the figure, or the warning of an
+    oversubscribed host (naming the host when the job spans several)."""
+    from minihf.utils.threads import apply
+
+    plan = apply(config.threads, local_ranks, interop=interop)
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        env = os.environ
+        many = env.get("WORLD_SIZE", "1") != env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", "1"))
+        line = plan.line.replace("this host", f"host {socket.gethostname()}") if many else plan.line
+        print(line, file=sys.stderr, flush=True)
+
+
 def launch_job(job: Callable[[torch.device], Any], config: ControllerConfig | None = None,
                *, in_process: bool = False) -> Any:
     """Like ``launch``, for a job of several controller runs: ``job(device)`` runs on every
@@ -261,6 +278,7 @@ def launch_job(job: Callable[[torch.device], Any], config: ControllerConfig | No
         return _job_in_process(job, config)
     die_with_launcher()  # again: a job not started by one of the scripts
     skip_final_gc()  # a torchrun job ends when its slowest rank has exited
+    set_threads(config)
     rank, device = _init_from_env(config)
     if device.type == "cpu":
         tune_malloc()  # large blocks from the heap, kept mapped when freed (minihf.utils.host_memory)
@@ -287,12 +305,21 @@ def _job_in_process(job: Callable[[torch.device], Any], config: ControllerConfig
     if dist.is_initialized():
         raise RuntimeError("this process already has a torch.distributed process group; the Python "
                            "entry points need a process without one (destroy it first)")
-    _, device = _init_from_env(config)
+    before = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+    set_threads(config, local_ranks=1, interop=False)  # restored below; the inter-op pool cannot be
     try:
-        return job(device)
-    finally:
-        release_all()
-        dist.destroy_process_group()
+        _, device = _init_from_env(config)
+        try:
+            return job(device)
+        finally:
+            release_all()
+            dist.destroy_process_group()
+    finally:  # the caller's process as it was
+        torch.set_num_threads(before[0])
+        if before[1] is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = before[1]
 
 
 def launch(driver_fn: DriverFn, roles: Mapping[str, Role | type[Worker]],

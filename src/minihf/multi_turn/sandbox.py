@@ -1,7 +1,8 @@
 """The built-in ``python`` tool: model-written code in a limited subprocess.
 
 Each call runs ``python -I`` (isolated: no user site, no ``PYTHON*`` variables) with an
-empty environment in a fresh temporary working directory that is deleted afterwards, in a
+environment holding only one thread per numeric library (``OMP_NUM_THREADS=1`` and its
+kin: a call must not start a full team of threads beside the rank's own) in a fresh temporary working directory that is deleted afterwards, in a
 new process group, under resource limits: CPU seconds, address space, the size of any file
 it writes (stdout and stderr go to files, so a flood stops at the limit instead of filling
 the parent's memory) and open files. An audit hook installed before the code runs refuses
@@ -24,6 +25,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from minihf.utils.threads import sandbox_env
 
 LIMITS = {"wall_s": 10.0, "cpu_s": 5, "memory_mb": 1024, "output_bytes": 1 << 16, "open_files": 64}
 
@@ -65,7 +68,8 @@ def run_python(code: str, **limits) -> str:
         (Path(tmp) / "main.py").write_text(_prelude(cfg))
         (Path(tmp) / "code.py").write_text(code)
         with open(out, "wb") as fo, open(err, "wb") as fe:
-            proc = subprocess.Popen([sys.executable, "-I", "main.py"], cwd=tmp, env={}, stdin=subprocess.DEVNULL,
+            proc = subprocess.Popen([sys.executable, "-I", "main.py"], cwd=tmp, env=sandbox_env(),
+                                    stdin=subprocess.DEVNULL,
                                     stdout=fo, stderr=fe, start_new_session=True)
             try:
                 code_ = proc.wait(timeout=cfg["wall_s"])

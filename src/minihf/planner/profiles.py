@@ -187,7 +187,9 @@ def measure(name: str = "this-machine", world: int = 2, linear: tuple[int, int, 
 
     import torch
 
-    cores = os.cpu_count() or 1
+    from minihf.utils.threads import usable_cores
+
+    cores = usable_cores().usable  # what controller.threads=auto shares out (affinity, cgroup quota)
     threads = max(1, cores // world)
     torch.set_num_threads(threads)
     flops, bandwidth = measure_compute(linear=linear)

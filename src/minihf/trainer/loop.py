@@ -36,6 +36,7 @@ from minihf.trainer.common import (RESUME_FIX, find_resume_path, hold_run_dir, m
 from minihf.utils.files import read_json
 from minihf.utils.state_json import StateError, dumps, loads
 from minihf.utils.profiling import check_steps
+from minihf.utils.threads import with_threads
 
 STATE_FILE = "driver_state.json"
 
@@ -113,7 +114,8 @@ class RunLoop:
         done = nothing_to_train(self.out, step, self.total_steps)
         if done:
             self.on_nothing_to_train(done)
-        dump_yaml(self.cfg, self.out / "config.yaml")  # the resolved config of this start
+        # the resolved config of this start, with the threads each rank runs
+        dump_yaml(with_threads(self.cfg), self.out / "config.yaml")
         self.driver_state_text(step)  # state a checkpoint cannot hold: stop before training on it
         self.started(step)
         end = self.total_steps if stop_after is None else min(self.total_steps, step + stop_after)

@@ -7,7 +7,6 @@ import json
 import time
 
 import pytest
-import torch
 
 from minihf.data import load_tokenizer
 from minihf.data.tokenizer import build_char_tokenizer
@@ -71,7 +70,7 @@ def test_tool_environment_turns_errors_into_observations():
         raise KeyError("boom")
 
     env = ToolEnvironment({}, {"calculator": calculator, "slow": slow, "broken": broken},
-                          max_parallel_calls=2, max_response_length=10, timeout_s=0.3)
+                          max_parallel_calls=2, max_response_length=40, timeout_s=0.3)
     call = lambda name, args: f'<tool_call>{json.dumps({"name": name, "arguments": args})}</tool_call>'
     obs, reward, done = env.step(call("calculator", {"expression": "6*7"}))
     assert obs == [{"role": "tool", "name": "calculator", "content": "42"}] and not done and reward == 0
@@ -79,9 +78,9 @@ def test_tool_environment_turns_errors_into_observations():
     assert "unknown tool 'nope'" in obs[0]["content"] and "raised KeyError" in obs[1]["content"]
     assert obs[2]["content"].startswith("error: 3 calls") and len(obs) == 3
     obs, _, _ = env.step(call("slow", {"seconds": 5}))
-    assert "did not return within tool_timeout_s=0.3" in obs[0]["content"]
-    obs, _, _ = env.step(call("calculator", {"expression": "9" * 30}))
-    assert obs[0]["content"] == "9" * 10 + "...(truncated)"
+    assert obs[0]["content"] == "error: slow raised TimeoutError: did not...(truncated)"
+    obs, _, _ = env.step(call("calculator", {"expression": "9" * 60}))
+    assert obs[0]["content"] == "9" * 40 + "...(truncated)"
     obs, _, _ = env.step(call("calculator", {"wrong": 1}))
     assert obs[0]["content"].startswith("error: bad arguments for calculator")
     assert env.step("The answer is 42.") == (None, 0.0, True)
@@ -117,36 +116,6 @@ def test_deltas_and_append_only_check(smollm2_tokenizer_dir, caplog):
     check_append_only(r, rewrites.eos_token_id, "user", "warn")
     assert "not append-only" in caplog.text
     check_append_only(r, rewrites.eos_token_id, "user", "off")
-
-
-@pytest.mark.parametrize("code,expect", [
-    ("print(6 * 7)", "42\n"),
-    ("while True: pass", "error: it used more than 1 s of CPU"),
-    ("import time\ntime.sleep(60)", "error: the code ran past 3.0 s and was stopped"),
-    ("import os\nwhile True: os.fork()", "error: PermissionError: the python tool does not allow os.fork"),
-    ("import subprocess\nsubprocess.run(['true'])", "error: PermissionError: the python tool does not allow subprocess.Popen"),
-    ("x = bytearray(10 * 1024 ** 3)", "error: MemoryError"),
-    ("import faulthandler\nfaulthandler._sigsegv()", "error: it died of SIGSEGV"),
-    ("import ctypes\nctypes.string_at(0)", "error: PermissionError: the python tool does not allow ctypes.dlopen"),
-    ("while True: print('x' * 1000)", "error: OSError: [Errno 27] File too large"),
-    ("import resource\nresource.setrlimit(resource.RLIMIT_CPU, (99, 99))", "error: PermissionError"),
-    ("import os\nprint(sorted(os.environ))",  # python's own locale, and one thread per numeric library
-     "['LC_CTYPE', 'MKL_NUM_THREADS', 'OMP_NUM_THREADS', 'OPENBLAS_NUM_THREADS']\n"),
-], ids=["ok", "loop", "sleep", "fork_bomb", "subprocess", "10GB", "segfault", "ctypes", "flood", "rlimit", "env"])
-def test_python_sandbox_contains_abuse(code, expect):
-    """The ``python`` tool's limits: each abuse ends as an ``error: ...`` observation,
-    promptly, with no process and no temporary directory left behind."""
-    import glob
-    import tempfile
-
-    from minihf.multi_turn.sandbox import run_python
-
-    before = set(glob.glob(f"{tempfile.gettempdir()}/minihf-python-*"))
-    t0 = time.monotonic()
-    out = run_python(code, wall_s=3.0, cpu_s=1)
-    assert out.startswith(expect), out[:200]
-    assert time.monotonic() - t0 < 10
-    assert set(glob.glob(f"{tempfile.gettempdir()}/minihf-python-*")) == before
 
 
 def test_config_errors_name_the_key():

@@ -135,8 +135,9 @@ def driver(groups):
 
 setting = os.environ["THREADS"]
 cfg = ControllerConfig(threads=int(setting) if setting.isdigit() else setting)
-per_rank, seen = launch(driver, {"w": W}, cfg)
-print("per rank", per_rank, "driver's threads", seen)
+result = launch(driver, {"w": W}, cfg)
+if result is not None:  # rank 0
+    print("per rank", result[0], "driver's threads", result[1])
 """
 
 

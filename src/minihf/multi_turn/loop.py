@@ -34,6 +34,7 @@ import torch.distributed as dist
 from minihf.rollout.engine import SEQ_STRIDE
 from minihf.utils.imports import load_ref
 
+from . import sandbox
 from .render import ChatRenderer, check_append_only
 from .tools import BUILTIN_TOOLS, CALL_CLOSE, ToolEnvironment, hermes_system_block, tool_schema
 
@@ -98,6 +99,8 @@ class MultiTurn:
             role = "user"
         else:
             self.tools = load_tools(cfg.tools)
+            if sandbox.python in self.tools.values():  # refused at start-up where namespaces are missing
+                sandbox.configure(cfg.sandbox)
             self.env_cls = partial(ToolEnvironment, tools=self.tools, max_parallel_calls=cfg.max_parallel_calls,
                                    max_response_length=cfg.max_tool_response_length,
                                    timeout_s=cfg.tool_timeout_s)

@@ -186,9 +186,9 @@ class ToolEnvironment:
         messages = [{"role": "tool", "content": e} for e in errors]
         for name, args in calls[: self.max_parallel_calls]:
             out = self._run(name, args)
-            if out.startswith("error:"):  # kept whole: it says what to fix
+            if out.startswith("error:"):
                 errors.append(out)
-            elif len(out) > self.max_response_length:
+            if len(out) > self.max_response_length:  # an error's text too: the code may print it
                 out = out[: self.max_response_length] + "...(truncated)"
             messages.append({"role": "tool", "name": name, "content": out})
         if len(calls) > self.max_parallel_calls:

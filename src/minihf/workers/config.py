@@ -204,6 +204,7 @@ class MultiTurnConfig:
     max_tool_response_length: int = 256  # characters of each tool/user message kept
     tool_timeout_s: float = 30.0         # one tool call's limit (an error observation past it)
     env_timeout_s: float = 120.0         # one environment step's limit (past it the run stops)
+    sandbox: Literal["isolated", "process"] = "isolated"  # the python tool: isolated = Linux namespaces (refused where unavailable); process = rlimits and an audit hook only
     format: Literal["hermes"] = "hermes"  # tool-call format in the assistant's text
     tokenization_sanity_check_mode: Literal["strict", "warn", "off"] = "strict"  # start-up check that the chat template is append-only
     turn_rewards: bool = False           # each step's reward on its turn's last token (else their sum on the last)
@@ -234,6 +235,14 @@ class MultiTurnConfig:
         for key in ("tool_timeout_s", "env_timeout_s"):
             if not getattr(self, key) > 0:
                 raise ValueError(f"rollout.multi_turn.{key}={getattr(self, key)!r} must be > 0")
+        if self.tools and self.max_parallel_calls * self.tool_timeout_s >= self.env_timeout_s:
+            raise ValueError(
+                f"rollout.multi_turn: a turn's tool calls may take max_parallel_calls x tool_timeout_s = "
+                f"{self.max_parallel_calls} x {self.tool_timeout_s} s, which does not fit in env_timeout_s="
+                f"{self.env_timeout_s} (past it the run stops); raise env_timeout_s or lower the others")
+        if self.sandbox not in ("isolated", "process"):
+            raise ValueError(f"rollout.multi_turn.sandbox={self.sandbox!r}; choose isolated (namespaces, the "
+                             "default) or process (rlimits and an audit hook only)")
 
 
 @dataclass

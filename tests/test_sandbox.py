@@ -112,7 +112,7 @@ def test_no_file_outside_is_read_or_written(tmp_path):
     mine.write_bytes(b"weights")
     target = tmp_path / "written.txt"
     out = run(f"import os\n"
-              f"for p in [{str(mine)!r}, '/proc/1/root/etc/shadow']:\n"
+              f"for p in [{str(mine)!r}, '/proc/1/root{mine}', '/proc/1/cwd/README.md', '/proc/1/environ']:\n"
               f"    try: print('read', open(p, 'rb').read()[:10])\n"
               f"    except OSError as e: print('no', type(e).__name__)\n"
               f"for p in [{str(target)!r}, '/usr/minihf-x', '/etc/minihf-x', '/minihf-x']:\n"
@@ -235,6 +235,8 @@ def test_process_mode_leaves_no_directory(tmp_path):
 
     before = set(glob.glob(f"{tempfile.gettempdir()}/minihf-python-*"))
     assert run_python("open('f', 'w').write('x'); print('ok')", mode="process") == "ok\n"
+    deep = "import os\nfor i in range(3000):\n    os.mkdir('d')\n    os.chdir('d')\nprint('deep')"
+    assert run_python(deep, mode="process") == "deep\n"  # past shutil.rmtree's recursion
     assert set(glob.glob(f"{tempfile.gettempdir()}/minihf-python-*")) == before
 
 

@@ -84,16 +84,19 @@ class CausalLM(_Base):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, tokens, positions=None, kv_cache=None, cu_seqlens=None,
-                attention_mask=None, shared_prefix=None, logits_to_keep=None) -> torch.Tensor:
+                attention_mask=None, shared_prefix=None, logits_to_keep=None, head=None):
         """Logits [B, T, V] in the parameter dtype; with ``logits_to_keep`` (long [K], positions
         along T, repeats allowed; transformers' argument) only those, [B, K, V]: the LM head
         is the largest matmul of a real vocabulary, and a trainer needs it at response
-        positions only."""
+        positions only. ``head(hidden, lm_head_weight)``, when given, replaces the LM head's
+        matmul and its result is returned (``minihf.algorithms.chunked_logits``: log-probs
+        without whole logits); it runs inside this forward, where FSDP has gathered the
+        weight."""
         h = self.forward_hidden(tokens, positions, kv_cache, cu_seqlens, attention_mask,
                                 shared_prefix)
         if logits_to_keep is not None:
             h = h.index_select(1, logits_to_keep)
-        return self.lm_head(h)
+        return self.lm_head(h) if head is None else head(h, self.lm_head.weight)
 
 
 class ValueModel(_Base):

@@ -101,8 +101,8 @@ mount -t tmpfs -o size=$disk,mode=1777,nosuid,nodev minihf-work $r/tmp
 mount -o remount,ro,bind $r
 if [ "$uid" = keep ]; then user=""; else user="--reuid=$uid --regid=$uid --clear-groups"; fi
 status=0
-chroot $r /usr/bin/setpriv $user --no-new-privs --inh-caps=-all --bounding-set=-all -- \
-  /usr/bin/env -i "$@" "$python" -I -S -c "$LAUNCHER" || status=$?
+chroot $r setpriv $user --no-new-privs --inh-caps=-all --bounding-set=-all -- \
+  env -i "$@" "$python" -I -S -c "$LAUNCHER" || status=$?
 if [ $status -gt 128 ]; then echo "minihf-sandbox: killed by signal $((status - 128))" >&2; fi
 exit $status
 '''
@@ -241,6 +241,16 @@ def _stop(proc: subprocess.Popen) -> None:
             pipe.close()
 
 
+def _remove(path: str) -> None:
+    """Remove the process mode's working directory, however deep the code nested it
+    (``shutil.rmtree`` recurses, and 3000 levels pass Python's recursion limit)."""
+    try:
+        shutil.rmtree(path)
+    except (OSError, RecursionError):
+        subprocess.run(["rm", "-rf", path], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL, check=False)
+
+
 def _signal_name(number: int) -> str:
     try:
         return signal.Signals(number).name
@@ -275,7 +285,7 @@ def run_python(code: str, mode: str | None = None, **limits) -> str:
             _stop(proc)
     finally:
         if workdir is not None:
-            shutil.rmtree(workdir, ignore_errors=True)
+            _remove(workdir)
     text = stdout.decode(errors="replace")
     tail = stderr.decode(errors="replace").strip()
     if stopped == "wall":

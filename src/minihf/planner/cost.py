@@ -153,7 +153,8 @@ def micro_batch_bytes(role: Role, micro: int, w: Workload, b: int, train: bool) 
     m = role.model
     tokens = micro * (w.prompt_len + w.response_len)
     unit = _unit(m, role.wrap_blocks)
-    logits = tokens * m.vocab * 12 if role.name == "actor" else 0  # value and score heads: one output
+    # value and score heads: one output; an LM head in chunks holds one chunk's logits at a time
+    logits = min(tokens, role.logits_chunk or tokens) * m.vocab * 12 if role.name == "actor" else 0
     if not train:
         return 2 * unit * b + tokens * m.hidden * b * 4 + logits / 3
     per_layer = b * (8 * m.hidden + 3 * m.ffn)

@@ -100,6 +100,7 @@ class Role:
     wrap_blocks: bool = True
     token_budget: bool = False           # the config cuts micro-batches by tokens (max_tokens_per_micro_batch)
     lora_params: int | None = None       # LoRA: the adapters' parameters (the base is frozen); None: all train
+    logits_chunk: int | None = None      # tokens whose logits exist at a time (actor.logits_chunk_size); None: all
 
     @property
     def trained_params(self) -> int:
@@ -151,7 +152,8 @@ def workload(cfg, models: dict[str, str] | None = None) -> Workload:
                             model_cfg.exclude_modules) if model_cfg.lora else None)
         return Role(name, shape(name, model_cfg.path), True, section.ppo_epochs, section.ppo_mini_batch_size,
                     fsdp.activation_checkpointing, fsdp.wrap_blocks,
-                    section.max_tokens_per_micro_batch is not None, lora)
+                    section.max_tokens_per_micro_batch is not None, lora,
+                    getattr(section, "logits_chunk_size", None))
 
     roles = [trained("actor", a.actor, a.actor.fsdp, a.model)]
     if c.enable:

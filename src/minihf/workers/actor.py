@@ -185,7 +185,7 @@ class ActorRolloutRefWorker(Worker):
 
     # -- inference ------------------------------------------------------------------------
     def _log_probs(self, model, batch: Batch, micro: int | None, max_tokens: int | None,
-                   calc_entropy: bool, calc_logit_scale: bool = False) -> dict:
+                   calc_entropy: bool, calc_logit_scale: bool = False, chunk: int | None = None) -> dict:
         data = tensors_of(batch, INPUT_KEYS, self.device)
         temperature = float(batch.meta.get("temperature", 1.0))
         use_rmpad, share = self.config.model.use_remove_padding, self.config.model.shares_prompt
@@ -193,7 +193,7 @@ class ActorRolloutRefWorker(Worker):
         def fn(mb):
             return forward_log_probs(model, mb, use_remove_padding=use_rmpad, share_prompt=share,
                                      temperature=temperature, calc_entropy=calc_entropy,
-                                     calc_logit_scale=calc_logit_scale)
+                                     calc_logit_scale=calc_logit_scale, logits_chunk=chunk)
         return run_micro_batches(data, fn, micro_batch_size=micro, max_tokens=max_tokens,
                                  group=self.group, model=model, share_prompt=share)
 
@@ -214,7 +214,7 @@ class ActorRolloutRefWorker(Worker):
         coarser of the two compute dtypes)."""
         a = self.config.actor
         out = self._log_probs(self._require("actor"), batch, a.log_prob_micro_batch_size_per_gpu,
-                              a.max_tokens_per_micro_batch, calc_entropy, calc_bound)
+                              a.max_tokens_per_micro_batch, calc_entropy, calc_bound, a.logits_chunk_size)
         tensors = {"old_log_probs": out["log_probs"].cpu()}
         if calc_entropy:
             tensors["entropys"] = out["entropy"].cpu()
@@ -230,7 +230,7 @@ class ActorRolloutRefWorker(Worker):
         ref = self._require("ref")
         with adapters_disabled(ref) if self.reference == "adapters_off" else nullcontext():
             out = self._log_probs(ref, batch, r.log_prob_micro_batch_size_per_gpu,
-                                  r.max_tokens_per_micro_batch, False)
+                                  r.max_tokens_per_micro_batch, False, chunk=r.logits_chunk_size)
         return Batch({"ref_log_prob": out["log_probs"].cpu()})
 
     # -- update ---------------------------------------------------------------------------
@@ -246,7 +246,7 @@ class ActorRolloutRefWorker(Worker):
             out = forward_log_probs(model, mb, use_remove_padding=self.config.model.use_remove_padding,
                                     share_prompt=self.config.model.shares_prompt, temperature=temperature,
                                     calc_entropy=a.entropy_coeff != 0 or own_old,
-                                    entropy_grad=a.entropy_coeff != 0)
+                                    entropy_grad=a.entropy_coeff != 0, logits_chunk=a.logits_chunk_size)
             log_prob = out["log_probs"]                                       # [b, R]
             old = log_prob.detach() if own_old else mb["old_log_probs"]
             extra = {"rollout_is_weights": mb["rollout_is_weights"]} if "rollout_is_weights" in mb else {}

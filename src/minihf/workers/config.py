@@ -73,6 +73,12 @@ class TrainedModelConfig(RLModelConfig):
                                  "lora_rank > 0 (e.g. 16) or drop them")
 
 
+def _check_chunk(section: str, chunk: Optional[int]) -> None:
+    if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1):
+        raise ValueError(f"{section}.logits_chunk_size={chunk!r} must be an int >= 1 (response tokens whose "
+                         "logits are made at a time, e.g. 1024) or null (all of a micro-batch's at once)")
+
+
 def _check_micro(micro: Optional[int], max_tokens: Optional[int]) -> None:
     if micro is None and max_tokens is None:
         raise ValueError("set a micro-batch size (*_micro_batch_size_per_gpu) or "
@@ -125,11 +131,16 @@ class ActorConfig:
     # skip it when the update is one on-policy optimizer step (its own log-probs, detached,
     # are exact); false = also otherwise use the rollout engine's log-probs (approximate)
     recompute_log_prob: Optional[bool] = None
+    # the LM head's logits made this many response tokens at a time (log-probs and entropy,
+    # forward and backward; minihf.algorithms.chunked_logits): never [tokens, vocab] whole,
+    # for long responses and large vocabularies; null: a micro-batch's at once
+    logits_chunk_size: Optional[int] = None
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
 
     def __post_init__(self):
         _check_ppo_update(self)
+        _check_chunk("actor", self.logits_chunk_size)
         if not self.clip_ratio > 0:
             raise ValueError(f"clip_ratio={self.clip_ratio} must be > 0")
         if self.clip_ratio_low is not None and not 0 <= self.clip_ratio_low < 1:
@@ -154,10 +165,12 @@ class RefConfig:
     """The frozen reference policy (same checkpoint as the actor)."""
     log_prob_micro_batch_size_per_gpu: Optional[int] = 8  # rows per reference forward (when no token budget)
     max_tokens_per_micro_batch: Optional[int] = None  # token budget per reference forward (wins when set)
+    logits_chunk_size: Optional[int] = None  # as actor.logits_chunk_size, for the reference's forward
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)  # param_offload: keep it on the host when idle
 
     def __post_init__(self):
         _check_micro(self.log_prob_micro_batch_size_per_gpu, self.max_tokens_per_micro_batch)
+        _check_chunk("ref", self.logits_chunk_size)
 
 
 @dataclass
@@ -359,7 +372,9 @@ class LogProbConfig:
     model: RLModelConfig = field(default_factory=RLModelConfig)
     log_prob_micro_batch_size_per_gpu: Optional[int] = 8  # rows per forward (when no token budget)
     max_tokens_per_micro_batch: Optional[int] = None  # token budget per forward (wins when set)
+    logits_chunk_size: Optional[int] = None  # as actor.logits_chunk_size, for this model's forward
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
 
     def __post_init__(self):
         _check_micro(self.log_prob_micro_batch_size_per_gpu, self.max_tokens_per_micro_batch)
+        _check_chunk("<role>", self.logits_chunk_size)

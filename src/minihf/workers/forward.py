@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 
 from minihf.algorithms import entropy_from_logits, last_index, logit_abs_scale, logprobs_from_logits
+from minihf.algorithms.chunked_logits import chunked_log_probs
 from minihf.workers.packing import next_token_labels, pack, unpack
 
 
@@ -68,7 +69,7 @@ def lm_head_scale(model: nn.Module, temperature: float):
 def forward_log_probs(model: nn.Module, mb: dict, *, use_remove_padding: bool = True,
                       share_prompt: bool = False, temperature: float = 1.0,
                       calc_entropy: bool = False, entropy_grad: bool = True,
-                      calc_logit_scale: bool = False) -> dict:
+                      calc_logit_scale: bool = False, logits_chunk: int | None = None) -> dict:
     """Log-probs (and entropy) of the response tokens under ``model`` (an LM).
 
     Returns ``{"log_probs": [B, R]}`` (+ ``"entropy": [B, R]``), fp32, computed from
@@ -77,7 +78,12 @@ def forward_log_probs(model: nn.Module, mb: dict, *, use_remove_padding: bool = 
     metric only, computed off the autograd graph. ``calc_logit_scale`` adds
     ``"logit_scale": [B, R]``, ``minihf.algorithms.logit_abs_scale`` at each response
     token (what its log-prob's rounding scales with; an extra LM-head-sized matmul).
+    ``logits_chunk``: the LM head's logits made that many tokens at a time, forward and
+    backward (``minihf.algorithms.chunked_logits``), never ``[tokens, V]`` whole.
     """
+    if logits_chunk is not None:
+        return _chunked_log_probs(model, mb, use_remove_padding, share_prompt, temperature, calc_entropy,
+                                  entropy_grad, calc_logit_scale, logits_chunk)
     if calc_logit_scale:
         with lm_head_scale(model, temperature) as captured:
             result = forward_log_probs(model, mb, use_remove_padding=use_remove_padding,
@@ -117,6 +123,37 @@ def forward_log_probs(model: nn.Module, mb: dict, *, use_remove_padding: bool = 
     if calc_entropy:
         result["entropy"] = entropy_from_logits(logits if entropy_grad else logits.detach()) * valid
     return result
+
+
+def _chunked_log_probs(model, mb, use_remove_padding, share_prompt, temperature, calc_entropy, entropy_grad,
+                       calc_logit_scale, chunk) -> dict:
+    """``forward_log_probs`` with the LM head run ``chunk`` tokens at a time, inside the
+    model's forward (``CausalLM.forward``'s ``head``), on the same positions."""
+    r = mb["responses"].shape[1]
+    valid = mb["attention_mask"][:, -r:]                                     # [B, R]
+    real = valid.bool()
+
+    def head(hidden, weight):                                # [1, M, H] or [B, R, H] -> [M] or [B * R]
+        labels = mb["responses"][real] if use_remove_padding else mb["responses"].reshape(-1)
+        h = hidden.reshape(-1, hidden.shape[-1])
+        out = chunked_log_probs(h, weight, labels, temperature=temperature, chunk=chunk,
+                                calc_entropy=calc_entropy, entropy_grad=entropy_grad)
+        if calc_logit_scale:
+            out["logit_scale"] = logit_abs_scale(h.detach().float(), weight.detach().float(), temperature)
+        return out
+
+    if use_remove_padding:
+        packed = _pack(mb, share_prompt)
+        b, t = packed.shape
+        sel = packed.slot.view(b, t)[:, t - r - 1:t - 1][real]               # [M]
+        out = model(packed.tokens, packed.positions, cu_seqlens=packed.cu_seqlens,
+                    shared_prefix=packed.shared_prefix, logits_to_keep=sel, head=head)
+        where = real.nonzero(as_tuple=True)
+        return {k: v.new_zeros((b, r)).index_put_(where, v) for k, v in out.items()}
+    t = mb["input_ids"].shape[1]
+    out = model(mb["input_ids"], mb["position_ids"], attention_mask=mb["attention_mask"],
+                logits_to_keep=torch.arange(t - r - 1, t - 1, device=valid.device), head=head)
+    return {k: v.view(valid.shape) * valid for k, v in out.items()}
 
 
 def forward_values(model: nn.Module, mb: dict, *, use_remove_padding: bool = True,

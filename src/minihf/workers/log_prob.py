@@ -32,7 +32,7 @@ class LogProbWorker(FrozenModelWorker):
 
         def fn(mb):
             return forward_log_probs(self.model, mb, use_remove_padding=rmpad, share_prompt=share,
-                                     temperature=temperature)
+                                     temperature=temperature, logits_chunk=c.logits_chunk_size)
         out = run_micro_batches(data, fn, micro_batch_size=c.log_prob_micro_batch_size_per_gpu,
                                 max_tokens=c.max_tokens_per_micro_batch, group=self.group,
                                 model=self.model, share_prompt=share)

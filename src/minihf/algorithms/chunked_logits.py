@@ -1,0 +1,112 @@
+"""Log-probs and entropy of chosen tokens from the LM head, never holding all logits.
+
+A response of ``M`` tokens has ``[M, V]`` logits: at 4k tokens and Qwen's 152k vocabulary
+that is 2.5 GB in fp32, plus as much again for the softmax the backward keeps. Here the
+final hidden states ``[M, H]`` go through the LM head ``chunk`` rows at a time: each chunk's
+logits are made, reduced to a log-prob (and an entropy) per row, and dropped. The backward
+makes each chunk's logits again from the saved hidden states and the per-row log-sum-exp
+(one more LM-head matmul per chunk, the price of the memory) and sends their gradient on
+to the hidden states and the head's weight.
+
+Same arithmetic as the whole-logits path (``minihf.workers.forward``): logits are the LM
+head's matmul in the parameter dtype (``minihf.models.linear.linear``), then fp32, then
+``/ temperature``; so the log-probs agree with it to rounding (the matmul's blocking may
+differ with the number of rows), tested against it and against float64.
+
+Gradients, with ``p = softmax(z)`` and ``log p = z - lse`` per row:
+
+* ``d log p[y] / dz = onehot(y) - p``;
+* ``d H / dz = -p * (log p + H)`` (``H = lse - sum p z``);
+
+then ``dz/dlogits = 1 / temperature``, ``d hidden = g @ W`` and ``d W = g^T @ hidden``,
+accumulated over chunks in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minihf.models.linear import linear
+
+
+def _logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
+    """A chunk's logits in fp32 (float64 for float64 inputs: the reference), over the temperature."""
+    z = linear(hidden, weight)
+    z = z.to(torch.promote_types(z.dtype, torch.float32))
+    return z if temperature == 1.0 else z / temperature
+
+
+class _ChunkedHead(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, temperature, chunk, with_entropy):
+        m = hidden.shape[0]
+        log_probs = torch.empty(m, dtype=torch.promote_types(hidden.dtype, torch.float32), device=hidden.device)
+        lse = torch.empty_like(log_probs)
+        entropy = torch.empty_like(log_probs) if with_entropy else log_probs.new_zeros(0)
+        for s in range(0, m, chunk):
+            z = _logits(hidden[s:s + chunk], weight, temperature)          # [c, V] fp32
+            row_lse = torch.logsumexp(z, dim=-1)
+            lse[s:s + chunk] = row_lse
+            log_probs[s:s + chunk] = z.gather(-1, labels[s:s + chunk, None]).squeeze(-1) - row_lse
+            if with_entropy:
+                p = torch.softmax(z, dim=-1)
+                entropy[s:s + chunk] = row_lse - (p * z).sum(-1)
+        ctx.save_for_backward(hidden, weight, labels, lse, entropy)
+        ctx.temperature, ctx.chunk, ctx.with_entropy = temperature, chunk, with_entropy
+        ctx.set_materialize_grads(False)
+        return log_probs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_log_probs, grad_entropy):
+        hidden, weight, labels, lse, entropy = ctx.saved_tensors
+        t, chunk = ctx.temperature, ctx.chunk
+        if not ctx.with_entropy:
+            grad_entropy = None
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_hidden = torch.empty_like(hidden) if need_h else None
+        grad_weight = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) if need_w else None
+        for s in range(0, hidden.shape[0], chunk):
+            h = hidden[s:s + chunk]
+            z = _logits(h, weight, t)                                       # [c, V] fp32
+            log_p = z - lse[s:s + chunk, None]
+            p = log_p.exp()
+            g = torch.zeros_like(z)
+            if grad_log_probs is not None:
+                gl = grad_log_probs[s:s + chunk, None]
+                g -= gl * p
+                g.scatter_add_(-1, labels[s:s + chunk, None], gl)
+            if grad_entropy is not None:
+                g -= grad_entropy[s:s + chunk, None] * p * (log_p + entropy[s:s + chunk, None])
+            if t != 1.0:
+                g /= t
+            g = g.to(weight.dtype)
+            if need_h:
+                grad_hidden[s:s + chunk] = (g @ weight).to(hidden.dtype)
+            if need_w:
+                grad_weight += (g.T @ h).to(lse.dtype)
+        return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
+                None, None, None, None)
+
+
+def chunked_log_probs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
+                      temperature: float = 1.0, chunk: int = 1024, calc_entropy: bool = False,
+                      entropy_grad: bool = True) -> dict[str, torch.Tensor]:
+    """``{"log_probs": [...]}`` (+ ``"entropy"``) of ``labels`` under ``softmax(hidden @
+    weight.T / temperature)``, ``chunk`` rows of logits at a time (forward and backward).
+
+    hidden: ``[..., H]`` final normed hidden states; weight: ``[V, H]`` the LM head;
+    labels: ``[...]`` long. Results fp32 (float64 for float64 inputs), shaped like ``labels``. ``entropy_grad=False``:
+    the entropy is a metric, off the graph.
+    """
+    if chunk < 1:
+        raise ValueError(f"chunk={chunk}: the rows of logits made at a time must be >= 1")
+    shape = labels.shape
+    flat_h, flat_y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+    log_probs, entropy = _ChunkedHead.apply(flat_h, weight, flat_y, float(temperature), int(chunk),
+                                            calc_entropy)
+    def shaped(x):  # no view where none is needed: FSDP warns of a module returning one
+        return x if x.shape == shape else x.view(shape)
+    out = {"log_probs": shaped(log_probs)}
+    if calc_entropy:
+        out["entropy"] = shaped(entropy if entropy_grad else entropy.detach())
+    return out

@@ -260,3 +260,49 @@ def test_bench_sandbox_runs():
     res = subprocess.run([sys.executable, str(script), "--rounds", "2"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "| process | " in res.stdout and ("| isolated | " in res.stdout or MISSING), res.stdout
+
+
+# -- code RL: the chat_code task and the grpo_smollm2_code recipe --------------------------
+
+def test_chat_code_scores_code_by_its_tests(monkeypatch):
+    import random
+
+    from minihf.data.tasks import chat_code
+
+    rng = random.Random(0)
+    for _ in range(6):
+        prompt, tests, answer, params = chat_code.make_example(rng)
+        assert params["function"] in prompt and tests.count("assert ") == chat_code.TESTS
+        assert chat_code.compute_score(answer, tests) == 1.0
+        fenced = f"Here it is:\n```python\n{answer}\n```\nIt returns the value."
+        assert chat_code.compute_score(fenced, tests) == 1.0
+        wrong = answer.replace("return", "return 1 + ")
+        assert chat_code.compute_score(wrong, tests) == 0.0
+    assert chat_code.compute_score("import os\nos.system('true')", tests) == 0.0
+    # without namespaces: the reward stops the run naming the setting, unless it is given
+    monkeypatch.setattr(sandbox, "isolation_missing", lambda: "the 'unshare' command is not installed")
+    with pytest.raises(ValueError, match="sandbox=process"):
+        chat_code.compute_score(answer, tests)
+    monkeypatch.setenv("MINIHF_SANDBOX", "process")
+    assert chat_code.compute_score(answer, tests) == 1.0
+
+
+def test_the_code_recipe_runs_a_step(tmp_path, monkeypatch):
+    """grpo_smollm2_code on a tiny char model of the task (the recipe's SmolLM2 is not on CI's
+    disk): one GRPO step and a validation, each sample's code run in the sandbox."""
+    import minihf
+    from minihf.data import make_task_data
+    from minihf.hub import init_model
+
+    monkeypatch.chdir(tmp_path)
+    if MISSING:
+        monkeypatch.setenv("MINIHF_SANDBOX", "process")
+    init_model("m", size="tiny", task="chat_code")
+    make_task_data("chat_code", "d", 16, 4)
+    result = minihf.train("grpo_smollm2_code", [
+        "prepare.gguf_file=null", "prepare.task=null", "actor_rollout_ref.model.path=m",
+        "data.train_files=d/train.parquet", "data.val_files=d/test.parquet", "data.train_batch_size=2",
+        "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "data.max_prompt_length=160", "trainer.total_training_steps=1", "actor_rollout_ref.rollout.val_kwargs.n=1"])
+    last = result.history[-1]
+    assert last["step"] == 1 and "val-core/minihf/chat_code/reward/mean@1" in last, sorted(last)

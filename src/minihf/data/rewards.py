@@ -17,8 +17,8 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from minihf.data.tasks import (arith, chat_arith, chat_tool_arith, countdown, digits, guess, safe_sort,
-                               sort, tool_arith)
+from minihf.data.tasks import (arith, chat_arith, chat_code, chat_tool_arith, countdown, digits, guess,
+                               safe_sort, sort, tool_arith)
 
 RewardFn = Callable[[str, str, Any, dict], "float | dict"]
 
@@ -88,6 +88,7 @@ REWARD_FNS: dict[str, RewardFn] = {
     guess.DATA_SOURCE: _task_fn(guess),
     tool_arith.DATA_SOURCE: _task_fn(tool_arith),
     chat_tool_arith.DATA_SOURCE: _task_fn(chat_tool_arith),
+    chat_code.DATA_SOURCE: _task_fn(chat_code),
     "openai/gsm8k": _gsm8k_fn,
     "gsm8k": _gsm8k_fn,
 }

@@ -1,8 +1,9 @@
 """Synthetic tasks with generators and reward functions: ``digits``, ``sort``, ``arith``,
 ``countdown``, ``chat_arith`` (English prompts for a pretrained chat model),
 ``safe_sort`` (``sort`` with a costly digit: a task with a ``compute_cost`` for Safe-RLHF),
-``guess`` (a multi-turn game for an environment: find a hidden digit) and ``tool_arith``
-(multiplication with a calculator tool; ``chat_tool_arith`` asks it in English).
+``guess`` (a multi-turn game for an environment: find a hidden digit), ``tool_arith``
+(multiplication with a calculator tool; ``chat_tool_arith`` asks it in English) and
+``chat_code`` (small Python functions, scored by unit tests in the sandbox).
 
 ``TASKS`` maps a task name to its module; ``make_task_data(name, out_dir, ...)`` writes
 train/test files in verl's format.
@@ -12,13 +13,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from minihf.data.tasks import (arith, chat_arith, chat_tool_arith, countdown, digits, guess, safe_sort,
-                               sort, tool_arith)
+from minihf.data.tasks import (arith, chat_arith, chat_code, chat_tool_arith, countdown, digits, guess,
+                               safe_sort, sort, tool_arith)
 from minihf.data.tasks.common import write_task_data
 
 TASKS = {"digits": digits, "sort": sort, "arith": arith, "countdown": countdown,
          "chat_arith": chat_arith, "safe_sort": safe_sort, "guess": guess,
-         "tool_arith": tool_arith, "chat_tool_arith": chat_tool_arith}
+         "tool_arith": tool_arith, "chat_tool_arith": chat_tool_arith, "chat_code": chat_code}
 
 
 def get_task(name: str):

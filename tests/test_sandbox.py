@@ -227,6 +227,8 @@ def test_without_namespaces_the_tool_refuses_unless_told(monkeypatch):
     sandbox.check("process")  # the weaker mode, accepted knowingly
     with pytest.raises(ValueError, match="sandbox='vm'"):
         sandbox.check("vm")
+    with pytest.raises(ValueError, match="run_python.mode='vm'"):
+        run_python("print(1)", mode="vm")
 
 
 def test_process_mode_leaves_no_directory(tmp_path):
@@ -276,6 +278,8 @@ def test_chat_code_scores_code_by_its_tests(monkeypatch):
         assert chat_code.compute_score(answer, tests) == 1.0
         fenced = f"Here it is:\n```python\n{answer}\n```\nIt returns the value."
         assert chat_code.compute_score(fenced, tests) == 1.0
+        cut = f"Sure!\n```python\n{answer}\n"  # the length limit came before the closing fence
+        assert chat_code.compute_score(cut, tests) == 1.0
         wrong = answer.replace("return", "return 1 + ")
         assert chat_code.compute_score(wrong, tests) == 0.0
     assert chat_code.compute_score("import os\nos.system('true')", tests) == 0.0

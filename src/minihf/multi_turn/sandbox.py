@@ -264,6 +264,8 @@ def run_python(code: str, mode: str | None = None, **limits) -> str:
     went wrong, with the end of its stderr. Never raises for anything the code does."""
     cfg = {**LIMITS, **limits}
     mode = mode or _mode
+    if mode not in MODES:
+        raise ValueError(f"run_python(mode={mode!r}): choose one of {MODES}")
     data = code.encode("utf-8", errors="replace")
     workdir = tempfile.mkdtemp(prefix="minihf-python-") if mode == "process" else None
     try:

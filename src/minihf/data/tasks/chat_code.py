@@ -2,7 +2,8 @@
 
 Prompt ``"Write a Python function add(a, b) that returns the sum of a and b. Reply with only
 the code."`` -> a function definition. The reward runs the response's code (the last
-fenced block if the response has one, else the whole text) followed by the row's tests
+fenced block if the response has one, to its end if the length limit cut it, else the
+whole text) followed by the row's tests
 (``assert add(3, 4) == 7`` ...) in the ``python`` tool's sandbox (``minihf.multi_turn.
 sandbox``: Linux namespaces, no network, no view of the trainer): 1.0 when every assert
 passes, else 0.0. Made for code RL with a small instruct model (``grpo_smollm2_code``).
@@ -39,6 +40,7 @@ ALPHABET = "".join(sorted(set(string.printable) - set("\x0b\x0c")))
 TESTS = 3
 
 _FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.S)
+_OPEN = re.compile(r"```(?:python|py)?[ \t]*\n")
 
 
 def make_example(rng: random.Random):
@@ -54,9 +56,13 @@ def make_example(rng: random.Random):
 
 
 def extract_code(solution_str: str) -> str:
-    """The last fenced code block of the response, else the whole response."""
+    """The last fenced code block of the response; a block the length limit cut before its
+    closing fence runs to the end; else the whole response."""
     blocks = _FENCE.findall(solution_str)
-    return blocks[-1] if blocks else solution_str
+    if blocks:
+        return blocks[-1]
+    opened = _OPEN.search(solution_str)
+    return solution_str[opened.end():] if opened else solution_str
 
 
 def compute_score(solution_str: str, ground_truth: str, extra_info: dict | None = None) -> float:

@@ -14,13 +14,12 @@ a sub-module directly) so FSDP's hooks gather its parameters.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import torch
 import torch.nn as nn
 
 from minihf.algorithms import entropy_from_logits, last_index, logit_abs_scale, logprobs_from_logits
 from minihf.algorithms.chunked_logits import chunked_log_probs
+from minihf.models.linear import linear
 from minihf.workers.packing import next_token_labels, pack, unpack
 
 
@@ -48,24 +47,6 @@ def scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return logits if temperature == 1.0 else logits / temperature
 
 
-@contextmanager
-def lm_head_scale(model: nn.Module, temperature: float):
-    """Within the block, each forward of ``model`` (an LM) stores ``logit_abs_scale`` of its
-    LM head's input and weight (the values the logits are rounded from) in the yielded
-    dict under ``"scale"``: a forward hook, so FSDP has gathered the weight by then."""
-    captured: dict = {}
-
-    def hook(module, args, output):
-        with torch.no_grad():
-            captured["scale"] = logit_abs_scale(args[0].detach().float(),
-                                                module.weight.detach().float(), temperature)
-    handle = model.lm_head.register_forward_hook(hook)
-    try:
-        yield captured
-    finally:
-        handle.remove()
-
-
 def forward_log_probs(model: nn.Module, mb: dict, *, use_remove_padding: bool = True,
                       share_prompt: bool = False, temperature: float = 1.0,
                       calc_entropy: bool = False, entropy_grad: bool = True,
@@ -80,69 +61,32 @@ def forward_log_probs(model: nn.Module, mb: dict, *, use_remove_padding: bool = 
     token (what its log-prob's rounding scales with; an extra LM-head-sized matmul).
     ``logits_chunk``: the LM head's logits made that many tokens at a time, forward and
     backward (``minihf.algorithms.chunked_logits``), never ``[tokens, V]`` whole.
+
+    The LM head runs as ``CausalLM.forward``'s ``head``: inside the model's forward (where
+    FSDP has gathered its weight), at the kept positions only.
     """
-    if logits_chunk is not None:
-        return _chunked_log_probs(model, mb, use_remove_padding, share_prompt, temperature, calc_entropy,
-                                  entropy_grad, calc_logit_scale, logits_chunk)
-    if calc_logit_scale:
-        with lm_head_scale(model, temperature) as captured:
-            result = forward_log_probs(model, mb, use_remove_padding=use_remove_padding,
-                                       share_prompt=share_prompt, temperature=temperature,
-                                       calc_entropy=calc_entropy, entropy_grad=entropy_grad)
-        r = mb["responses"].shape[1]
-        valid = mb["attention_mask"][:, -r:].bool()                           # [B, R]
-        scale = captured["scale"]                         # packed [1, M] or padded [B, R]
-        result["logit_scale"] = (scale.new_zeros(valid.shape).index_put_(
-            valid.nonzero(as_tuple=True), scale[0]) if use_remove_padding else scale * valid)
-        return result
-    r = mb["responses"].shape[1]
-    valid = mb["attention_mask"][:, -r:].float()                             # [B, R]
-    if use_remove_padding:
-        # logits only at the positions that predict a real response token (the token before
-        # it, which for the first one may be a shared prompt's): the LM head skips the rest
-        packed = _pack(mb, share_prompt)
-        b, t = packed.shape
-        real = valid.bool()                                                  # [B, R]
-        sel = packed.slot.view(b, t)[:, t - r - 1:t - 1][real]               # [M]
-        logits = model(packed.tokens, packed.positions, cu_seqlens=packed.cu_seqlens,
-                       shared_prefix=packed.shared_prefix, logits_to_keep=sel)[0]
-        logits = scaled(logits, temperature)                                 # [M, V]
-
-        def to_response(values):                                            # [M] -> [B, R]
-            return values.new_zeros((b, r)).index_put_((real.nonzero(as_tuple=True)), values)
-        result = {"log_probs": to_response(logprobs_from_logits(logits, mb["responses"][real]))}
-        if calc_entropy:
-            result["entropy"] = to_response(entropy_from_logits(
-                logits if entropy_grad else logits.detach()))
-        return result
-    t = mb["input_ids"].shape[1]
-    logits = model(mb["input_ids"], mb["position_ids"], attention_mask=mb["attention_mask"],
-                   logits_to_keep=torch.arange(t - r - 1, t - 1, device=valid.device))
-    logits = scaled(logits, temperature)                                     # [B, R, V]
-    result = {"log_probs": logprobs_from_logits(logits, mb["responses"]) * valid}
-    if calc_entropy:
-        result["entropy"] = entropy_from_logits(logits if entropy_grad else logits.detach()) * valid
-    return result
-
-
-def _chunked_log_probs(model, mb, use_remove_padding, share_prompt, temperature, calc_entropy, entropy_grad,
-                       calc_logit_scale, chunk) -> dict:
-    """``forward_log_probs`` with the LM head run ``chunk`` tokens at a time, inside the
-    model's forward (``CausalLM.forward``'s ``head``), on the same positions."""
     r = mb["responses"].shape[1]
     valid = mb["attention_mask"][:, -r:]                                     # [B, R]
     real = valid.bool()
+    labels = mb["responses"][real] if use_remove_padding else mb["responses"].reshape(-1)
 
-    def head(hidden, weight):                                # [1, M, H] or [B, R, H] -> [M] or [B * R]
-        labels = mb["responses"][real] if use_remove_padding else mb["responses"].reshape(-1)
+    def head(hidden, weight):                              # [1, M, H] or [B, R, H] -> {key: [M] or [B * R]}
         h = hidden.reshape(-1, hidden.shape[-1])
-        out = chunked_log_probs(h, weight, labels, temperature=temperature, chunk=chunk,
-                                calc_entropy=calc_entropy, entropy_grad=entropy_grad)
+        if logits_chunk is not None:
+            out = chunked_log_probs(h, weight, labels, temperature=temperature, chunk=logits_chunk,
+                                    calc_entropy=calc_entropy, entropy_grad=entropy_grad)
+        else:
+            logits = scaled(linear(h, weight), temperature)                    # [M, V]
+            out = {"log_probs": logprobs_from_logits(logits, labels)}
+            if calc_entropy:
+                out["entropy"] = entropy_from_logits(logits if entropy_grad else logits.detach())
         if calc_logit_scale:
             out["logit_scale"] = logit_abs_scale(h.detach().float(), weight.detach().float(), temperature)
         return out
 
     if use_remove_padding:
+        # logits only at the positions that predict a real response token (the token before
+        # it, which for the first one may be a shared prompt's): the LM head skips the rest
         packed = _pack(mb, share_prompt)
         b, t = packed.shape
         sel = packed.slot.view(b, t)[:, t - r - 1:t - 1][real]               # [M]

@@ -15,7 +15,7 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Te
     logits: ``[..., V]``; labels: ``[...]`` long. Returns ``[...]`` fp32:
     ``logits[label] - logsumexp(logits)``.
     """
-    logits = logits.float()
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32; float64 stays
     picked = torch.gather(logits, -1, labels.unsqueeze(-1)).squeeze(-1)  # [...]
     return picked - torch.logsumexp(logits, dim=-1)
 
@@ -26,7 +26,7 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     logits: ``[..., V]``. Returns ``[...]`` fp32:
     ``H = logsumexp(z) - sum_v softmax(z)_v * z_v``.
     """
-    logits = logits.float()
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32; float64 stays
     probs = torch.softmax(logits, dim=-1)
     return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)
 

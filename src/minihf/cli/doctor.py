@@ -51,14 +51,14 @@ def threads_report(nproc_per_node: int = 1) -> dict[str, str]:
     env = os.environ.get("OMP_NUM_THREADS")
     ranks = f"{nproc_per_node} rank{'s' if nproc_per_node > 1 else ''}"
     out = {"usable cores": f"{cores.usable} ({cores.why})"}
-    for setting in ("auto", "inherit"):
-        p = plan(setting, cores, nproc_per_node, torch.get_num_threads(), env)
+    plans = {s: plan(s, cores, nproc_per_node, torch.get_num_threads(), env) for s in ("auto", "inherit")}
+    for setting, p in plans.items():
         verdict = (f"oversubscribed: {p.threads * nproc_per_node} threads on {cores.usable} cores"
                    if p.oversubscribed else "fits")
         out[f"threads per rank ({setting})"] = f"{p.threads} x {ranks}: {verdict}"
     if nproc_per_node > cores.usable:
         out["threads per rank (auto)"] += f"; start at most {cores.usable} ranks here"
-    elif plan("inherit", cores, nproc_per_node, torch.get_num_threads(), env).oversubscribed:
+    elif plans["inherit"].oversubscribed:
         out["threads per rank (inherit)"] += " (controller.threads=auto, the default, avoids it)"
     return out
 

@@ -14,6 +14,7 @@ from typing import Literal, Union
 
 from minihf.config import ConfigError, from_dict, suggest
 from minihf.controller.layout import RoleLayout
+from minihf.utils.threads import check_setting as check_threads
 
 
 @dataclass
@@ -123,10 +124,7 @@ class ControllerConfig:
         if not self.timeout_s >= 1:  # below it, starting the process groups alone times out
             raise ValueError(f"timeout_s must be >= 1 (seconds; the default is 600), got "
                              f"{self.timeout_s}: shorter, the ranks cannot even connect")
-        if self.threads not in ("auto", "inherit") and not (
-                isinstance(self.threads, int) and not isinstance(self.threads, bool) and self.threads >= 1):
-            raise ValueError(f"threads must be auto (each rank's share of the host's cores), an integer "
-                             f">= 1, or inherit (OMP_NUM_THREADS / torch's default), got {self.threads!r}")
+        check_threads(self.threads)
         if self.idle_timeout_s is not None and not self.idle_timeout_s > 0:
             raise ValueError(f"idle_timeout_s must be > 0 or null (no limit while the driver "
                              f"is alive), got {self.idle_timeout_s}")

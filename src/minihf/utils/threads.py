@@ -116,6 +116,14 @@ class Plan:
     oversubscribed: bool
 
 
+def check_setting(setting) -> None:
+    """A ValueError unless ``setting`` is a valid ``controller.threads``."""
+    if setting not in ("auto", "inherit") and not (
+            isinstance(setting, int) and not isinstance(setting, bool) and setting >= 1):
+        raise ValueError(f"controller.threads={setting!r}: use auto (each rank's share of the cores), an "
+                         "integer >= 1, or inherit (OMP_NUM_THREADS / torch's default)")
+
+
 def plan(setting: str | int, cores: Cores, local_ranks: int, inherited: int, env_value: str | None) -> Plan:
     """The threads per rank for ``controller.threads`` = ``setting`` when ``local_ranks``
     ranks share ``cores`` and torch would run ``inherited`` threads (``env_value``:
@@ -124,17 +132,15 @@ def plan(setting: str | int, cores: Cores, local_ranks: int, inherited: int, env
         raise ValueError(f"local_ranks must be >= 1, got {local_ranks}")
     share = max(1, cores.usable // local_ranks)
     source = f"OMP_NUM_THREADS={env_value}" if env_value is not None else "torch's default (OMP_NUM_THREADS unset)"
+    check_setting(setting)
     if setting == "auto":
         threads, chosen = min(inherited, share), "controller.threads=auto: each rank's share of the cores"
         if threads < share:
             chosen = f"controller.threads=auto, kept below the share ({share}) by {source}"
     elif setting == "inherit":
         threads, chosen = inherited, f"controller.threads=inherit: {source}"
-    elif isinstance(setting, int) and not isinstance(setting, bool) and setting >= 1:
-        threads, chosen = setting, f"controller.threads={setting}"
     else:
-        raise ValueError(f"controller.threads={setting!r}: use auto (each rank's share of the cores), an "
-                         "integer >= 1, or inherit (OMP_NUM_THREADS / torch's default)")
+        threads, chosen = setting, f"controller.threads={setting}"
     total = threads * local_ranks
     ranks = f"{local_ranks} rank{'s' if local_ranks > 1 else ''} on this host"
     where = f"{cores.usable} usable cores ({cores.why})"

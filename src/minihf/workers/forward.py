@@ -43,7 +43,7 @@ def _run(model: nn.Module, mb: dict, use_remove_padding: bool, share_prompt: boo
 def scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """``logits.float() / temperature``; at temperature 1 no division (the same values, one
     vocabulary-sized pass and its backward fewer)."""
-    logits = logits.float()
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32; float64 (tests) stays
     return logits if temperature == 1.0 else logits / temperature
 
 

@@ -343,3 +343,12 @@ def test_a_bad_config_json_through_minihf_plan_is_one_line(model_dir, tmp_path):
     res = CliRunner().invoke(app, ["plan", "ppo", "--devices", "2", "--profile", "H100", "--model", f"all={bad}"])
     assert res.exit_code == 2 and len(res.output.splitlines()) == 1, res.output  # was "max() arg is an empty sequence"
     assert "config.json: num_hidden_layers=0 must be a whole number >= 1" in res.output, res.output
+
+
+def test_sampling_params_refuse_a_temperature_that_is_not_a_finite_number():
+    from minihf.rollout import SamplingParams
+
+    for bad in (float("nan"), float("inf"), -0.5):
+        with pytest.raises(ValueError, match="temperature must be finite and >= 0"):
+            SamplingParams(temperature=bad)
+    assert SamplingParams(temperature=0.0).temperature == 0.0

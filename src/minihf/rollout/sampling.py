@@ -16,6 +16,7 @@ top-p only restrict which tokens can be drawn. Greedy (``temperature == 0``) ret
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -80,8 +81,9 @@ class SamplingParams:
     def __post_init__(self):
         if not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"SamplingParams.n must be an int >= 1, got {self.n!r}")
-        if self.temperature < 0:
-            raise ValueError(f"SamplingParams.temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):  # nan compares False
+            raise ValueError(f"SamplingParams.temperature must be finite and >= 0 (0 = greedy), got "
+                             f"{self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1] (1 = off), got {self.top_p}")
         if not isinstance(self.top_k, int) or self.top_k < -1:

@@ -121,6 +121,8 @@ def test_lengths_past_the_models_context_are_refused_naming_both(root):
     assert 0 < fits < CONTEXT
     code, out = run("eval", root / "m", data, "-n", "1", "--greedy", "--max-tokens", str(fits))
     assert code == 0, out
+    refused(*run("eval", root / "m", data, "-n", "1", "--max-tokens", str(fits + 1)),
+            "exceeds the model's context")  # and it is the largest that fits: one more is refused
     for args in (["--max-model-len", "100", "--max-tokens", "100"],
                  ["--max-model-len", "10000000000", "--max-tokens", "100000000"]):
         code, out = run("generate", root / "m", "-p", "123", *args)

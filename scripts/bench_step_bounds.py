@@ -86,7 +86,7 @@ def decode_matmul_floor(model_dir: str, rows: int, threads: int, repeats: int = 
 
     from minihf.models import load_hf
     from minihf.models.linear import linear
-    from minihf.rollout.engine import column_major_linears
+    from minihf.rollout.model_runner import column_major_linears
 
     torch.set_num_threads(threads)
     model = load_hf(model_dir)

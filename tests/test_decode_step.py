@@ -135,6 +135,7 @@ def test_rollout_keys_reach_the_engine_and_bad_values_are_refused(tiny):
         cfg = RolloutConfig(prompt_length=8, response_length=8, enforce_eager=eager, cudagraph_capture_sizes=[4, 1])
         engine = build_engine(load_args(tiny), cfg, torch.float32, None, torch.device("cpu"), ())
         assert engine.runner.decode_mode == "eager" and engine.runner.capture_sizes == [1, 4]
+        assert (engine.runner.packed is None) == eager  # CPU's fast path: the prepacked weights
     for bad in ([], [0], [2.5], "8"):
         with pytest.raises(ValueError, match=r"rollout.cudagraph_capture_sizes=.* must be a non-empty list of ints >= 1"):
             RolloutConfig(cudagraph_capture_sizes=bad)

@@ -1,0 +1,143 @@
+"""The decode's prepacked weights (``minihf.models.linear.PackedWeights``), the engine's CPU
+fast path: which calls take them, that they never go stale, and the engine's outputs with
+them against the eager path's.
+
+The thresholds (``PACK_MIN_NUMEL``) keep the tiny test models' weights on MKL, so these tests
+lower them to 0: the same code then runs every decode linear of >= 4 rows through oneDNN's
+packed weights, the path SmolLM2-sized models take by default.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minihf.models import linear as lin
+from minihf.models import load_hf
+from minihf.rollout import LLM, SamplingParams
+
+from test_decode_step import SAMPLERS, _worst
+from test_rollout_engine import PROMPTS, build_tiny
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+
+
+@pytest.fixture
+def pack_all(monkeypatch):
+    monkeypatch.setattr(lin, "PACK_MIN_NUMEL", 0)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prepack") / "qwen2"  # a tied LM head (qwen2's default here)
+    build_tiny("qwen2", path)
+    return path
+
+
+def _counting(monkeypatch) -> list:
+    calls = []
+    real = lin._onednn_mm_t
+    monkeypatch.setattr(lin, "_onednn_mm_t", lambda *a: calls.append(a[1]) or real(*a))
+    return calls
+
+
+def test_which_calls_take_the_packed_weight(monkeypatch, pack_all):
+    """Inside the context, without autograd, at >= PACK_MIN_ROWS rows, for a packed weight:
+    the packed op; otherwise F.linear's path. Values agree with F.linear: oneDNN sums the
+    16 products of each output in another order than MKL, a few ulp of partial sums below
+    ~16 (|x|, |w| <~ 4): atol 1e-5 is >= 5 such ulp."""
+    model = torch.nn.Sequential(lin.Linear(16, 8), torch.nn.Embedding(5, 16))
+    packed = lin.PackedWeights(model)
+    packed.refresh()
+    w, b = model[0].weight, model[0].bias
+    assert list(packed.table) == [id(w)] and packed.packs == 1  # the embedding is not packed
+    calls = _counting(monkeypatch)
+    x = torch.randn(2, 3, 16)  # 6 rows, 3-D as the model's activations are
+    with torch.no_grad():
+        ref = F.linear(x, w, b)
+        with packed:
+            y = lin.linear(x, w, b)
+            assert len(calls) == 1 and calls[0] is packed.table[id(w)][3]
+            torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+            assert y.shape == (2, 3, 8)
+            lin.linear(x[:1, :3], w, b)                      # 3 rows: below PACK_MIN_ROWS
+            lin.linear(x, torch.randn(8, 16), b)             # a weight not in the table
+        lin.linear(x, w, b)                                  # outside the context
+    with packed:
+        lin.linear(x.requires_grad_(), w, b)                 # autograd: the training path
+    assert len(calls) == 1
+
+
+def test_refresh_repacks_only_what_changed(pack_all):
+    """A weight written in place (a load), a parameter replaced (a wake-up): repacked with
+    its new values; the others kept; clear() drops them."""
+    model = torch.nn.Sequential(lin.Linear(16, 8, bias=False), lin.Linear(8, 4, bias=False))
+    packed = lin.PackedWeights(model)
+    packed.refresh()
+    first = dict(packed.table)
+    packed.refresh()
+    assert packed.packs == 2 and packed.table == first
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        model[0].weight.mul_(2)
+        model[1].weight = torch.nn.Parameter(torch.randn(4, 8), requires_grad=False)
+    packed.refresh()
+    assert packed.packs == 4
+    with torch.no_grad(), packed:
+        torch.testing.assert_close(model(x), F.linear(F.linear(x, model[0].weight), model[1].weight),
+                                   rtol=1e-5, atol=1e-5)
+    packed.clear()
+    assert packed.table == {}
+
+
+@pytest.mark.parametrize("decode", ["eager", "static"])
+@pytest.mark.parametrize("name", SAMPLERS)
+def test_engine_with_packed_weights_matches_enforce_eager(tiny, pack_all, decode, name):
+    """6 prompts over 4 slots (refills, a shrinking batch: steps of 1-4 rows, so both
+    kernels run): the same tokens as ``enforce_eager=True``, every log-prob within the
+    rounding bound of a float64 forward. The tiny model's init makes logits peaky, so no
+    greedy choice here is a near-tie that summation order could flip."""
+    sp = SAMPLERS[name]
+    want = LLM(str(tiny), max_num_seqs=4, enforce_eager=True).generate(PROMPTS, sp)
+    llm = LLM(str(tiny), max_num_seqs=4, decode=decode)
+    got = llm.generate(PROMPTS, sp)
+    assert llm.engine.runner.packed.packs == len(llm.engine.runner.packed.table) > 0
+    assert _worst(load_hf(tiny), PROMPTS, got, want, sp.temperature) <= 1
+
+
+def test_packed_weights_follow_loads_and_sleep(tiny, pack_all):
+    """New weights loaded into a live engine (as the hybrid engine does each step) are
+    packed afresh: its outputs are a fresh engine's on those weights; sleep drops the copies
+    and the next generate after wake-up and a load packs again."""
+    sp = SAMPLERS["greedy"]
+    llm = LLM(str(tiny), max_num_seqs=4)
+    before = llm.generate(PROMPTS, sp)
+    other = load_hf(tiny)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(-1.5)
+    fresh = LLM(other, max_num_seqs=4, cpu_column_major=True).generate(PROMPTS, sp)
+    runner = llm.engine.runner
+    with torch.no_grad():
+        for name, p in runner.model.named_parameters():
+            p.copy_(dict(other.named_parameters())[name])
+    after = llm.generate(PROMPTS, sp)
+    assert [o.outputs[0].token_ids for o in after] == [o.outputs[0].token_ids for o in fresh]
+    assert [o.outputs[0].token_ids for o in after] != [o.outputs[0].token_ids for o in before]
+    llm.engine.sleep()
+    assert runner.packed.table == {}
+    llm.engine.wake_up()
+    with torch.no_grad():
+        for name, p in runner.model.named_parameters():
+            p.copy_(dict(other.named_parameters())[name])
+    again = llm.generate(PROMPTS, sp)
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in fresh]
+    assert runner.packed.table
+
+
+def test_enforce_eager_and_the_default_thresholds(tiny):
+    """``enforce_eager=True`` packs nothing; by default the tiny model's weights are below
+    PACK_MIN_NUMEL, so a generate packs none of them (the main job's model likewise)."""
+    assert LLM(str(tiny), enforce_eager=True).engine.runner.packed is None
+    llm = LLM(str(tiny), max_num_seqs=4)
+    llm.generate(PROMPTS, SAMPLERS["greedy"])
+    assert llm.engine.runner.packed.table == {}

@@ -3,7 +3,7 @@ fast path: which calls take them, that they never go stale, and the engine's out
 them against the eager path's.
 
 The thresholds (``PACK_MIN_NUMEL``) keep the tiny test models' weights on MKL, so these tests
-lower them to 0: the same code then runs every decode linear of >= 4 rows through oneDNN's
+lower them to 0: the same code then runs every decode linear of >= 2 rows through oneDNN's
 packed weights, the path SmolLM2-sized models take by default.
 """
 
@@ -41,8 +41,8 @@ def _counting(monkeypatch) -> list:
 
 
 def test_which_calls_take_the_packed_weight(monkeypatch, pack_all):
-    """Inside the context, without autograd, at >= PACK_MIN_ROWS rows, for a packed weight:
-    the packed op; otherwise F.linear's path. Values agree with F.linear: oneDNN sums the
+    """Inside the context, without autograd, at >= PACK_MIN_ROWS rows (or one row through a
+    weight of >= PACK_ONE_ROW_NUMEL), for a packed weight: the packed op; otherwise F.linear's. Values agree with F.linear: oneDNN sums the
     16 products of each output in another order than MKL, a few ulp of partial sums below
     ~16 (|x|, |w| <~ 4): atol 1e-5 is >= 5 such ulp."""
     model = torch.nn.Sequential(lin.Linear(16, 8), torch.nn.Embedding(5, 16))
@@ -59,12 +59,16 @@ def test_which_calls_take_the_packed_weight(monkeypatch, pack_all):
             assert len(calls) == 1 and calls[0] is packed.table[id(w)][3]
             torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
             assert y.shape == (2, 3, 8)
-            lin.linear(x[:1, :3], w, b)                      # 3 rows: below PACK_MIN_ROWS
+            lin.linear(x[0, :1], w, b)                       # 1 row: below PACK_MIN_ROWS
             lin.linear(x, torch.randn(8, 16), b)             # a weight not in the table
         lin.linear(x, w, b)                                  # outside the context
     with packed:
         lin.linear(x.requires_grad_(), w, b)                 # autograd: the training path
     assert len(calls) == 1
+    monkeypatch.setattr(lin, "PACK_ONE_ROW_NUMEL", w.numel())  # one row through a weight this large
+    with torch.no_grad(), packed:
+        torch.testing.assert_close(lin.linear(x[0, :1], w, b), ref[0, :1], rtol=1e-5, atol=1e-5)
+    assert len(calls) == 2
 
 
 def test_refresh_repacks_only_what_changed(pack_all):
@@ -93,7 +97,7 @@ def test_refresh_repacks_only_what_changed(pack_all):
 @pytest.mark.parametrize("name", SAMPLERS)
 def test_engine_with_packed_weights_matches_enforce_eager(tiny, pack_all, decode, name):
     """6 prompts over 4 slots (refills, a shrinking batch: steps of 1-4 rows, so both
-    kernels run): the same tokens as ``enforce_eager=True``, every log-prob within the
+    kernels run: MKL at 1 row): the same tokens as ``enforce_eager=True``, every log-prob within the
     rounding bound of a float64 forward. The tiny model's init makes logits peaky, so no
     greedy choice here is a near-tie that summation order could flip."""
     sp = SAMPLERS[name]

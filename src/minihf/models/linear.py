@@ -148,13 +148,15 @@ class Linear(nn.Linear):
 # faster there. Measured on a 2-core AMD EPYC (Zen 2, AVX2), 2 threads, the same run,
 # MKL (column-major) / prepacked microseconds: SmolLM2's LM head [49152, 576] 70845 /
 # 19500 at 16 rows and 59461 / 9935 at 4 rows, its MLP [1536, 576] 1473 / 1001 at 16 rows;
-# the whole step's matmuls at 16 rows 254 -> 121 ms. Small weights lose (oneDNN's per-call
-# cost: the main job's [448, 128] at 16 rows 69 / 98 us) and so does a single row (MKL's
-# matrix-vector kernel: [1536, 576] 125 / 187 us), hence the two thresholds. The layout is
-# chosen for PACK_ROWS rows and serves any row count (measured 8-64 rows within noise of a
-# layout chosen for that count).
+# the whole step's matmuls at 16 rows 254 -> 121 ms; at 2 rows [1536, 576] 315 / 157 us.
+# Small weights lose (oneDNN's per-call cost: the main job's [448, 128] at 16 rows 69 / 98
+# us) and so does a single row (MKL's matrix-vector kernel: [1536, 576] 122 / 144 us)
+# except through a very large weight (the LM head: 9130 / 7406 us; 14503 us tied, i.e.
+# row-major), hence the thresholds. The layout is chosen for PACK_ROWS rows and serves any
+# row count (measured 8-64 rows within noise of a layout chosen for that count).
 PACK_MIN_NUMEL = 1 << 19
-PACK_MIN_ROWS = 4
+PACK_MIN_ROWS = 2
+PACK_ONE_ROW_NUMEL = 1 << 23
 PACK_ROWS = 16
 
 _active: PackedWeights | None = None  # the table `linear` reads, while one is entered
@@ -167,7 +169,8 @@ class PackedWeights:
     :meth:`refresh` (re)packs each weight that is new or was written since it was packed
     (its storage or version counter moved: a weight load, a wake-up), so the copies never
     go stale; ``with packed:`` makes :func:`linear` use them for inputs of at least
-    :data:`PACK_MIN_ROWS` rows. The copies cost the packed weights' bytes again while they
+    :data:`PACK_MIN_ROWS` rows, or of one row through a weight of at least
+    :data:`PACK_ONE_ROW_NUMEL` elements. The copies cost the packed weights' bytes again while they
     are held; :meth:`clear` drops them."""
 
     def __init__(self, model: nn.Module):
@@ -202,7 +205,9 @@ class PackedWeights:
 
     def get(self, weight: torch.Tensor, rows: int) -> torch.Tensor | None:
         entry = self.table.get(id(weight))
-        return entry[3] if entry is not None and entry[0] is weight and rows >= PACK_MIN_ROWS else None
+        if entry is None or entry[0] is not weight or rows < 1:
+            return None
+        return entry[3] if rows >= PACK_MIN_ROWS or weight.numel() >= PACK_ONE_ROW_NUMEL else None
 
     def __enter__(self) -> PackedWeights:
         global _active

@@ -11,10 +11,10 @@ sampling parameters, and runs the three kinds of forward the engine asks for:
 * ``decode(tokens, positions, seqs)``: one token for each row ``[0, len(tokens))``, eager
   over exactly those rows and the cache prefix they use (``decode="eager"``), or the static
   step of ``minihf.rollout.decode_step`` over a bucket of rows and cache length, run as is
-  (``"static"``) or replayed as a CUDA graph (``"graph"``). With ``prepack`` on CPU, a
-  decode step of at least ``PACK_MIN_ROWS`` rows runs the large weights' oneDNN-packed
-  copies (``minihf.models.linear.PackedWeights``: SmolLM2's step ~2x faster at 16 rows),
-  packed at the first such step of a ``generate`` whose weights changed since the last.
+  (``"static"``) or replayed as a CUDA graph (``"graph"``). With ``prepack`` on CPU, the
+  decode step runs the large weights' oneDNN-packed copies (``minihf.models.linear.
+  PackedWeights``, which says at how many rows: SmolLM2's step ~1.7x faster at 16 rows),
+  packed at the first decode step of a ``generate`` whose weights changed since the last.
 
 Prefill and extend are one code path (:meth:`ModelRunner._forward_new`): contexts
 right-padded in length buckets, written at ``start .. start + T - 1`` of their slots, only
@@ -33,7 +33,7 @@ import contextlib
 
 import torch
 
-from minihf.models.linear import PACK_MIN_ROWS, PackedWeights
+from minihf.models.linear import PackedWeights
 from minihf.parallel.tp import ColumnParallelLinear, RowParallelLinear, VocabParallelLMHead
 
 from .decode_step import StaticDecode, bucket, default_capture_sizes, length_bucket
@@ -276,14 +276,15 @@ class ModelRunner:
                ) -> tuple[list[int], list[float]]:
         """One decode step over rows ``[0, len(tokens))``: row b appends ``tokens[b]`` at
         ``positions[b]``; ``seqs[b]`` is None for a hole (its output is ignored)."""
-        with self._prepacked(len(tokens)):
+        with self._prepacked():
             if self.static is not None:
                 return self._decode_static(tokens, positions, seqs)
             return self._decode_eager(tokens, positions, seqs)
 
-    def _prepacked(self, rows: int) -> contextlib.AbstractContextManager:
-        """The packed weights' context for a decode of ``rows`` rows, or a null one."""
-        if self.packed is None or rows < PACK_MIN_ROWS:
+    def _prepacked(self) -> contextlib.AbstractContextManager:
+        """The packed weights' context for a decode step (each linear call decides by its
+        rows and weight, ``PackedWeights.get``), or a null one."""
+        if self.packed is None:
             return contextlib.nullcontext()
         if not self._packed_fresh:
             self.packed.refresh()  # repacks only the weights written since they were packed

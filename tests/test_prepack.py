@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from minihf.models import linear as lin
 from minihf.models import load_hf
-from minihf.rollout import LLM, SamplingParams
+from minihf.rollout import LLM
 
 from test_decode_step import SAMPLERS, _worst
 from test_rollout_engine import PROMPTS, build_tiny

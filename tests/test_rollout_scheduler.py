@@ -148,3 +148,42 @@ def test_bad_inputs_raise_clearly():
         sched.add(Sequence(seq_id=1, prompt=[], max_tokens=2))
     with pytest.raises(ValueError, match="max_num_seqs"):
         Scheduler(max_num_seqs=0, max_model_len=5)
+
+
+def test_chunked_prefill_cuts_long_contexts_and_the_others_keep_decoding():
+    """Budget 8 tokens a step: a running sequence decodes every step while a 20-token prompt
+    is written 5 + 8 + 7 (its row a hole until then, at the position its next chunk writes);
+    chunks under way go before admissions, and a prompt that does not fit what is left is
+    admitted with a chunk that fills it. Each sequence's first token comes after its last
+    chunk."""
+    sched = Scheduler(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=8, enable_chunked_prefill=True)
+    a, long, b = seq(0, prompt_len=3, max_tokens=10), seq(1, prompt_len=20, max_tokens=2), seq(2, prompt_len=5)
+    for s in (a, long, b):
+        sched.add(s)
+    trace = []
+    for _ in range(4):
+        step = sched.schedule()
+        trace.append(([s.seq_id for s in step.prefill], [(s.seq_id, i, j) for s, i, j in step.chunks]))
+        sched.record_prefill(step.prefill, [5] * len(step.prefill))
+        done = [s for s, _, j in step.chunks if j == len(s.context)]
+        sched.record_chunks(step.chunks, [6] * len(done), [0.0] * len(done))
+        tokens, positions, seqs = sched.decode_rows()
+        for s in (long, b):
+            if s.prefilled is not None:  # a hole, writing where its next chunk starts
+                assert seqs[s.slot] is None and positions[s.slot] == s.prefilled == s.cached
+        sched.record_decode([7 if s else 0 for s in seqs])
+    assert trace == [([0], [(1, 0, 5)]),              # a whole (3), long's first chunk fills the 5 left
+                     ([], [(1, 5, 13)]),              # long's chunk first: nothing left for b
+                     ([], [(1, 13, 20), (2, 0, 1)]),  # long's last chunk (7), b's first (the 1 left)
+                     ([], [(2, 1, 5)])]
+    assert a.tokens == [5, 7, 7, 7, 7]                # a decoded in every step
+    assert long.tokens == [6, 7] and long.finish_reason == FINISH_LENGTH
+    assert b.tokens == [6, 7] and b.prefilled is None and not sched.chunking
+
+
+def test_chunked_prefill_off_admits_a_long_prompt_whole():
+    """Off, the same budget admits a long prompt whole when nothing else is admitted."""
+    sched = Scheduler(max_num_seqs=2, max_model_len=64, max_num_batched_tokens=8)
+    sched.add(seq(0, prompt_len=20))
+    step = sched.schedule()
+    assert [s.seq_id for s in step.prefill] == [0] and step.chunks == []

@@ -80,7 +80,8 @@ def build_engine(args, cfg, dtype: torch.dtype, tp_group, device: torch.device,
                   max_num_batched_tokens=cfg.max_num_batched_tokens,
                   gpu_memory_utilization=cfg.gpu_memory_utilization if device.type == "cuda" else None,
                   eos_token_ids=eos_token_ids, enforce_eager=cfg.enforce_eager,
-                  cudagraph_capture_sizes=cfg.cudagraph_capture_sizes)
+                  cudagraph_capture_sizes=cfg.cudagraph_capture_sizes,
+                  enable_chunked_prefill=cfg.enable_chunked_prefill)
 
 
 class HybridEngine:

@@ -3,7 +3,8 @@
 One engine step reads like nano-vllm's: **schedule** (the torch-free
 ``minihf.rollout.scheduler`` admits waiting sequences into free cache slots, or compacts
 the slots when nothing waits), **run** (``minihf.rollout.model_runner``: the slot moves,
-the prefill of the admitted contexts, the extend of resumed multi-turn sequences, then one
+the prefill of the admitted contexts, the chunks of chunked prefills, the extend of resumed
+multi-turn sequences, then one
 decode step over the dense slot prefix ``[0, num_rows)``, new sequences included),
 **postprocess** (the scheduler records the sampled tokens: stop checks, finishing, freeing
 slots; a multi-turn sequence that ended a turn is handed to the caller's environment). The
@@ -66,7 +67,9 @@ class Engine:
     """Runs generation for one model (possibly TP-sharded) with a slot KV cache.
 
     ``max_num_seqs`` caps concurrent sequences (cache slots), ``max_model_len`` caps prompt +
-    completion, ``max_num_batched_tokens`` caps prompt tokens per prefill step, and
+    completion, ``max_num_batched_tokens`` caps prompt tokens per prefill step (with
+    ``enable_chunked_prefill``, a longer context is prefilled in pieces over several steps
+    while the others decode: ``minihf.rollout.scheduler``), and
     ``kv_cache_memory`` (bytes) / ``gpu_memory_utilization`` cap the cache size;
     ``enforce_eager`` / ``cudagraph_capture_sizes``: the decode step (module docstring).
     """
@@ -76,7 +79,8 @@ class Engine:
                  max_num_batched_tokens: int | None = None, kv_cache_memory: int | None = None,
                  gpu_memory_utilization: float | None = None, eos_token_ids: tuple[int, ...] = (), seed: int = 0,
                  cpu_column_major: bool = True, enforce_eager: bool = False,
-                 cudagraph_capture_sizes: list[int] | None = None, decode: str | None = None):
+                 cudagraph_capture_sizes: list[int] | None = None, decode: str | None = None,
+                 enable_chunked_prefill: bool = False):
         if decode is None:  # tests and benchmarks name the decode mode; users say enforce_eager
             target = torch.device(device) if device is not None else next(model.parameters()).device
             decode = "graph" if target.type == "cuda" and not enforce_eager else "eager"
@@ -89,6 +93,10 @@ class Engine:
         if rope is not None:  # accelerators build the RoPE table once, at this length
             rope.reserve(self.max_model_len)
         self.max_num_batched_tokens = max_num_batched_tokens
+        if enable_chunked_prefill and max_num_batched_tokens is None:
+            raise ValueError("enable_chunked_prefill cuts prefills at max_num_batched_tokens tokens a "
+                             "step, which is not set; set it too (e.g. max_num_batched_tokens=2048)")
+        self.enable_chunked_prefill = enable_chunked_prefill
         self.eos_token_ids = frozenset(eos_token_ids)
         self.seed = seed
         self._calls = 0
@@ -144,10 +152,11 @@ class Engine:
             return groups
         self._check_prompts(prompts)
         max_len = min(self.max_model_len, max(len(s.prompt) + s.max_tokens for s in seqs))
-        sched = Scheduler(self.runner.ensure_cache(len(seqs), max_len), max_len, self.max_num_batched_tokens)
+        sched = Scheduler(self.runner.ensure_cache(len(seqs), max_len), max_len, self.max_num_batched_tokens,
+                          self.enable_chunked_prefill)
         for s in seqs:
             sched.add(s)
-        self.last_stats = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0,
+        self.last_stats = {"prefill_s": 0.0, "prefill_chunks": 0, "decode_s": 0.0, "decode_steps": 0,
                            "extend_s": 0.0, "extend_tokens": 0, "evictions": 0}
         self.runner.stats.update(captures=0, capture_s=0.0)
         with torch.inference_mode():
@@ -206,6 +215,9 @@ class Engine:
         t0 = time.perf_counter()
         if step.prefill:
             sched.record_prefill(step.prefill, *runner.prefill(step.prefill))
+        if step.chunks:
+            sched.record_chunks(step.chunks, *runner.prefill_chunks(step.chunks))
+            stats["prefill_chunks"] += len(step.chunks)
         t1 = time.perf_counter()
         extend = sched.extend_rows() if turns is not None else []
         if extend:

@@ -93,6 +93,8 @@ class LLM:
     pass True for an in-memory model that only generates. ``enforce_eager`` and
     ``cudagraph_capture_sizes`` (vLLM's names) choose the decode step (``minihf.rollout.engine``);
     ``decode`` names it outright (``eager``, ``static``, ``graph``: tests and benchmarks).
+    ``enable_chunked_prefill`` (vLLM's name) prefills a context longer than
+    ``max_num_batched_tokens`` in pieces while the other sequences decode.
     """
 
     def __init__(self, model, tp_group=None, dtype: torch.dtype | None = None, device: str | None = None,
@@ -100,7 +102,7 @@ class LLM:
                  kv_cache_memory: int | None = None, gpu_memory_utilization: float | None = None,
                  eos_token_ids: tuple[int, ...] | None = None, seed: int = 0, cpu_column_major: bool | None = None,
                  enforce_eager: bool = False, cudagraph_capture_sizes: list[int] | None = None,
-                 decode: str | None = None):
+                 decode: str | None = None, enable_chunked_prefill: bool = False):
         if device is None:
             if tp_group is not None and torch.cuda.is_available():
                 device = f"cuda:{torch.cuda.current_device()}"
@@ -129,6 +131,7 @@ class LLM:
             eos_token_ids=default_eos if eos_token_ids is None else tuple(eos_token_ids), seed=seed,
             cpu_column_major=owned if cpu_column_major is None else cpu_column_major,
             enforce_eager=enforce_eager, cudagraph_capture_sizes=cudagraph_capture_sizes, decode=decode,
+            enable_chunked_prefill=enable_chunked_prefill,
         )
 
     def generate(self, prompts: list[list[int]], sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:

@@ -8,6 +8,8 @@ sampling parameters, and runs the three kinds of forward the engine asks for:
   are copied to the others' slots; each sequence draws its own first token.
 * ``extend(seqs)``: resumed multi-turn sequences append their new tokens (the turn's last
   sampled token and the observation) after their cached history.
+* ``prefill_chunks(chunks)``: a chunked prefill's pieces of contexts, each written after the
+  pieces before it; a sequence's first token is drawn after its last piece.
 * ``decode(tokens, positions, seqs)``: one token for each row ``[0, len(tokens))``, eager
   over exactly those rows and the cache prefix they use (``decode="eager"``), or the static
   step of ``minihf.rollout.decode_step`` over a bucket of rows and cache length, run as is
@@ -16,7 +18,7 @@ sampling parameters, and runs the three kinds of forward the engine asks for:
   PackedWeights``, which says at how many rows: SmolLM2's step ~1.7x faster at 16 rows),
   packed at the first decode step of a ``generate`` whose weights changed since the last.
 
-Prefill and extend are one code path (:meth:`ModelRunner._forward_new`): contexts
+Prefill, chunks and extend are one code path (:meth:`ModelRunner._forward_new`): contexts
 right-padded in length buckets, written at ``start .. start + T - 1`` of their slots, only
 the last real position of each going through the LM head. A prefill is the case ``start =
 0``, where attention needs only the new keys (the cache's prefill mode never reads its
@@ -232,6 +234,16 @@ class ModelRunner:
             if s is not owners[u]:
                 self.cache.move(owners[u].slot, s.slot, len(c))
         return self._sample(logits[torch.tensor(src, device=self.device)], seqs)
+
+    def prefill_chunks(self, chunks: list[tuple[Sequence, int, int]]) -> tuple[list[int], list[float]]:
+        """Write each chunk ``(seq, start, end)``, context positions ``[start, end)``, into its
+        sequence's slot; the first tokens of the sequences whose context this completes."""
+        seqs = [s for s, _, _ in chunks]
+        logits = self._forward_new(seqs, [s.context[a:b] for s, a, b in chunks], [a for _, a, _ in chunks])
+        last = [i for i, (s, _, b) in enumerate(chunks) if b == len(s.context)]
+        if not last:
+            return [], []
+        return self._sample(logits[torch.tensor(last, device=self.device)], [seqs[i] for i in last])
 
     def extend(self, seqs: list[Sequence]) -> tuple[list[int], list[float]]:
         """First tokens of the next turn of resumed ``seqs``, after their new tokens are written."""

@@ -11,6 +11,11 @@ Rules:
 * A finished slot is refilled with the next waiting sequence (FIFO), lowest slot first.
 * Admissions per step are bounded by ``max_num_batched_tokens`` prompt tokens (at least one
   sequence is always admitted so a long prompt cannot starve).
+* Chunked prefill (``enable_chunked_prefill``, vLLM's key): a context longer than what is
+  left of the step's token budget is admitted with a first chunk that fills the budget; its
+  next chunks come first in the following steps' budgets, and its first token is sampled
+  after the last chunk. Meanwhile its slot is a hole in the decode rows and the other
+  sequences keep decoding, so one long prompt no longer stalls a step for its whole length.
 * When nothing waits and the running slots have holes, the highest running slot is moved
   into the lowest free one, so decode steps run over a dense prefix ``[0, num_rows)`` of
   the cache instead of paying for idle rows during a long tail.
@@ -58,6 +63,7 @@ class Sequence:
     max_turn_tokens: int | None = None  # a turn also ends after this many sampled tokens
     turn_start: int = 0  # index in ``tokens`` where the current turn began
     evicted: bool = False  # paused without a slot: its whole context is prefilled again on return
+    prefilled: int | None = None  # chunked prefill: context positions written so far (None: not in one)
 
     @property
     def num_tokens(self) -> int:
@@ -73,7 +79,10 @@ class Sequence:
     @property
     def cached(self) -> int:
         """Positions whose keys/values are in the KV cache (all but the last token, and all
-        but the observation tokens waiting for the extend forward)."""
+        but the observation tokens waiting for the extend forward; during a chunked prefill,
+        the chunks written so far)."""
+        if self.prefilled is not None:
+            return self.prefilled
         return self.num_tokens - 1 - self.pending
 
     def token_mask(self) -> list[int]:
@@ -92,16 +101,20 @@ class Step:
     admitted sequences, already assigned to slots. After the prefill (whose sampled
     tokens are recorded with :meth:`Scheduler.record_prefill`) the engine decodes rows
     ``[0, Scheduler.num_rows)``: new sequences join the decode in the same step.
+    ``chunks``: ``(seq, start, end)``, context positions ``[start, end)`` of sequences in a
+    chunked prefill to write this step (recorded with :meth:`Scheduler.record_chunks`).
     """
 
     moves: list[tuple[int, int]]
     prefill: list[Sequence]
+    chunks: list[tuple[Sequence, int, int]] = field(default_factory=list)
 
 
 class Scheduler:
     """Slot bookkeeping for ``max_num_seqs`` cache rows of ``max_model_len`` positions."""
 
-    def __init__(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int | None = None):
+    def __init__(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int | None = None,
+                 enable_chunked_prefill: bool = False):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if max_model_len < 2:
@@ -109,6 +122,8 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens or max(max_model_len, 8192)
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.chunking: list[Sequence] = []  # in a chunked prefill, oldest first
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}  # slot -> sequence
         self._free: list[int] = list(range(max_num_seqs))  # heap of free slots
@@ -138,7 +153,11 @@ class Scheduler:
 
     def decodable(self) -> bool:
         """Whether some running sequence takes part in the next decode."""
-        return any(not s.paused and not s.pending for s in self.running.values())
+        return any(self._decodes(s) for s in self.running.values())
+
+    @staticmethod
+    def _decodes(seq: Sequence) -> bool:
+        return not seq.paused and not seq.pending and seq.prefilled is None
 
     def can_admit(self) -> bool:
         """Whether the next ``schedule`` admits someone (a free slot, or a paused one to evict)."""
@@ -153,21 +172,35 @@ class Scheduler:
     def schedule(self) -> Step:
         """Admit waiting sequences into free slots, or compact when nothing waits."""
         prefill: list[Sequence] = []
+        chunks: list[tuple[Sequence, int, int]] = []
         budget = self.max_num_batched_tokens
+        for seq in self.chunking:  # prefills under way go first
+            if budget <= 0:
+                break
+            end = min(len(seq.context), seq.prefilled + budget)
+            chunks.append((seq, seq.prefilled, end))
+            budget -= end - seq.prefilled
         if self.waiting and not self._free:
             self._evict()
         while self.waiting and self._free:
             nxt = self.waiting[0]
-            if prefill and len(nxt.context) > budget:
+            chunk = self.enable_chunked_prefill and len(nxt.context) > budget
+            if chunk and budget <= 0 or not chunk and (prefill or chunks) and len(nxt.context) > budget:
                 break
             self.waiting.popleft()
             nxt.slot = heapq.heappop(self._free)
             nxt.evicted = False
             self.running[nxt.slot] = nxt
-            prefill.append(nxt)
-            budget -= len(nxt.context)
+            if chunk:
+                nxt.prefilled = 0
+                self.chunking.append(nxt)
+                chunks.append((nxt, 0, budget))
+                budget = 0
+            else:
+                prefill.append(nxt)
+                budget -= len(nxt.context)
         moves = self._compact() if not self.waiting else []
-        return Step(moves=moves, prefill=prefill)
+        return Step(moves=moves, prefill=prefill, chunks=chunks)
 
     def _evict(self) -> None:
         """Give the slot of the paused sequence with the shortest context (the cheapest to
@@ -267,6 +300,19 @@ class Scheduler:
             seq.pending = 0
             self.append(seq, tok, lp)
 
+    def record_chunks(self, chunks: list[tuple[Sequence, int, int]], tokens: list[int],
+                      logprobs: list[float]) -> None:
+        """Chunks written; ``tokens``/``logprobs``: the first sampled token of each sequence
+        whose last chunk this was (in ``chunks``' order)."""
+        done = []
+        for seq, _, end in chunks:
+            seq.prefilled = end
+            if end == len(seq.context):
+                seq.prefilled = None
+                self.chunking.remove(seq)
+                done.append(seq)
+        self.record_prefill(done, tokens, logprobs)
+
     def record_prefill(self, seqs: list[Sequence], tokens: list[int], logprobs: list[float] | None = None) -> None:
         """First sampled token of each newly admitted sequence (same order as ``seqs``)."""
         logprobs = logprobs if logprobs is not None else [0.0] * len(seqs)
@@ -279,12 +325,13 @@ class Scheduler:
         Holes (free slots below ``num_rows``) get token 0 at position 0; their outputs are
         ignored and their cache rows are rewritten by the next prefill into that slot. A
         paused or pending sequence's row is a hole too, writing at its first uncached
-        position (rewritten by its extend forward).
+        position (rewritten by its extend forward), as is one in a chunked prefill (its next
+        chunk rewrites it).
         """
         n = self.num_rows
         tokens, positions, seqs = [0] * n, [0] * n, [None] * n
         for slot, seq in self.running.items():
-            if seq.paused or seq.pending:
+            if not self._decodes(seq):
                 positions[slot] = seq.cached
                 continue
             tokens[slot] = seq.tokens[-1]
@@ -297,5 +344,5 @@ class Scheduler:
         logprobs = logprobs if logprobs is not None else [0.0] * len(tokens)
         for slot in range(len(tokens)):
             seq = self.running.get(slot)
-            if seq is not None and not seq.paused and not seq.pending:
+            if seq is not None and self._decodes(seq):
                 self.append(seq, tokens[slot], logprobs[slot])

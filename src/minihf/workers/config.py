@@ -284,6 +284,7 @@ class RolloutConfig:
     tensor_model_parallel_size: int = 1  # generation TP size t (divides the actor's ranks)
     max_num_seqs: int = 256              # sequences decoded at once (continuous batching slots)
     max_num_batched_tokens: Optional[int] = None  # prefill token cap per engine step; null: none
+    enable_chunked_prefill: bool = False  # a context over max_num_batched_tokens is prefilled in pieces over several steps while the others decode (needs max_num_batched_tokens)
     gpu_memory_utilization: float = 0.5  # of free CUDA memory, for the KV cache
     free_cache_engine: bool = True       # free engine weights and KV cache after each generation
     reshard: Literal["hybrid", "naive"] = "hybrid"  # hybrid: TP slices within N/t ranks; naive: gather all
@@ -312,6 +313,10 @@ class RolloutConfig:
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"rollout.max_num_batched_tokens={self.max_num_batched_tokens} "
                              "must be >= 1, or null (no cap)")
+        if self.enable_chunked_prefill and self.max_num_batched_tokens is None:
+            raise ValueError("rollout.enable_chunked_prefill=true cuts prefills at "
+                             "rollout.max_num_batched_tokens tokens a step, which is null; set it "
+                             "too (e.g. rollout.max_num_batched_tokens=2048)")
         sizes = self.cudagraph_capture_sizes
         if sizes is not None and (not isinstance(sizes, list) or not sizes
                                   or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in sizes)):

@@ -122,10 +122,11 @@ def model_section(args, r: dict, shape: dict, bounds: list, *, name: str, task: 
     ]
 
 
-def write_model_section(path: Path, lines: list[str]) -> None:
-    """Put the real-model section into the docs file, replacing an earlier one; a new one
-    goes before the GPU check."""
-    begin, end = MODEL_SECTION
+def write_model_section(path: Path, lines: list[str], markers: tuple[str, str] = MODEL_SECTION) -> None:
+    """Put a generated section (``markers``: its first and last lines; default the
+    real-model one) into the docs file, replacing an earlier one; a new one goes before the
+    GPU check."""
+    begin, end = markers
     block = "\n".join([begin, "", *lines, "", end])
     text = path.read_text() if path.exists() else ""
     if begin in text and end in text:

@@ -145,3 +145,29 @@ def test_enforce_eager_and_the_default_thresholds(tiny):
     llm = LLM(str(tiny), max_num_seqs=4)
     llm.generate(PROMPTS, SAMPLERS["greedy"])
     assert llm.engine.runner.packed.table == {}
+
+
+def test_lora_adapters_beside_packed_base_weights(tiny, pack_all):
+    """The engine's LoRA layers (unmerged adapters): the base weights packed, the adapters
+    on MKL beside them; same tokens as enforce_eager, log-probs within rounding."""
+    import copy
+
+    from minihf.models.lora import apply_lora, module_names
+
+    model = load_hf(tiny)
+    apply_lora(model, 4, 8.0, module_names(model, "all-linear"))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn_like(p) * 0.3)  # adapters that change the outputs
+    sp = SAMPLERS["sampled"]
+    want = LLM(copy.deepcopy(model), max_num_seqs=4, enforce_eager=True).generate(PROMPTS, sp)
+    llm = LLM(copy.deepcopy(model), max_num_seqs=4, cpu_column_major=True)
+    got = llm.generate(PROMPTS, sp)
+    packed = llm.engine.runner.packed.table
+    engine_model = llm.engine.model
+    adapters = {id(p) for n, p in engine_model.named_parameters() if "lora_" in n}
+    bases = {id(m.weight) for m in engine_model.modules() if hasattr(m, "lora_A")}
+    assert bases and bases <= set(packed) and not adapters & set(packed)
+    assert _worst(model, PROMPTS, got, want, sp.temperature) <= 1

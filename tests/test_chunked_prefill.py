@@ -79,3 +79,23 @@ def test_chunked_prefill_needs_a_budget_and_reaches_the_hybrid_engine(tiny):
     cfg = RolloutConfig(prompt_length=8, response_length=8, enable_chunked_prefill=True, max_num_batched_tokens=4)
     engine = build_engine(load_args(tiny), cfg, torch.float32, None, torch.device("cpu"), ())
     assert engine.enable_chunked_prefill and engine.max_num_batched_tokens == 4
+
+
+@pytest.mark.parametrize("decode", ["eager", "static"])
+def test_long_observations_are_written_in_chunks(tiny, decode):
+    """A budget of 3 tokens: observations of 3-4 tokens (plus the turn's last sampled token)
+    go in pieces instead of one extend forward; trajectories equal the unchunked engine's,
+    log-probs within rounding of the whole-trajectory forward."""
+    model = load_hf(tiny)
+    sp = SamplingParams(temperature=0, max_tokens=40, stop_token_ids=list(STOP))
+    unchunked = Engine(load_hf(tiny), max_num_seqs=8)
+    whole = unchunked.generate(PROMPTS, sp, turns=FixedObservations(turns=3, delay=True))
+    chunked = Engine(load_hf(tiny), max_num_seqs=8, max_num_batched_tokens=3, enable_chunked_prefill=True,
+                     decode=decode)
+    groups = chunked.generate(PROMPTS, sp, turns=FixedObservations(turns=3, delay=True))
+    # every observation (3-4 tokens, + the turn's last token) exceeds the budget: no extend runs
+    assert unchunked.last_stats["extend_tokens"] > 0 and chunked.last_stats["extend_tokens"] == 0
+    for prompt, (a,), (b,) in zip(PROMPTS, whole, groups):
+        assert b.tokens == a.tokens and b.observations == a.observations and b.finish_reason == a.finish_reason
+        assert len(b.observations) >= 1
+        assert check_against_forward(model, prompt, b)[0] <= 1

@@ -14,7 +14,8 @@ Rules:
 * Chunked prefill (``enable_chunked_prefill``, vLLM's key): a context longer than what is
   left of the step's token budget is admitted with a first chunk that fills the budget; its
   next chunks come first in the following steps' budgets, and its first token is sampled
-  after the last chunk. Meanwhile its slot is a hole in the decode rows and the other
+  after the last chunk. A multi-turn sequence resumed with more new tokens than the budget
+  writes them the same way (instead of one extend forward). Meanwhile its slot is a hole in the decode rows and the other
   sequences keep decoding, so one long prompt no longer stalls a step for its whole length.
 * When nothing waits and the running slots have holes, the highest running slot is moved
   into the lowest free one, so decode steps run over a dense prefix ``[0, num_rows)`` of
@@ -278,6 +279,7 @@ class Scheduler:
             self.finish(seq, FINISH_LENGTH)
             return
         start = len(seq.tokens)
+        cached = seq.cached
         seq.tokens.extend(tokens)
         seq.logprobs.extend([0.0] * len(tokens))
         seq.observations.append((start, len(seq.tokens)))
@@ -286,6 +288,9 @@ class Scheduler:
         if seq.evicted:  # back in line, first: its whole context is prefilled on admission
             self.evicted.discard(seq.seq_id)
             self.waiting.appendleft(seq)
+        elif self.enable_chunked_prefill and len(tokens) + 1 > self.max_num_batched_tokens:
+            seq.prefilled = cached  # the new tokens go in chunks, as a prefill's do
+            self.chunking.append(seq)
         else:
             seq.pending = len(tokens)
 

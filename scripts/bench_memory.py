@@ -13,7 +13,9 @@ figure is what the update itself adds: the peak resident memory during it (Linux
 reset through ``/proc/self/clear_refs`` just before) minus the resident memory before it.
 The settings: nothing; ``actor.logits_chunk_size`` (``--chunk`` tokens, never the whole
 ``[tokens, vocab]`` logits); ``actor.fsdp.activation_checkpointing`` (each block's
-activations recomputed in the backward); both. Sequence parallelism (issue 58's Ulysses)
+activations recomputed in the backward); both; and on request ``torch.compile``
+(``actor.use_torch_compile``, after an untimed first update that compiles; the grads of
+that update are dropped). Sequence parallelism (issue 58's Ulysses)
 is not built yet, so it has no row.
 """
 
@@ -28,8 +30,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SETTINGS = {"nothing": (False, False), "chunked logits": (True, False),
-            "activation checkpointing": (False, True), "both": (True, True)}
+SETTINGS = {"nothing": (False, False, False), "chunked logits": (True, False, False),  # (chunks, AC, compile)
+            "activation checkpointing": (False, True, False), "both": (True, True, False),
+            "torch.compile": (False, False, True)}
+DEFAULT_SETTINGS = ["nothing", "chunked logits", "activation checkpointing", "both"]
 MARKERS = ("<!-- bench_memory: begin -->", "<!-- bench_memory: end -->")
 
 
@@ -46,37 +50,47 @@ def child(args) -> dict:
 
     from minihf.algorithms.policy_loss import compute_policy_loss
     from minihf.models import load_hf
+    from minihf.models.model import compile_blocks
     from minihf.parallel.fsdp import enable_activation_checkpointing
     from minihf.workers.forward import forward_log_probs
     from minihf.workers.optim import OptimConfig, build_optimizer
 
     torch.set_num_threads(args.threads)
-    chunked, checkpointed = SETTINGS[args.setting]
+    chunked, checkpointed, compiled = SETTINGS[args.setting]
     model = load_hf(args.model).train()
     if checkpointed:
         enable_activation_checkpointing(model)
+    if compiled:
+        compile_blocks(model)
     optimizer = build_optimizer(model.parameters(), OptimConfig(lr=1e-6))
     for p in model.parameters():  # AdamW's state, allocated by a step of zero gradients
         p.grad = torch.zeros_like(p)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     g = torch.Generator().manual_seed(0)
-    vocab = model.args.vocab_size
-    ids = torch.randint(0, vocab, (1, args.prompt + args.length), generator=g)
-    mb = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
-          "position_ids": torch.arange(ids.shape[1])[None], "responses": ids[:, args.prompt:]}
+
+    def update(length: int) -> float:
+        ids = torch.randint(0, model.args.vocab_size, (1, args.prompt + length), generator=g)
+        mb = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+              "position_ids": torch.arange(ids.shape[1])[None], "responses": ids[:, args.prompt:]}
+        out = forward_log_probs(model, mb, calc_entropy=True, entropy_grad=False,
+                                logits_chunk=args.chunk if chunked else None)
+        mask = torch.ones_like(out["log_probs"])
+        loss = compute_policy_loss(out["log_probs"].detach(), out["log_probs"], mask, mask)[0]
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(loss)
+
+    if compiled:  # compiling is not timed: a first update of another length (dynamic shapes)
+        update(max(1, args.length // 4))
     base = _status_kb("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
     t = time.perf_counter()
-    out = forward_log_probs(model, mb, calc_entropy=True, entropy_grad=False,
-                            logits_chunk=args.chunk if chunked else None)
-    mask = torch.ones_like(out["log_probs"])
-    loss = compute_policy_loss(out["log_probs"].detach(), out["log_probs"], mask, mask)[0]
-    loss.backward()
-    optimizer.step()
+    loss = update(args.length)
     seconds = time.perf_counter() - t
     peak = _status_kb("VmHWM")
-    return {"peak_mb": (peak - base) / 1024, "seconds": seconds, "loss": float(loss)}
+    return {"peak_mb": (peak - base) / 1024, "seconds": seconds, "loss": loss}
 
 
 def run_child(args, length: int, setting: str) -> dict:
@@ -113,7 +127,8 @@ def main():
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--chunk", type=int, default=1024, help="actor.logits_chunk_size of the chunked settings")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    ap.add_argument("--settings", nargs="+", default=DEFAULT_SETTINGS, choices=list(SETTINGS),
+                    help="also: 'torch.compile' (actor.use_torch_compile; its compiling is a first update, untimed)")
     ap.add_argument("--docs", action="store_true", help="write the table into docs/training.md")
     ap.add_argument("--child", choices=list(SETTINGS), help=argparse.SUPPRESS)
     args = ap.parse_args()

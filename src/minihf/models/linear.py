@@ -113,7 +113,10 @@ class _OneDNNLinear(torch.autograd.Function):
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, by oneDNN for fp32 on CPUs where it is faster and
     the matmul is large enough to repay oneDNN's per-call cost (:data:`MIN_MACS_PER_THREAD`),
-    or with the weight's prepacked copy inside a :class:`PackedWeights` context."""
+    or with the weight's prepacked copy inside a :class:`PackedWeights` context. Inside a
+    ``torch.compile`` region (``use_torch_compile``) the compiler chooses the kernel."""
+    if torch.compiler.is_compiling():
+        return F.linear(x, weight, bias)
     if _active is not None and not torch.is_grad_enabled():
         packed = _active.get(weight, x.numel() // x.shape[-1])
         if packed is not None:

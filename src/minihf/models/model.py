@@ -150,6 +150,19 @@ def build_model(args: ModelArgs, head: str = "lm", device: torch.device | str | 
     return model
 
 
+def compile_blocks(model: nn.Module) -> nn.Module:
+    """``torch.compile`` (dynamic shapes: one graph for every token count) each block's two
+    norms and its MLP, in place (names and state-dict keys unchanged): the trainer's
+    ``use_torch_compile``. Their elementwise ops fuse into the matmuls' neighbours, forward
+    and backward. Attention stays eager: the packed attention's buckets are Python ints, so
+    a compiled region would be compiled again for each new set of lengths. Measured on CPU
+    (2 cores, SmolLM2, docs/training.md), and the first forward of each process compiles."""
+    for block in model.model.layers:
+        for part in (block.input_layernorm, block.post_attention_layernorm, block.mlp):
+            part.compile(dynamic=True)
+    return model
+
+
 def materialize(model: nn.Module, device: torch.device | str) -> nn.Module:
     """Allocate (uninitialised) storage for a meta-device model on ``device`` and restore
     tied weights. Follow with a state-dict load or ``init_weights``."""

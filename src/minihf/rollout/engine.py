@@ -4,8 +4,8 @@ One engine step reads like nano-vllm's: **schedule** (the torch-free
 ``minihf.rollout.scheduler`` admits waiting sequences into free cache slots, or compacts
 the slots when nothing waits), **run** (``minihf.rollout.model_runner``: the slot moves,
 the prefill of the admitted contexts, the chunks of chunked prefills, the extend of resumed
-multi-turn sequences, then one
-decode step over the dense slot prefix ``[0, num_rows)``, new sequences included),
+multi-turn sequences, then one decode step over the dense slot prefix ``[0, num_rows)``,
+new sequences included),
 **postprocess** (the scheduler records the sampled tokens: stop checks, finishing, freeing
 slots; a multi-turn sequence that ended a turn is handed to the caller's environment). The
 host sees the sampled tokens once per forward (one device->host copy), nothing else.
@@ -162,7 +162,8 @@ class Engine:
         with torch.inference_mode():
             while sched.has_work():
                 if turns is not None and sched.num_paused():
-                    idle = not sched.decodable() and not sched.extend_rows() and not sched.can_admit()
+                    idle = (not sched.decodable() and not sched.extend_rows() and not sched.can_admit()
+                            and not sched.chunking)
                     for seq, obs, reason in turns.poll(wait=idle):
                         sched.resume(seq, obs, reason)
                     if not sched.has_work():

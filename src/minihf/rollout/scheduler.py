@@ -14,9 +14,10 @@ Rules:
 * Chunked prefill (``enable_chunked_prefill``, vLLM's key): a context longer than what is
   left of the step's token budget is admitted with a first chunk that fills the budget; its
   next chunks come first in the following steps' budgets, and its first token is sampled
-  after the last chunk. A multi-turn sequence resumed with more new tokens than the budget
-  writes them the same way (instead of one extend forward). Meanwhile its slot is a hole in the decode rows and the other
+  after the last chunk. Meanwhile its slot is a hole in the decode rows and the other
   sequences keep decoding, so one long prompt no longer stalls a step for its whole length.
+  A multi-turn sequence resumed with more new tokens than the budget writes them the same
+  way (instead of one extend forward).
 * When nothing waits and the running slots have holes, the highest running slot is moved
   into the lowest free one, so decode steps run over a dense prefix ``[0, num_rows)`` of
   the cache instead of paying for idle rows during a long tail.

@@ -144,7 +144,7 @@ class ActorRolloutRefWorker(Worker):
         get_policy_loss_fn(cfg.actor.policy_loss.loss_mode)  # an unknown name fails here
         self.state = TrainState.build(cfg.model, cfg.actor.fsdp, cfg.actor.optim, head="lm",
                                       group=self.group, device=self.device,
-                                      total_steps=total_training_steps)
+                                      total_steps=total_training_steps, compile=cfg.actor.use_torch_compile)
         self.actor = self.state.model
         if self.with_ref and self.reference == "adapters_off":
             self.ref = self.actor

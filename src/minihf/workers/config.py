@@ -135,6 +135,7 @@ class ActorConfig:
     # forward and backward; minihf.algorithms.chunked_logits): never [tokens, vocab] whole,
     # for long responses and large vocabularies; null: a micro-batch's at once
     logits_chunk_size: Optional[int] = None
+    use_torch_compile: bool = False      # torch.compile (dynamic shapes) each block's norms and MLP for the update and log-probs (verl's key; attention stays eager); each process compiles once
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
 

@@ -17,6 +17,7 @@ import torch.nn as nn
 
 from minihf.hub.peft import check_adapter, read_adapter_dir
 from minihf.models import CheckpointReader, build_model, materialize
+from minihf.models.model import compile_blocks
 from minihf.models.lora import (ALL_LINEAR, adaptable, apply_lora, init_lora_state, is_lora_param,
                                 module_names, target_list, trained_with_lora)
 from minihf.parallel.fsdp import apply_fsdp, fsdp_mesh, load_sharded, reshard
@@ -26,11 +27,12 @@ from minihf.workers.train_step import plan_micro_batches, take_rows
 
 
 def build_fsdp_model(model_cfg: ModelConfig, fsdp_cfg: FSDPConfig, *, head: str, group,
-                     device: torch.device, trainable: bool = True) -> nn.Module:
+                     device: torch.device, trainable: bool = True, compile: bool = False) -> nn.Module:
     """``model_cfg.path`` with ``head``, sharded over ``group``'s ranks (meta -> LoRA ->
-    FSDP -> materialise -> this rank's rows). ``group`` None: one process, the whole model.
-    A trained model whose config sets ``lora_rank`` gets adapters (``minihf.models.lora``):
-    its base weights are frozen, the adapters (and a value or score head) train."""
+    compile -> FSDP -> materialise -> this rank's rows). ``group`` None: one process, the
+    whole model. A trained model whose config sets ``lora_rank`` gets adapters
+    (``minihf.models.lora``): its base weights are frozen, the adapters (and a value or
+    score head) train. ``compile``: ``minihf.models.model.compile_blocks``."""
     if not model_cfg.path:
         raise ValueError("model.path is empty; set it to an HF checkpoint dir (e.g. one "
                          "written by `minihf init-model`)")
@@ -45,6 +47,8 @@ def build_fsdp_model(model_cfg: ModelConfig, fsdp_cfg: FSDPConfig, *, head: str,
     for name, p in model.named_parameters():
         if lora and trained_with_lora(name, head):
             p.requires_grad_(True)
+    if compile:
+        compile_blocks(model)
     if group is not None:
         shard_model(model, fsdp_cfg, group=group, device=device, trainable=trainable)
     materialize(model, "cpu" if fsdp_cfg.param_offload and group is not None else device)

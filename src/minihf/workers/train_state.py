@@ -57,8 +57,8 @@ class TrainState:
     @classmethod
     def build(cls, model_cfg: ModelConfig, fsdp_cfg: FSDPConfig, optim: OptimConfig, *,
               head: str, group, device: torch.device,
-              total_steps: int | None = None) -> "TrainState":
-        model = build_fsdp_model(model_cfg, fsdp_cfg, head=head, group=group, device=device)
+              total_steps: int | None = None, compile: bool = False) -> "TrainState":
+        model = build_fsdp_model(model_cfg, fsdp_cfg, head=head, group=group, device=device, compile=compile)
         return cls(model, optim, group=group, total_steps=total_steps, hf_source=model_cfg.path,
                    lora=lora_meta(model_cfg, model))
 

@@ -50,7 +50,7 @@ class _ChunkedHead(torch.autograd.Function):
             log_probs[s:s + chunk] = z.gather(-1, labels[s:s + chunk, None]).squeeze(-1) - row_lse
             if with_entropy:
                 p = torch.softmax(z, dim=-1)
-                entropy[s:s + chunk] = row_lse - (p * z).sum(-1)
+                entropy[s:s + chunk] = row_lse - p.mul_(z).sum(-1)
         ctx.save_for_backward(hidden, weight, labels, lse, entropy)
         ctx.temperature, ctx.chunk, ctx.with_entropy = temperature, chunk, with_entropy
         ctx.set_materialize_grads(False)
@@ -67,16 +67,21 @@ class _ChunkedHead(torch.autograd.Function):
         grad_weight = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) if need_w else None
         for s in range(0, hidden.shape[0], chunk):
             h = hidden[s:s + chunk]
-            z = _logits(h, weight, t)                                       # [c, V] fp32
-            log_p = z - lse[s:s + chunk, None]
+            # in place from here on: two [c, V] buffers at a time (the backward of the LM head
+            # runs while the whole body's activations are still held, so they add to its peak)
+            log_p = _logits(h, weight, t).sub_(lse[s:s + chunk, None])     # [c, V] fp32
             p = log_p.exp()
-            g = torch.zeros_like(z)
-            if grad_log_probs is not None:
-                gl = grad_log_probs[s:s + chunk, None]
-                g -= gl * p
-                g.scatter_add_(-1, labels[s:s + chunk, None], gl)
+            d_entropy = None  # d entropy / d z, times its gradient, in log_p's buffer
             if grad_entropy is not None:
-                g -= grad_entropy[s:s + chunk, None] * p * (log_p + entropy[s:s + chunk, None])
+                d_entropy = log_p.add_(entropy[s:s + chunk, None]).mul_(p).mul_(grad_entropy[s:s + chunk, None])
+            if grad_log_probs is not None:  # d log_p[label] / d z = onehot - p
+                gl = grad_log_probs[s:s + chunk, None]
+                g = p.mul_(gl).neg_()
+                g.scatter_add_(-1, labels[s:s + chunk, None], gl)
+                if d_entropy is not None:
+                    g.sub_(d_entropy)
+            else:
+                g = d_entropy.neg_() if d_entropy is not None else p.zero_()
             if t != 1.0:
                 g /= t
             g = g.to(weight.dtype)

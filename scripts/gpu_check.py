@@ -31,6 +31,7 @@ tests without running them and shows the main job's command without running it.
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib.util
 import platform
 import re
@@ -179,7 +180,7 @@ def peaks(device: torch.device, dtype: torch.dtype, dry: bool) -> dict[str, floa
 
 def benchmark(device: torch.device, dry: bool) -> list[str]:
     from minihf.models import ModelArgs, build_model, init_weights
-    from minihf.rollout import LLM, SamplingParams
+    from minihf.models.model import compile_blocks
 
     dtype = torch.float32 if dry else torch.bfloat16
     peak = peaks(device, dtype, dry)
@@ -196,7 +197,7 @@ def benchmark(device: torch.device, dry: bool) -> list[str]:
              f"({'256' if dry else '8192'}^3, best of 10); copy bandwidth **{peak['bandwidth'] / 1e9:.0f} GB/s** "
              "(device-to-device, bytes read + written)", "",
              "| phase | shape | time | achieved | bound | of bound |", "|---|---|---|---|---|---|"]
-    L, H, kv = args.num_hidden_layers, args.head_dim * args.num_attention_heads, args.num_key_value_heads
+    L, H = args.num_hidden_layers, args.head_dim * args.num_attention_heads
 
     def attn_flops(b, t):  # causal QK^T and PV, forward
         return 2 * 2 * b * L * H * t * t / 2
@@ -211,14 +212,22 @@ def benchmark(device: torch.device, dry: bool) -> list[str]:
     ids = torch.randint(0, args.vocab_size, (b, t), device=device)
     model.train()
 
-    def step():
-        model(ids).float().logsumexp(-1).mean().backward()
+    def step(m=model):
+        m(ids).float().logsumexp(-1).mean().backward()
     s = timed(step, device)
     model.zero_grad(set_to_none=True)
+    # actor.use_torch_compile: the same step with each block's norms and MLP compiled (a
+    # copy; its first call compiles, untimed), timed right after the eager one
+    compiled = compile_blocks(copy.deepcopy(model))
+    step(compiled)
+    sc = timed(lambda: step(compiled), device)
+    compiled = None  # frees the copy
     model.eval()
     flops = 3 * (2 * matmul * b * t + attn_flops(b, t))
     lines.append(f"| training (forward + backward) | {b} x {t} | {s * 1e3:.1f} ms | "
                  f"{rate(flops / s)} | {rate(peak['flops'])} | {flops / s / peak['flops']:.1%} |")
+    lines.append(f"| training, `use_torch_compile` ({s / sc:.2f}x the row above) | {b} x {t} | {sc * 1e3:.1f} ms | "
+                 f"{rate(flops / sc)} | {rate(peak['flops'])} | {flops / sc / peak['flops']:.1%} |")
     weight_bytes = params * torch.finfo(dtype).bits // 8
     lines += decode_rows(model, args, device, dtype, weight_bytes, peak["bandwidth"], dry)
     if device.type == "cuda":

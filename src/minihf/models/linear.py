@@ -115,15 +115,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     the matmul is large enough to repay oneDNN's per-call cost (:data:`MIN_MACS_PER_THREAD`),
     or with the weight's prepacked copy inside a :class:`PackedWeights` context. Inside a
     ``torch.compile`` region (``use_torch_compile``) the compiler chooses the kernel."""
-    if torch.compiler.is_compiling():
-        return F.linear(x, weight, bias)
     if _active is not None and not torch.is_grad_enabled():
         packed = _active.get(weight, x.numel() // x.shape[-1])
         if packed is not None:
             y = _onednn_mm_t(x.reshape(-1, x.shape[-1]), packed, bias)
             return y.view(*x.shape[:-1], weight.shape[0])
     if not (x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu"
-            and type(weight) in (torch.Tensor, nn.Parameter) and use_onednn()
+            and type(weight) in (torch.Tensor, nn.Parameter) and not torch.compiler.is_compiling()
+            and use_onednn()
             and x.numel() * weight.shape[0] >= MIN_MACS_PER_THREAD * torch.get_num_threads()):
         return F.linear(x, weight, bias)
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # [N, in]
@@ -173,8 +172,8 @@ class PackedWeights:
     (its storage or version counter moved: a weight load, a wake-up), so the copies never
     go stale; ``with packed:`` makes :func:`linear` use them for inputs of at least
     :data:`PACK_MIN_ROWS` rows, or of one row through a weight of at least
-    :data:`PACK_ONE_ROW_NUMEL` elements. The copies cost the packed weights' bytes again while they
-    are held; :meth:`clear` drops them."""
+    :data:`PACK_ONE_ROW_NUMEL` elements. The copies cost the packed weights' bytes again
+    while they are held; :meth:`clear` drops them."""
 
     def __init__(self, model: nn.Module):
         self.model = model

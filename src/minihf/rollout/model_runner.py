@@ -16,7 +16,8 @@ sampling parameters, and runs the three kinds of forward the engine asks for:
   (``"static"``) or replayed as a CUDA graph (``"graph"``). With ``prepack`` on CPU, the
   decode step runs the large weights' oneDNN-packed copies (``minihf.models.linear.
   PackedWeights``, which says at how many rows: SmolLM2's step ~1.7x faster at 16 rows),
-  packed at the first decode step of a ``generate`` whose weights changed since the last.
+  packed at the start of a ``generate`` whose weights changed since the last (each linear
+  call decides by its rows and weight whether to use them: ``PackedWeights.get``).
 
 Prefill, chunks and extend are one code path (:meth:`ModelRunner._forward_new`): contexts
 right-padded in length buckets, written at ``start .. start + T - 1`` of their slots, only
@@ -122,7 +123,6 @@ class ModelRunner:
         self.stats = {"captures": 0, "capture_s": 0.0}  # static buckets prepared (engine resets it)
         self.cache: SlotKVCache | None = None
         self.packed = PackedWeights(model) if prepack and self.device.type == "cpu" else None
-        self._packed_fresh = False  # packed since this generate's weights were loaded
         self._rows_key: tuple | None = None
         self._rows: RowParams | None = None
         attn = model.model.layers[0].self_attn
@@ -207,7 +207,8 @@ class ModelRunner:
             if self.decode_mode != "eager":
                 self.static = StaticDecode(self.cache.num_slots, p.device, capture=self.decode_mode == "graph")
         self._rows_key = None  # ids of dead sequences may be reused by the next call's
-        self._packed_fresh = False  # weights may have been loaded since the last call
+        if self.packed is not None:  # weights may have been loaded since the last call
+            self.packed.refresh()   # repacks only the weights written since they were packed
         if self.static is not None:
             self.static.forget_rows()
         return self.cache.num_slots
@@ -288,20 +289,10 @@ class ModelRunner:
                ) -> tuple[list[int], list[float]]:
         """One decode step over rows ``[0, len(tokens))``: row b appends ``tokens[b]`` at
         ``positions[b]``; ``seqs[b]`` is None for a hole (its output is ignored)."""
-        with self._prepacked():
+        with self.packed if self.packed is not None else contextlib.nullcontext():
             if self.static is not None:
                 return self._decode_static(tokens, positions, seqs)
             return self._decode_eager(tokens, positions, seqs)
-
-    def _prepacked(self) -> contextlib.AbstractContextManager:
-        """The packed weights' context for a decode step (each linear call decides by its
-        rows and weight, ``PackedWeights.get``), or a null one."""
-        if self.packed is None:
-            return contextlib.nullcontext()
-        if not self._packed_fresh:
-            self.packed.refresh()  # repacks only the weights written since they were packed
-            self._packed_fresh = True
-        return self.packed
 
     def _decode_eager(self, tokens: list[int], positions: list[int], seqs: list[Sequence | None]
                       ) -> tuple[list[int], list[float]]:

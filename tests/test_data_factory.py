@@ -84,6 +84,11 @@ def test_sizes_parameter_counts(size, low, high):
     for arch in ARCHS:
         config = model_config(arch, size, vocab_size=64, bos_token_id=2, eos_token_id=3, pad_token_id=0)
         assert config.head_dim * config.num_attention_heads == SIZES[size].hidden_size
-        model = build_model(ModelArgs.from_hf(config), device="meta")
+        args = ModelArgs.from_hf(config)
+        model = build_model(args, device="meta")
         n = sum(p.numel() for p in model.parameters())
+        if args.is_moe:  # the size is what a token uses: 2 of 8 experts, each half the dense MLP
+            expert = sum(p.numel() for p in model.model.layers[0].ffn.experts[0].parameters())
+            assert expert == 3 * SIZES[size].hidden_size * SIZES[size].intermediate_size // 2
+            n -= args.num_hidden_layers * (args.num_experts - args.num_experts_per_tok) * expert
         assert low <= n <= high, (arch, size, n)

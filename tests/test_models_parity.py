@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification,
                           AutoModelForTokenClassification, LlamaConfig, MistralConfig,
-                          Qwen2Config, Qwen3Config)
+                          MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
 
 from minihf.models import KVCache, load_hf, read_safetensors, save_hf
 
@@ -35,6 +35,16 @@ CASES = {
                                            sliding_window=None)),
     "mistral-tied": (MistralConfig, dict(tie_word_embeddings=True, head_dim=16,
                                          sliding_window=None)),
+    # mixture of experts: renormalised top-2 of 8; top-3 of 6 unnormalised with layer 0
+    # dense (mlp_only_layers); Mixtral's block_sparse_moe with w1/w2/w3
+    "qwen3moe-norm-untied": (Qwen3MoeConfig, dict(tie_word_embeddings=False, head_dim=16, num_experts=8,
+                                           num_experts_per_tok=2, moe_intermediate_size=32,
+                                           norm_topk_prob=True)),
+    "qwen3moe-mixed-tied": (Qwen3MoeConfig, dict(tie_word_embeddings=True, head_dim=16, num_experts=6,
+                                            num_experts_per_tok=3, moe_intermediate_size=24,
+                                            norm_topk_prob=False, mlp_only_layers=[0])),
+    "mixtral-untied": (MixtralConfig, dict(tie_word_embeddings=False, head_dim=16, num_local_experts=4,
+                                    num_experts_per_tok=2, sliding_window=None)),
 }
 
 
@@ -108,7 +118,8 @@ def test_padded_and_packed_match_transformers(checkpoints, name):
         assert (out[start:start + len(s)] - ref).abs().max() <= TOL
 
 
-@pytest.mark.parametrize("name", ["llama-tied-llama3", "qwen2-untied", "qwen3-tied"])
+@pytest.mark.parametrize("name", ["llama-tied-llama3", "qwen2-untied", "qwen3-tied", "qwen3moe-mixed-tied",
+                                  "mixtral-untied"])
 def test_kv_cache_decode_matches_full_forward(checkpoints, name):
     path, _ = checkpoints(name)
     model = load_hf(path)
@@ -126,7 +137,7 @@ def test_kv_cache_decode_matches_full_forward(checkpoints, name):
     assert (inc - full).abs().max() <= TOL
 
 
-@pytest.mark.parametrize("name", ["llama-tied-llama3", "qwen3-untied"])
+@pytest.mark.parametrize("name", ["llama-tied-llama3", "qwen3-untied", "qwen3moe-norm-untied"])
 def test_save_hf_loads_in_transformers_single_and_sharded(checkpoints, name, tmp_path):
     path, _ = checkpoints(name)
     model = load_hf(path)

@@ -42,8 +42,9 @@ def test_candidate_counts():
 
 class _Shape:
     """A ModelShape stand-in with round numbers."""
-    def __init__(self, params, layers, hidden, kv_dim, vocab, ffn):
+    def __init__(self, params, layers, hidden, kv_dim, vocab, ffn, active=None):
         self.params, self.layers, self.hidden, self.kv_dim, self.vocab, self.ffn = params, layers, hidden, kv_dim, vocab, ffn
+        self.active = params if active is None else active  # a MoE model's routed parameters
         self.heads, self.kv_heads, self.largest_block, self.tied = 4, 2, params // 4, False
         self.shapes = (("model.layers.0.mlp.gate_proj.weight", (params // 50, 50)),)  # for the reshard plan
 
@@ -91,6 +92,25 @@ def test_forward_update_and_generation_formulas_by_hand():
     seconds, peak = generation_seconds(w, plan, PROFILE)
     assert seconds == pytest.approx(8e-8 + 6 * 3.664e-8)
     assert peak == pytest.approx(1000 * 2 + 4 * 16 * 32)  # engine weights + KV of 4 full sequences
+    # a mixture-of-experts model of 1000 parameters, 250 active per token: FLOPs from 250, bytes
+    # (FSDP's gathers, the engine's weights) from 1000
+    moe = _Shape(params=1000, layers=2, hidden=10, kv_dim=4, vocab=50, ffn=20, active=250)
+    assert forward_seconds(moe, 128, 8, 1, 1, 1e10, PROFILE) == pytest.approx(2.56e-7 / 4)
+    assert forward_seconds(moe, 128, 8, 1, 2, 1e10, PROFILE) == pytest.approx(4.4e-7)  # the gathers: all
+    seconds, peak = generation_seconds(work([Role("actor", moe, True, epochs=2, mini_batch=4)]), plan, PROFILE)
+    assert seconds == pytest.approx(8e-8 / 4 + 6 * 3.664e-8) and peak == pytest.approx(1000 * 2 + 4 * 16 * 32)
+
+
+def test_model_shape_counts_total_and_active_parameters(tmp_path):
+    from minihf.hub import init_model
+    from minihf.planner.job import model_shape
+
+    shape = model_shape(str(init_model(tmp_path / "moe", arch="qwen3_moe", size="tiny", task="sort")))
+    # tiny: 2 layers, each 8 experts of 3 x 64 x 64 (half the dense 128), 2 routed: 6 unrouted per layer
+    assert shape.params - shape.active == 2 * 6 * 3 * 64 * 64
+    assert shape.ffn == 2 * 64
+    dense = model_shape(str(init_model(tmp_path / "dense", arch="qwen3", size="tiny", task="sort")))
+    assert dense.active == dense.params and dense.active_params is None
 
 
 def test_resident_memory_and_overlap_by_hand():

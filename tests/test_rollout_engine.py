@@ -14,9 +14,11 @@ PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19],
 
 def build_tiny(arch: str, path, heads: int = 4, kv_heads: int = 2, **extra):
     """A tiny random transformers model of ``arch`` saved at ``path``; returns the HF model."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config,
+                              Qwen3Config, Qwen3MoeConfig)
 
-    cls = dict(llama=LlamaConfig, qwen2=Qwen2Config, qwen3=Qwen3Config, mistral=MistralConfig)[arch]
+    cls = dict(llama=LlamaConfig, qwen2=Qwen2Config, qwen3=Qwen3Config, mistral=MistralConfig,
+               qwen3_moe=Qwen3MoeConfig, mixtral=MixtralConfig)[arch]
     # a large init std makes logits peaky, so greedy comparisons are not decided by fp32 ties
     extra.setdefault("tie_word_embeddings", arch == "qwen2")
     extra = {"vocab_size": 128, "intermediate_size": 128, "max_position_embeddings": 256, **extra}

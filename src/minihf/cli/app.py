@@ -54,7 +54,7 @@ def doctor(nproc_per_node: int = typer.Option(1, "--nproc-per-node", min=1,
 @app.command("init-model")
 def init_model(
     out: str = typer.Argument(..., help="Directory to create (an HF model dir: config, weights, tokenizer)."),
-    arch: str = typer.Option("qwen2", help="qwen2 | llama | qwen3 | mistral"),
+    arch: str = typer.Option("qwen2", help="qwen2 | llama | qwen3 | mistral | qwen3_moe | mixtral"),
     size: str = typer.Option("tiny", help="tiny (~0.1M params) | mini (~0.9M) | small (~5M) | medium (~30M)"),
     task: str = typer.Option("digits", help="Task whose alphabet the tokenizer covers: digits | arith | countdown"),
     seed: int = typer.Option(0, help="Seed of the random weight init."),

@@ -169,7 +169,7 @@ def plan(
         raise typer.Exit(2) from None
     typer.echo(f"job: {recipe}; {w.prompts} prompts x {w.sequences // w.prompts} samples, "
                f"{w.prompt_len}+{w.response_len} tokens; roles: "
-               + ", ".join(f"{r.name} {r.model.params / 1e6:.1f}M" for r in w.roles))
+               + ", ".join(f"{r.name} {_param_count(r.model)}" for r in w.roles))
     typer.echo(f"cluster: {devices} x {prof.name} on {nodes} node(s)  ({prof.source})")
     typer.echo(f"candidates: {result.considered} considered, {result.refused} refused by the batch sizes, "
                f"{result.infeasible} over memory, {len(result.ranked)} feasible")
@@ -185,3 +185,10 @@ def plan(
     if out is not None:
         keys = plan_overrides(result.ranked[0].plan, devices, w)
         typer.echo(f"wrote {write_plan(out, recipe, overrides, keys)}")
+
+
+def _param_count(model) -> str:
+    """``12.3M``, or for a mixture-of-experts model ``30.5M (3.3M active)``: memory counts
+    every expert, compute the routed ones."""
+    text = f"{model.params / 1e6:.1f}M"
+    return text if model.active == model.params else f"{text} ({model.active / 1e6:.1f}M active)"

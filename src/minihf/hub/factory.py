@@ -16,7 +16,11 @@ from minihf.data.tasks import get_task
 from minihf.data.tokenizer import build_char_tokenizer, save_tokenizer
 from minihf.utils.files import check_output_dir, staged_dir
 
-ARCHS = ("qwen2", "llama", "qwen3", "mistral")
+ARCHS = ("qwen2", "llama", "qwen3", "mistral", "qwen3_moe", "mixtral")
+# The mixture-of-experts archs at each size: 8 experts, each token routed to 2 (weights
+# renormalised), each expert half the dense MLP's width: a token uses as many MLP
+# parameters as the dense model's, the layer holds 4x as many.
+MOE_EXPERTS, MOE_TOP_K = 8, 2
 # Embedding rows are padded to a multiple of this (as real checkpoints do, e.g. Qwen2's
 # 151936 for ~151.6k tokens) so vocab-parallel sharding divides evenly; ids past the
 # tokenizer's length decode to nothing.
@@ -59,7 +63,8 @@ def model_config(arch: str, size: str, vocab_size: int, bos_token_id: int, eos_t
     check_choice(arch, size)
     s = SIZES[size]
     config_cls = {"qwen2": transformers.Qwen2Config, "llama": transformers.LlamaConfig,
-                  "qwen3": transformers.Qwen3Config, "mistral": transformers.MistralConfig}[arch]
+                  "qwen3": transformers.Qwen3Config, "mistral": transformers.MistralConfig,
+                  "qwen3_moe": transformers.Qwen3MoeConfig, "mixtral": transformers.MixtralConfig}[arch]
     kwargs = dict(
         vocab_size=vocab_size,
         hidden_size=s.hidden_size,
@@ -76,8 +81,14 @@ def model_config(arch: str, size: str, vocab_size: int, bos_token_id: int, eos_t
         eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
     )
-    if arch == "mistral":
+    if arch in ("mistral", "mixtral"):
         kwargs["sliding_window"] = None  # full attention; minihf does not implement sliding windows
+    if arch == "qwen3_moe":
+        kwargs.update(num_experts=MOE_EXPERTS, num_experts_per_tok=MOE_TOP_K, norm_topk_prob=True,
+                      moe_intermediate_size=s.intermediate_size // 2, decoder_sparse_step=1, mlp_only_layers=[])
+    if arch == "mixtral":  # its experts are intermediate_size wide; no dense MLP
+        kwargs.update(num_local_experts=MOE_EXPERTS, num_experts_per_tok=MOE_TOP_K,
+                      intermediate_size=s.intermediate_size // 2)
     config = config_cls(**kwargs)
     config.architectures = [config_cls.__name__.replace("Config", "ForCausalLM")]
     return config

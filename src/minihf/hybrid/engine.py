@@ -67,10 +67,11 @@ def lora_spec(adapted: dict) -> tuple[int, float, list[str]] | None:
 
 
 def build_engine(args, cfg, dtype: torch.dtype, tp_group, device: torch.device,
-                 eos_token_ids: tuple[int, ...], lora: tuple[int, float, list[str]] | None = None) -> Engine:
+                 eos_token_ids: tuple[int, ...], lora: tuple[int, float, list[str]] | None = None,
+                 record_routes: bool = False) -> Engine:
     """The KV-cache engine over a meta-device model of ``args`` rewritten for TP (its
     weights are loaded by a sync); ``lora``: the trained model's adapters, ``(rank, alpha,
-    module names)``."""
+    module names)``; ``record_routes``: keep a MoE model's expert choices (R3)."""
     model = build_model(args, "lm", device="meta", dtype=dtype)
     if lora:
         apply_lora(model, *lora)
@@ -81,7 +82,7 @@ def build_engine(args, cfg, dtype: torch.dtype, tp_group, device: torch.device,
                   gpu_memory_utilization=cfg.gpu_memory_utilization if device.type == "cuda" else None,
                   eos_token_ids=eos_token_ids, enforce_eager=cfg.enforce_eager,
                   cudagraph_capture_sizes=cfg.cudagraph_capture_sizes,
-                  enable_chunked_prefill=cfg.enable_chunked_prefill)
+                  enable_chunked_prefill=cfg.enable_chunked_prefill, record_routes=record_routes)
 
 
 class HybridEngine:
@@ -93,7 +94,7 @@ class HybridEngine:
 
     def __init__(self, fsdp_model: torch.nn.Module, cfg, *, all_group, gather_group, tp_group,
                  tp_rank: int, device: torch.device, eos_token_ids: tuple[int, ...],
-                 pad_token_id: int, multi_turn=None):
+                 pad_token_id: int, multi_turn=None, record_routes: bool = False):
         self.fsdp_model, self.cfg, self.device = fsdp_model, cfg, device
         self.multi_turn = multi_turn  # minihf.multi_turn.MultiTurn, or None: single-turn
         self.all_group, self.gather_group, self.tp_rank = all_group, gather_group, tp_rank
@@ -116,7 +117,8 @@ class HybridEngine:
         adapted = lora_modules(fsdp_model)
         self.adapter_buckets = plan([n for n in shapes if is_lora_param(n)]) if adapted else None
         self.base_loaded = False  # whether the engine holds the (frozen) base weights now
-        self.engine = build_engine(args, cfg, self.dtype, tp_group, device, eos_token_ids, lora_spec(adapted))
+        self.engine = build_engine(args, cfg, self.dtype, tp_group, device, eos_token_ids, lora_spec(adapted),
+                                   record_routes)
         self.last_reshard: dict[str, int] = {}  # what the last sync moved (reshard_into)
 
     # -- weights --------------------------------------------------------------------------
@@ -238,7 +240,7 @@ class StandaloneEngine(HybridEngine):
 
     def __init__(self, args, cfg, *, tp_group, tp_rank: int, device: torch.device,
                  eos_token_ids: tuple[int, ...], pad_token_id: int, multi_turn=None,
-                 lora: tuple[int, float, list[str]] | None = None):
+                 lora: tuple[int, float, list[str]] | None = None, record_routes: bool = False):
         self.cfg, self.device, self.multi_turn = cfg, device, multi_turn
         self.tp, self.tp_rank = _size(tp_group), tp_rank
         self.dtype = rollout_dtype(cfg.dtype, device)
@@ -246,7 +248,7 @@ class StandaloneEngine(HybridEngine):
         if cfg.prompt_length is None or cfg.response_length is None:
             raise ValueError("rollout.prompt_length and rollout.response_length must be set (the "
                              "PPO trainer takes them from data.max_prompt_length/max_response_length)")
-        self.engine = build_engine(args, cfg, self.dtype, tp_group, device, eos_token_ids, lora)
+        self.engine = build_engine(args, cfg, self.dtype, tp_group, device, eos_token_ids, lora, record_routes)
         self.loaded = False
         self.last_reshard: dict[str, int] = {}
 
@@ -275,7 +277,9 @@ def build_output(batch: Batch, seqs, response_length: int, pad_token_id: int) ->
     ``attention_mask`` and ``position_ids`` [B, P + R] (response positions continue after
     each prompt's last), ``response_mask`` [B, R] (1 on generated tokens, EOS included;
     0 on a multi-turn trajectory's observation tokens, which the attention mask keeps),
-    ``rollout_log_probs`` [B, R] (0 on padding and observations)."""
+    ``rollout_log_probs`` [B, R] (0 on padding and observations); when the engine recorded
+    them, ``routed_experts`` [B, P + R, MoE layers, k]: each token's expert ids, -1 where
+    none was recorded (padding; the last token, never fed through the model)."""
     prompts = batch.tensors["input_ids"]
     B, R = len(seqs), response_length
     responses = torch.full((B, R), pad_token_id, dtype=prompts.dtype)
@@ -291,13 +295,27 @@ def build_output(batch: Batch, seqs, response_length: int, pad_token_id: int) ->
             response_mask[i, start:end] = 0
     last = batch.tensors["position_ids"][:, -1:]                                 # [B, 1]
     positions = torch.cat([batch.tensors["position_ids"], last + torch.arange(1, R + 1)[None, :]], 1)
-    return Batch({
+    out = Batch({
         "prompts": prompts, "responses": responses,
         "input_ids": torch.cat([prompts, responses], dim=1),
         "attention_mask": torch.cat([batch.tensors["attention_mask"], response_attn], dim=1),
         "position_ids": positions, "response_mask": response_mask,
         "rollout_log_probs": logps,
     })
+    if seqs and getattr(seqs[0], "routes", None) is not None:
+        out.tensors["routed_experts"] = routes_tensor(seqs, prompts.shape[1], R)
+    return out
+
+
+def routes_tensor(seqs, prompt_width: int, response_length: int) -> torch.Tensor:
+    """Each sequence's recorded routes [n, L, k] placed as its tokens are in ``input_ids``
+    (the prompt ends at column ``prompt_width``, the response follows): [B, P + R, L, k]."""
+    first = seqs[0].routes
+    routes = torch.full((len(seqs), prompt_width + response_length, *first.shape[1:]), -1, dtype=first.dtype)
+    for i, s in enumerate(seqs):
+        start = prompt_width - len(s.prompt)
+        routes[i, start:start + len(s.routes)] = s.routes.cpu()
+    return routes
 
 
 def env_rows(batch: Batch) -> list[dict]:

@@ -1,5 +1,6 @@
-"""minihf.models: the Llama-family decoder (Llama, Qwen2, Qwen3, Mistral), its heads, the
-default KV cache and Hugging Face checkpoint I/O. See model.py for the build order."""
+"""minihf.models: the Llama-family decoder (Llama, Qwen2, Qwen3, Mistral; the mixture-of-experts
+Qwen3-MoE and Mixtral, ``moe.py``), its heads, the default KV cache and Hugging Face
+checkpoint I/O. See model.py for the build order."""
 
 from .args import ModelArgs
 from .config_checks import SUPPORTED_ARCHITECTURES

@@ -1,4 +1,5 @@
-"""ModelArgs: the architecture hyper-parameters of a Llama-family decoder.
+"""ModelArgs: the architecture hyper-parameters of a Llama-family decoder, dense or
+mixture-of-experts (Qwen3-MoE, Mixtral).
 
 Built from a Hugging Face ``config.json`` (a dict, a path, or a transformers config
 object), whose values are checked first (``minihf.models.config_checks.check_config``: one
@@ -19,7 +20,7 @@ from typing import Any
 
 from minihf.utils.files import MODEL_FIX, read_json
 
-from minihf.models.config_checks import (ARCH_PREFIX, ROPE_TYPES, hf_architecture, _unsupported, check_config, _arch_and_head, _rope_source)  # noqa: F401 (re-exported)
+from minihf.models.config_checks import (MOE_ARCHS, moe_experts, ARCH_PREFIX, ROPE_TYPES, hf_architecture, _unsupported, check_config, _arch_and_head, _rope_source)  # noqa: F401 (re-exported)
 
 @dataclass
 class ModelArgs:
@@ -42,6 +43,15 @@ class ModelArgs:
     max_position_embeddings: int = 4096
     initializer_range: float = 0.02
     sliding_window: int | None = None  # informational: minihf attends over the full context
+    # mixture of experts (num_experts 0: dense). Qwen3-MoE's names; Mixtral's
+    # num_local_experts is read as num_experts and its top-k weights are always renormalised
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1  # every this many layers is sparse (Qwen3-MoE)
+    mlp_only_layers: tuple[int, ...] = ()  # layers kept dense (Qwen3-MoE)
+    router_aux_loss_coef: float = 0.0  # the load-balancing loss's weight in the config (HF's name)
     head: str = "lm"  # head kind of the checkpoint these args were read from
     hf_config: dict = field(default_factory=dict)
 
@@ -58,6 +68,15 @@ class ModelArgs:
                 f"unsupported rope_scaling {self.rope_scaling!r}: minihf supports rope_type in "
                 f"{ROPE_TYPES}."
             )
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` has a sparse MoE block (transformers' rule)."""
+        return (self.is_moe and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
 
     # ---------------------------------------------------------------- reading
     @classmethod
@@ -107,10 +126,21 @@ class ModelArgs:
             initializer_range=self.initializer_range,
             hidden_act=cfg.get("hidden_act", "silu"),
         )
-        if self.arch in ("llama", "qwen3"):
+        if self.arch in ("llama", "qwen3", "qwen3_moe"):
             cfg["attention_bias"] = self.attention_bias
         if self.arch == "llama":
             cfg["mlp_bias"] = self.mlp_bias
+        if self.is_moe:
+            cfg.update(num_experts_per_tok=self.num_experts_per_tok,
+                       router_aux_loss_coef=self.router_aux_loss_coef)
+            if self.arch == "mixtral":
+                cfg["num_local_experts"] = self.num_experts
+            else:
+                cfg.update(moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
+                           decoder_sparse_step=self.decoder_sparse_step, mlp_only_layers=list(self.mlp_only_layers))
+                cfg.setdefault("num_experts", self.num_experts)
+                if "num_local_experts" in cfg:  # transformers 5 writes this name for Qwen3-MoE too
+                    cfg["num_local_experts"] = self.num_experts
         if "rope_parameters" in cfg or "rope_theta" not in cfg:
             cfg["rope_parameters"] = rope  # transformers >= 5 layout
         if "rope_theta" in cfg or "rope_parameters" not in self.hf_config:
@@ -149,7 +179,7 @@ def _parse(cfg: dict) -> dict:
     rope_theta, rope_scaling = _parse_rope(cfg)
     attn_bias = bool(cfg.get("attention_bias"))  # a checked JSON boolean or null
     window = None
-    if arch == "mistral" or (arch in ("qwen2", "qwen3") and cfg.get("use_sliding_window")):
+    if arch in ("mistral", "mixtral") or (arch in ("qwen2", "qwen3", "qwen3_moe") and cfg.get("use_sliding_window")):
         window = cfg.get("sliding_window")
     return dict(
         arch=arch,
@@ -163,16 +193,33 @@ def _parse(cfg: dict) -> dict:
         rms_norm_eps=_get(cfg, "rms_norm_eps", 1e-6),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
-        attention_bias=True if arch == "qwen2" else (attn_bias if arch in ("llama", "qwen3") else False),
-        o_proj_bias=attn_bias if arch in ("llama", "qwen3") else False,
+        attention_bias=True if arch == "qwen2" else (attn_bias if arch in ("llama", "qwen3", "qwen3_moe") else False),
+        o_proj_bias=attn_bias if arch in ("llama", "qwen3", "qwen3_moe") else False,
         mlp_bias=bool(cfg.get("mlp_bias")) if arch == "llama" else False,
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in ("qwen3", "qwen3_moe"),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings")),
         max_position_embeddings=_get(cfg, "max_position_embeddings", 4096),
         initializer_range=_get(cfg, "initializer_range", 0.02),
         sliding_window=window,
+        **_parse_moe(arch, cfg),
         head=head,
         hf_config=cfg,
+    )
+
+
+def _parse_moe(arch: str, cfg: dict) -> dict:
+    """The MoE fields of a checked config (none for a dense arch)."""
+    if arch not in MOE_ARCHS:
+        return {}
+    return dict(
+        num_experts=moe_experts(cfg),
+        num_experts_per_tok=cfg["num_experts_per_tok"],
+        # Mixtral's experts are intermediate_size wide and its top-k weights always renormalised
+        moe_intermediate_size=cfg["intermediate_size"] if arch == "mixtral" else cfg["moe_intermediate_size"],
+        norm_topk_prob=True if arch == "mixtral" else bool(cfg.get("norm_topk_prob")),
+        decoder_sparse_step=1 if arch == "mixtral" else _get(cfg, "decoder_sparse_step", 1),
+        mlp_only_layers=() if arch == "mixtral" else tuple(cfg.get("mlp_only_layers") or ()),
+        router_aux_loss_coef=float(_get(cfg, "router_aux_loss_coef", 0.0)),
     )
 
 

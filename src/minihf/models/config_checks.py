@@ -18,7 +18,9 @@ from typing import Any
 from minihf.utils.files import MODEL_FIX
 
 # HF class-name prefix per arch, and HF class-name suffix per head kind.
-ARCH_PREFIX = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}
+ARCH_PREFIX = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral",
+               "qwen3_moe": "Qwen3Moe", "mixtral": "Mixtral"}
+MOE_ARCHS = ("qwen3_moe", "mixtral")
 HEAD_SUFFIX = {"lm": "ForCausalLM", "score": "ForSequenceClassification", "value": "ForTokenClassification"}
 SUPPORTED_ARCHITECTURES = {
     prefix + suffix: (arch, head)
@@ -61,7 +63,7 @@ _SIZES = (("vocab_size", True, "tokens in the vocabulary", 2**24),          # ~2
 MAX_PARAMETERS = 2**40
 # config.json keys minihf reads as booleans. JSON ``"false"`` (a string) is truthy in Python,
 # so a quoted value would silently mean the opposite: only true, false or null are taken.
-_BOOLS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window")
+_BOOLS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window", "norm_topk_prob")
 # The rope fields each supported rope_type reads (besides rope_theta), all numbers > 0.
 _ROPE_FIELDS = {"default": (), "linear": ("factor",),
                 "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
@@ -153,16 +155,73 @@ def _check_rope(cfg: dict, where: str, fix: str) -> None:
                              f"number >= 1{_quoted(old)}; {fix}")
 
 
-def implied_parameters(cfg: dict) -> int:
+def moe_experts(cfg: dict) -> Any:
+    """The expert count a MoE config gives: ``num_experts`` (Qwen3-MoE's name) or
+    ``num_local_experts`` (Mixtral's, which transformers 5 also writes for Qwen3-MoE)."""
+    value = cfg.get("num_experts")
+    return cfg.get("num_local_experts") if value is None else value
+
+
+def _check_moe(arch: str, cfg: dict, where: str, fix: str) -> None:
+    """A MoE config's expert settings: counts whole and in range, top-k <= experts, the
+    sparse-layer rule's values, a finite non-negative load-balancing coefficient."""
+    key = "num_local_experts" if cfg.get("num_experts") is None else "num_experts"
+    experts = moe_experts(cfg)
+    sizes = [(key, experts, "experts per MoE layer"), ("num_experts_per_tok", cfg.get("num_experts_per_tok"),
+             "experts each token is routed to")]
+    if arch == "qwen3_moe":
+        sizes += [("moe_intermediate_size", cfg.get("moe_intermediate_size"), "each expert's MLP width"),
+                  ("decoder_sparse_step", cfg.get("decoder_sparse_step", 1), "layers per MoE layer")]
+    for name, value, what in sizes:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            missing = " is missing" if value is None else f"={value!r} must be a whole number >= 1"
+            raise ValueError(f"{where}: {name}{missing} ({what}; {arch} is a mixture-of-experts model)"
+                             f"{_quoted(value)}; {fix}")
+        if value > 2**16:
+            raise ValueError(f"{where}: {name}={value} ({what}) is past the most minihf accepts, 65536; {fix}")
+    if cfg["num_experts_per_tok"] > experts:
+        raise ValueError(f"{where}: num_experts_per_tok={cfg['num_experts_per_tok']} is more than the "
+                         f"{experts} experts ({key}); a token is routed to at most every expert; {fix}")
+    only = cfg.get("mlp_only_layers") if arch == "qwen3_moe" else None
+    if only is not None and not (isinstance(only, list) and all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < cfg["num_hidden_layers"] for i in only)):
+        raise ValueError(f"{where}: mlp_only_layers={only!r} must be a list of layer indices from 0 to "
+                         f"{cfg['num_hidden_layers'] - 1} (layers kept dense); {fix}")
+    coef = cfg.get("router_aux_loss_coef")
+    if coef is not None and not (_is_number(coef) and coef >= 0):
+        raise ValueError(f"{where}: router_aux_loss_coef={coef!r} must be a finite number >= 0 (the "
+                         f"load-balancing loss's weight, e.g. 0.001){_quoted(coef)}; {fix}")
+
+
+def _moe_layers(cfg: dict) -> int:
+    """How many layers of a checked MoE config are sparse (transformers' rule)."""
+    if cfg.get("model_type") == "mixtral" or (cfg.get("architectures") or [""])[0].startswith("Mixtral"):
+        return cfg["num_hidden_layers"]
+    step, only = cfg.get("decoder_sparse_step") or 1, set(cfg.get("mlp_only_layers") or ())
+    return sum(1 for i in range(cfg["num_hidden_layers"]) if i not in only and (i + 1) % step == 0)
+
+
+def implied_parameters(cfg: dict, active: bool = False) -> int:
     """Parameters of the LM model a checked config.json describes (embeddings, an untied
-    lm_head, attention, MLP and norms; biases are negligible and left out)."""
+    lm_head, attention, MLP or experts and router, norms; biases are negligible and left
+    out). ``active``: those one token uses (its ``num_experts_per_tok`` experts per MoE
+    layer, every router)."""
     vocab, hidden, layers = cfg["vocab_size"], cfg["hidden_size"], cfg["num_hidden_layers"]
     heads = cfg["num_attention_heads"]
     kv = cfg.get("num_key_value_heads") or heads
     head_dim = cfg.get("head_dim") or hidden // heads
     attention = hidden * head_dim * (2 * heads + 2 * kv)  # q, o and k, v
-    per_layer = attention + 3 * hidden * cfg["intermediate_size"] + 2 * hidden
-    return vocab * hidden * (1 if cfg.get("tie_word_embeddings") else 2) + layers * per_layer + hidden
+    ffn = 3 * hidden * cfg["intermediate_size"]
+    sparse = 0
+    experts = moe_experts(cfg)
+    if experts:  # a MoE config (checked before this is called)
+        sparse = _moe_layers(cfg)
+        width = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
+        used = cfg["num_experts_per_tok"] if active else experts
+        moe = 3 * hidden * width * used + experts * hidden
+    per_layer = attention + 2 * hidden
+    body = layers * per_layer + (layers - sparse) * ffn + (sparse * moe if sparse else 0)
+    return vocab * hidden * (1 if cfg.get("tie_word_embeddings") else 2) + body + hidden
 
 
 def check_config(cfg: Any, where: str) -> None:
@@ -226,6 +285,8 @@ def check_config(cfg: Any, where: str) -> None:
                   f"hidden_size={cfg['hidden_size']} // num_attention_heads={heads} gives head_dim={head_dim}")
         raise ValueError(f"{where}: {source}, which must be even and >= 2 (rotary embeddings turn pairs of "
                          f"features); {fix}")
+    if arch in MOE_ARCHS:
+        _check_moe(arch, cfg, where, fix)
     params = implied_parameters(cfg)
     if params > MAX_PARAMETERS:
         raise ValueError(f"{where}: its sizes (vocab_size={cfg['vocab_size']}, hidden_size={cfg['hidden_size']}, "
@@ -238,7 +299,7 @@ def check_config(cfg: Any, where: str) -> None:
         raise ValueError(f"{where}: hidden_act={act!r} is not supported: minihf's MLP is SwiGLU (silu); "
                          "Llama-family checkpoints use 'silu'; convert the checkpoint or set "
                          "hidden_act to \"silu\" if it really is SwiGLU")
-    if arch == "mistral" or (arch in ("qwen2", "qwen3") and cfg.get("use_sliding_window")):
+    if arch in ("mistral", "mixtral") or (arch in ("qwen2", "qwen3", "qwen3_moe") and cfg.get("use_sliding_window")):
         window = cfg.get("sliding_window")
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
             raise ValueError(f"{where}: sliding_window={window!r} must be a whole number >= 1 (tokens "

@@ -1,4 +1,5 @@
-"""Decoder building blocks: RMSNorm, grouped-query attention, SwiGLU MLP, the block.
+"""Decoder building blocks: RMSNorm, grouped-query attention, SwiGLU MLP, the block (whose
+feed-forward is the MLP or, in a mixture-of-experts layer, ``minihf.models.moe.SparseMoE``).
 
 Module and parameter names mirror transformers' Llama layout so state-dict keys equal
 HF's and the parallelism code (apply_tp, apply_fsdp) can match on names. The attention
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from .args import ModelArgs
 from .linear import Linear
 from .masks import AttnMeta, flash_attn_varlen_func
+from .moe import MoEStep, SparseMoE
 from .rope import apply_rope
 
 
@@ -105,11 +107,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)). ``intermediate_size``: a MoE expert's width."""
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, intermediate_size: int | None = None):
         super().__init__()
-        H, I = args.hidden_size, args.intermediate_size
+        H, I = args.hidden_size, intermediate_size or args.intermediate_size
         self.gate_proj = Linear(H, I, bias=args.mlp_bias)
         self.up_proj = Linear(H, I, bias=args.mlp_bias)
         self.down_proj = Linear(I, H, bias=args.mlp_bias)
@@ -119,15 +121,33 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm decoder block: x + attn(norm(x)), then x + ffn(norm(x)).
+
+    The feed-forward's attribute is the checkpoint's name: ``mlp`` (a dense MLP, or
+    Qwen3-MoE's sparse block) or ``block_sparse_moe`` (Mixtral); :attr:`ffn` reads it.
+    ``moe`` (a :class:`minihf.models.moe.MoEStep`) reaches a sparse block only."""
 
     def __init__(self, args: ModelArgs, layer_idx: int):
         super().__init__()
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.self_attn = Attention(args, layer_idx)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.mlp = MLP(args)
+        self.ffn_name = "mlp"
+        if not args.is_moe_layer(layer_idx):
+            self.mlp = MLP(args)
+        elif args.arch == "mixtral":
+            self.ffn_name = "block_sparse_moe"
+            self.block_sparse_moe = SparseMoE(args, layer_idx, expert_names="mixtral")
+        else:
+            self.mlp = SparseMoE(args, layer_idx)
 
-    def forward(self, x, cos, sin, positions, meta: AttnMeta, kv_cache=None):
+    @property
+    def ffn(self) -> nn.Module:
+        return getattr(self, self.ffn_name)
+
+    def forward(self, x, cos, sin, positions, meta: AttnMeta, kv_cache=None, moe: MoEStep | None = None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, meta, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        ffn = self.ffn
+        if isinstance(ffn, SparseMoE):
+            return x + ffn(self.post_attention_layernorm(x), moe)
+        return x + ffn(self.post_attention_layernorm(x))

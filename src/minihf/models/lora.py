@@ -13,9 +13,14 @@ the weight as parameters of the same module (``q_proj.lora_A``), not in a sub-mo
 in peft (``q_proj.lora_A.default.weight``); :func:`to_peft_state` / :func:`from_peft_state`
 translate the names for export and for starting from a PEFT adapter dir.
 
-Targets are the decoder's projections (``q k v o gate up down``); ``all-linear`` means all
-of them, as peft's ``all-linear`` leaves the output layer out. An LM head or a value head
-is never adapted here (a critic trains its value head in full beside the adapters).
+Targets are the decoder's projections (``q k v o gate up down``, and in a mixture-of-experts
+model every expert's, Mixtral's ``w1 w3 w2`` included); ``all-linear`` means all of them,
+as peft's ``all-linear`` leaves the output layer out. An LM head or a value head is never
+adapted here (a critic trains its value head in full beside the adapters). Nor is a MoE
+router (``mlp.gate``): peft on transformers 5 leaves it alone too (it is no ``nn.Linear``
+there, and neither are the experts, which peft adapts only through ``target_parameters``),
+and an adapter on it would move every token's routing, which RL's rollout-vs-trainer
+agreement (and routing replay) relies on.
 
 :func:`adapters_disabled` switches every adapter off for the forwards inside it: the
 actor's own model then is the base model, which is how a LoRA actor's reference policy is
@@ -34,7 +39,9 @@ import torch.nn as nn
 
 from .linear import Linear, linear
 
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# the decoder's projections, a MoE expert's included (Mixtral names them w1/w3/w2); the
+# MoE router (``gate``) is not among them (see the module docstring)
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
 ALL_LINEAR = "all-linear"
 PEFT_PREFIX = "base_model.model."
 

@@ -2,8 +2,10 @@
 
 One forward serves training and generation:
 ``forward(tokens, positions, kv_cache=None, cu_seqlens=None, attention_mask=None,
-shared_prefix=None)``; ``shared_prefix`` [S] (packed input only) says which packed sequence
-each one continues (-1: none), so a prompt shared by several responses is packed once.
+shared_prefix=None, moe=None)``; ``shared_prefix`` [S] (packed input only) says which packed
+sequence each one continues (-1: none), so a prompt shared by several responses is packed
+once; ``moe`` (``minihf.models.moe.MoEStep``) what a mixture-of-experts model's layers
+record in this forward (the load-balancing loss's statistics).
 The model never touches torch.distributed; tensor parallelism and FSDP are applied after
 construction by ``minihf.parallel``. Build order (CONTRIBUTING.md, rule 2): construct on the meta
 device (``build_model(args, device="meta")``), parallelize, then ``materialize`` and load
@@ -19,6 +21,7 @@ from .args import ModelArgs
 from .layers import Block, RMSNorm
 from .linear import Linear
 from .masks import build_attn_meta
+from .moe import SparseMoE
 from .rope import RopeTable
 
 HEADS = ("lm", "value", "score")
@@ -36,7 +39,7 @@ class DecoderModel(nn.Module):
         self.rope = RopeTable(args)  # not a module or buffer: invisible to state dicts / FSDP
 
     def forward(self, tokens, positions=None, kv_cache=None, cu_seqlens=None,
-                attention_mask=None, shared_prefix=None) -> torch.Tensor:
+                attention_mask=None, shared_prefix=None, moe=None) -> torch.Tensor:
         if positions is None:
             if kv_cache is not None:
                 raise ValueError("positions are required with a kv_cache (they say where "
@@ -50,7 +53,7 @@ class DecoderModel(nn.Module):
             tokens, attention_mask, cu_seqlens, h.dtype, shared_prefix)
         cos, sin = self.rope(positions, h.dtype)
         for layer in self.layers:
-            h = layer(h, cos, sin, positions, meta, kv_cache)
+            h = layer(h, cos, sin, positions, meta, kv_cache, moe)
         return self.norm(h)
 
 
@@ -63,9 +66,9 @@ class _Base(nn.Module):
         self.model = DecoderModel(args)
 
     def forward_hidden(self, tokens, positions=None, kv_cache=None, cu_seqlens=None,
-                       attention_mask=None, shared_prefix=None) -> torch.Tensor:
+                       attention_mask=None, shared_prefix=None, moe=None) -> torch.Tensor:
         """Final normed hidden states [B, T, H]."""
-        return self.model(tokens, positions, kv_cache, cu_seqlens, attention_mask, shared_prefix)
+        return self.model(tokens, positions, kv_cache, cu_seqlens, attention_mask, shared_prefix, moe)
 
     def tie_weights(self) -> None:
         """Re-establish weight sharing (``to_empty`` breaks it); no-op when untied."""
@@ -84,7 +87,7 @@ class CausalLM(_Base):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, tokens, positions=None, kv_cache=None, cu_seqlens=None,
-                attention_mask=None, shared_prefix=None, logits_to_keep=None, head=None):
+                attention_mask=None, shared_prefix=None, logits_to_keep=None, head=None, moe=None):
         """Logits [B, T, V] in the parameter dtype; with ``logits_to_keep`` (long [K], positions
         along T, repeats allowed; transformers' argument) only those, [B, K, V]: the LM head
         is the largest matmul of a real vocabulary, and a trainer needs it at response
@@ -93,7 +96,7 @@ class CausalLM(_Base):
         without whole logits); it runs inside this forward, where FSDP has gathered the
         weight."""
         h = self.forward_hidden(tokens, positions, kv_cache, cu_seqlens, attention_mask,
-                                shared_prefix)
+                                shared_prefix, moe)
         if logits_to_keep is not None:
             h = h.index_select(1, logits_to_keep)
         return self.lm_head(h) if head is None else head(h, self.lm_head.weight)
@@ -108,10 +111,10 @@ class ValueModel(_Base):
         self.value_head = Linear(args.hidden_size, 1)
 
     def forward(self, tokens, positions=None, kv_cache=None, cu_seqlens=None,
-                attention_mask=None, shared_prefix=None) -> torch.Tensor:
+                attention_mask=None, shared_prefix=None, moe=None) -> torch.Tensor:
         """Values [B, T]."""
         h = self.forward_hidden(tokens, positions, kv_cache, cu_seqlens, attention_mask,
-                                shared_prefix)
+                                shared_prefix, moe)
         # not a view: FSDP2 hooks a root module's output for its backward, and an in-place
         # edit of a view would skip that hook (it warns about every view it returns)
         return self.value_head(h).squeeze(-1).clone()
@@ -127,10 +130,10 @@ class ScoreModel(_Base):
         self.score = Linear(args.hidden_size, 1, bias=False)
 
     def forward(self, tokens, positions=None, kv_cache=None, cu_seqlens=None,
-                attention_mask=None, shared_prefix=None) -> torch.Tensor:
+                attention_mask=None, shared_prefix=None, moe=None) -> torch.Tensor:
         """Scores [B, T]."""
         h = self.forward_hidden(tokens, positions, kv_cache, cu_seqlens, attention_mask,
-                                shared_prefix)
+                                shared_prefix, moe)
         return self.score(h).squeeze(-1).clone()  # not a view (see ValueModel.forward)
 
 
@@ -155,10 +158,14 @@ def compile_blocks(model: nn.Module) -> nn.Module:
     norms and its MLP, in place (names and state-dict keys unchanged): the trainer's
     ``use_torch_compile``. Their elementwise ops fuse into the matmuls' neighbours, forward
     and backward. Attention stays eager: the packed attention's buckets are Python ints, so
-    a compiled region would be compiled again for each new set of lengths. Measured on CPU
-    (2 cores, SmolLM2, docs/training.md), and the first forward of each process compiles."""
+    a compiled region would be compiled again for each new set of lengths. So does a MoE
+    layer's routing (its split sizes are Python ints): there each expert is compiled alone.
+    Measured on CPU (2 cores, SmolLM2, docs/training.md), and the first forward of each
+    process compiles."""
     for block in model.model.layers:
-        for part in (block.input_layernorm, block.post_attention_layernorm, block.mlp):
+        ffn = block.ffn
+        parts = list(ffn.experts) if isinstance(ffn, SparseMoE) else [ffn]
+        for part in (block.input_layernorm, block.post_attention_layernorm, *parts):
             part.compile(dynamic=True)
     return model
 

@@ -4,8 +4,8 @@ Pure functions of a parameter's HF name and shape (no torch). ``apply_tp`` slice
 :func:`tp_dim`, ``apply_fsdp``'s ``shard_placement_fn`` shards by :func:`fsdp_dim`, and the
 reshard planner (``minihf.reshard``) reads both, so the three can never disagree.
 
-* Column-parallel (q/k/v, gate/up; weight and bias): TP dim 0, FSDP dim 0.
-* Row-parallel (o/down): weight TP dim 1, FSDP dim 1 when dim 1 divides by the FSDP size
+* Column-parallel (q/k/v, gate/up, Mixtral's w1/w3; weight and bias): TP dim 0, FSDP dim 0.
+* Row-parallel (o/down, Mixtral's w2): weight TP dim 1, FSDP dim 1 when dim 1 divides by the FSDP size
   (FSDP2 shards unevenly only on dim 0, so otherwise dim 0: such a weight is gathered whole
   and sliced when resharding); bias replicated.
 * ``lm_head.weight``: vocab-parallel (TP dim 0) when the vocabulary divides by the TP size,
@@ -15,15 +15,18 @@ reshard planner (``minihf.reshard``) reads both, so the three can never disagree
   and its ``lora_A`` replicated; a row-parallel layer's ``lora_A`` is split on dim 1 (its
   input features) and its ``lora_B`` replicated, so each TP rank's partial sum includes its
   adapter term before the one all-reduce.
-* Everything else (embedding, norms, value/score heads): replicated under TP, FSDP dim 0.
+* A mixture-of-experts layer's experts are split as a dense MLP is, each expert over
+  every TP rank (its projections carry the names above); the router (``gate``) is
+  replicated, so every rank routes alike.
+* Everything else (embedding, norms, routers, value/score heads): replicated under TP, FSDP dim 0.
   The embedding stays replicated because a vocab-parallel lookup would need an all-reduce
   per forward for a table the engine reads only B rows of.
 """
 
 from __future__ import annotations
 
-COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-ROW_PARALLEL = ("o_proj", "down_proj")
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "w1", "w3")
+ROW_PARALLEL = ("o_proj", "down_proj", "w2")
 VOCAB_PARALLEL = ("lm_head",)
 
 

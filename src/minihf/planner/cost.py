@@ -104,7 +104,7 @@ def units(role: Role) -> int:
 
 def forward_seconds(model: ModelShape, tokens: int, rows: int, micro: int, g: int, link: float,
                     profile: DeviceProfile, fsdp_units: int = 1) -> float:
-    compute = 2 * model.params * tokens / (g * profile.flops)
+    compute = 2 * model.active * tokens / (g * profile.flops)
     if g == 1:
         return compute
     steps = math.ceil(rows / g / micro)
@@ -184,10 +184,10 @@ def generation_seconds(w: Workload, plan: Plan, profile: DeviceProfile) -> tuple
         return math.inf, math.inf
     wave = min(q, cap)
     waves = math.ceil(q / wave)
-    prefill = 2 * m.params * q * w.prompt_len / (t * profile.flops)
+    prefill = 2 * m.active * q * w.prompt_len / (t * profile.flops)
     kv_read = wave * (w.prompt_len + w.response_len / 2) * m.kv_bytes_per_token(b) / t
     memory = (m.params * b / t + kv_read) / profile.memory_bandwidth
-    compute = 2 * m.params * wave / (t * profile.flops)
+    compute = 2 * m.active * wave / (t * profile.flops)
     tp_comm = 0.0 if t == 1 else 2 * m.layers * (wave * m.hidden * b * 2 * (t - 1) / t / link_bandwidth(group, profile)
                                                   + profile.collective_latency)
     decode = waves * w.response_len * (max(memory, compute) + tp_comm)

@@ -38,10 +38,17 @@ class ModelShape:
     heads: int
     kv_heads: int
     vocab: int
-    ffn: int                             # MLP intermediate size
+    ffn: int                             # MLP intermediate size (MoE: the routed experts' together)
     largest_block: int                   # parameters of the largest FSDP unit but the root
     shapes: tuple[tuple[str, tuple[int, ...]], ...]  # (name, shape) of every parameter, in order
     tied: bool
+    active_params: int | None = None     # those one token's forward uses (a MoE model's routed experts); None: params
+
+    @property
+    def active(self) -> int:
+        """Parameters one token's forward multiplies by (the FLOP count's): all of a dense
+        model's, a mixture-of-experts model's less its unrouted experts."""
+        return self.params if self.active_params is None else self.active_params
 
     def kv_bytes_per_token(self, itemsize: int) -> int:
         """K and V of one token over all layers."""
@@ -70,10 +77,15 @@ def model_shape(spec: str, head: str = "lm") -> ModelShape:
     model = build_model(args, head, device="meta")
     shapes = tuple((n, tuple(p.shape)) for n, p in model.named_parameters())
     block = max(sum(p.numel() for p in layer.parameters()) for layer in model.model.layers)
-    return ModelShape(sum(math.prod(s) for _, s in shapes), args.num_hidden_layers, args.hidden_size,
+    total = sum(math.prod(s) for _, s in shapes)
+    unrouted = sum((len(layer.ffn.experts) - args.num_experts_per_tok) * sum(
+                   p.numel() for p in layer.ffn.experts[0].parameters())
+                   for layer in model.model.layers if args.is_moe_layer(layer.self_attn.layer_idx))
+    ffn = args.moe_intermediate_size * args.num_experts_per_tok if args.is_moe else args.intermediate_size
+    return ModelShape(total, args.num_hidden_layers, args.hidden_size,
                       args.num_key_value_heads * args.head_dim, args.num_attention_heads,
-                      args.num_key_value_heads, args.vocab_size, args.intermediate_size, block, shapes,
-                      args.tie_word_embeddings)
+                      args.num_key_value_heads, args.vocab_size, ffn, block, shapes,
+                      args.tie_word_embeddings, active_params=total - unrouted if args.is_moe else None)
 
 
 def lora_params(spec: str, head: str, rank: int, targets, exclude) -> int:

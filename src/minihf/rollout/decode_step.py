@@ -132,7 +132,8 @@ class StaticDecode:
 
         def body() -> None:
             cache.begin_decode(positions, length)  # mask and write offsets from the device buffer
-            logits = forward(tokens[:, None], positions[:, None], kv_cache=cache)[:, -1]  # [rows, V]
+            logits = forward(tokens[:, None], positions[:, None], kv_cache=cache,
+                             moe=cache.recorder)[:, -1]                                  # [rows, V]
             tok, logp = sample(logits, params, counters)
             out.copy_(torch.stack([tok.double(), logp.double()]))
         return body

@@ -71,7 +71,9 @@ class Engine:
     ``enable_chunked_prefill``, a longer context is prefilled in pieces over several steps
     while the others decode: ``minihf.rollout.scheduler``), and
     ``kv_cache_memory`` (bytes) / ``gpu_memory_utilization`` cap the cache size;
-    ``enforce_eager`` / ``cudagraph_capture_sizes``: the decode step (module docstring).
+    ``enforce_eager`` / ``cudagraph_capture_sizes``: the decode step (module docstring);
+    ``record_routes`` (a mixture-of-experts model): each finished sequence's ``routes``, its
+    tokens' expert ids per MoE layer [cached positions, layers, k] (rollout routing replay).
     """
 
     def __init__(self, model: torch.nn.Module, *, device: torch.device | str | None = None,
@@ -80,13 +82,14 @@ class Engine:
                  gpu_memory_utilization: float | None = None, eos_token_ids: tuple[int, ...] = (), seed: int = 0,
                  cpu_column_major: bool = True, enforce_eager: bool = False,
                  cudagraph_capture_sizes: list[int] | None = None, decode: str | None = None,
-                 enable_chunked_prefill: bool = False):
+                 enable_chunked_prefill: bool = False, record_routes: bool = False):
         if decode is None:  # tests and benchmarks name the decode mode; users say enforce_eager
             target = torch.device(device) if device is not None else next(model.parameters()).device
             decode = "graph" if target.type == "cuda" and not enforce_eager else "eager"
         self.runner = ModelRunner(model, device=device, max_num_seqs=max_num_seqs, kv_cache_memory=kv_cache_memory,
                                   gpu_memory_utilization=gpu_memory_utilization, cpu_column_major=cpu_column_major,
-                                  decode=decode, capture_sizes=cudagraph_capture_sizes, prepack=not enforce_eager)
+                                  decode=decode, capture_sizes=cudagraph_capture_sizes, prepack=not enforce_eager,
+                                  record_routes=record_routes)
         args = model.args
         self.max_model_len = max_model_len or args.max_position_embeddings
         rope = getattr(model.model, "rope", None)
@@ -169,6 +172,7 @@ class Engine:
                     if not sched.has_work():
                         break
                 self._step(sched, turns)
+            self.runner.keep_routes(sched.take_vacated())  # finished by a last resume()
         self.last_stats["evictions"] = sched.evictions
         self.last_stats.update(self.runner.stats)  # static buckets captured (decode_s includes them)
         return groups
@@ -211,6 +215,9 @@ class Engine:
         """One engine step: schedule, run (moves, prefill, extend, decode), postprocess."""
         step = sched.schedule()
         runner, stats = self.runner, self.last_stats
+        # a sequence's routes are copied out as soon as it leaves its slot: before this step's
+        # moves and prefills reuse the slot, and before a decode writes its hole row there
+        runner.keep_routes(sched.take_vacated())
         for src, dst in step.moves:
             runner.move(src, dst, sched.running[dst].num_tokens)
         t0 = time.perf_counter()
@@ -219,11 +226,13 @@ class Engine:
         if step.chunks:
             sched.record_chunks(step.chunks, *runner.prefill_chunks(step.chunks))
             stats["prefill_chunks"] += len(step.chunks)
+        runner.keep_routes(sched.take_vacated())  # finished on their first token
         t1 = time.perf_counter()
         extend = sched.extend_rows() if turns is not None else []
         if extend:
             stats["extend_tokens"] += sum(s.pending + 1 for s in extend)
             sched.record_extend(extend, *runner.extend(extend))
+            runner.keep_routes(sched.take_vacated())
         t2 = time.perf_counter()
         if sched.decodable():
             sched.record_decode(*runner.decode(*sched.decode_rows()))
@@ -231,6 +240,7 @@ class Engine:
         stats["prefill_s"] += t1 - t0
         stats["extend_s"] += t2 - t1
         stats["decode_s"] += time.perf_counter() - t2
+        runner.keep_routes(sched.take_vacated())
         if turns is not None:
             for seq in sched.take_paused():
                 turns.end_turn(seq)

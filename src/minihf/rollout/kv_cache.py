@@ -14,11 +14,19 @@ mode it is in, and the mask is built once per forward rather than once per layer
   left by a slot's previous occupant.
 * extend (multi-turn): sequences already in ``slots`` append T tokens (right-padded) from
   their own start positions; attention reads each slot's cached prefix plus the new keys.
+
+For a mixture-of-experts model the cache can also keep, beside each cached position, the
+experts each MoE layer routed that token to (:meth:`enable_routes`: ``routes`` [slots,
+max_len, MoE layers, k], written by the layers through ``recorder`` at the same places as
+the keys, moved with them, -1 where nothing was written): rollout routing replay's record,
+kept on the device with no host sync per step.
 """
 
 from __future__ import annotations
 
 import torch
+
+from minihf.models.moe import MoEStep
 
 
 class SlotKVCache:
@@ -37,6 +45,26 @@ class SlotKVCache:
         self._rows = 0
         self._kv_len = 0
         self._mask: torch.Tensor | None = None
+        self.routes: torch.Tensor | None = None
+        self.recorder: MoEStep | None = None  # what the engine's forwards pass as the model's ``moe``
+        self._route_rows: torch.Tensor | None = None
+
+    def enable_routes(self, moe_layers: int, top_k: int, num_experts: int) -> None:
+        """Keep each cached token's expert ids per MoE layer (module docstring)."""
+        dtype = torch.int16 if num_experts <= torch.iinfo(torch.int16).max else torch.int32
+        self.routes = torch.full((self.num_slots, self.max_len, moe_layers, top_k), -1, dtype=dtype,
+                                 device=self.k.device)
+        self._slot_base = torch.arange(self.num_slots, device=self.k.device) * self.max_len
+        self.recorder = MoEStep(record=self.record_routes)
+
+    def record_routes(self, moe_layer: int, ids: torch.Tensor) -> None:
+        """Write MoE layer ``moe_layer``'s expert ids [rows x T, k] of this forward's tokens."""
+        table = self.routes.view(-1, *self.routes.shape[2:])[:, moe_layer]    # [slots*max_len, k]
+        table.index_copy_(0, self._route_rows, ids.to(table.dtype))
+
+    def routes_of(self, slot: int, length: int) -> torch.Tensor:
+        """A copy of ``slot``'s first ``length`` positions' routes [length, L, k] (device)."""
+        return self.routes[slot, :length].clone()
 
     @staticmethod
     def bytes_per_slot(num_layers: int, n_kv_heads: int, max_len: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -52,6 +80,8 @@ class SlotKVCache:
         self._prefill_slots, self._extend_slots = slots, None
         idx = torch.arange(T, device=slots.device)
         self._mask = (idx[None, :] <= idx[:, None])[None, None]  # [1, 1, T, T]
+        if self.routes is not None:
+            self._route_rows = (self._slot_base[slots][:, None] + idx).reshape(-1)
 
     def begin_decode(self, positions: torch.Tensor, kv_len: int, same_length: bool = False) -> None:
         """Next forward appends one token to each row ``[0, len(positions))`` at ``positions`` [B];
@@ -67,6 +97,8 @@ class SlotKVCache:
             (self._keys[None, :kv_len] <= positions[:, None])[:, None, None, :]  # [B, 1, 1, S]
         # one index_copy_ per layer (cheaper than an advanced-index put), index built once per step
         self._flat = (self._base[: self._rows] + positions[:, None]).reshape(-1)
+        if self.routes is not None:  # decode row b is slot b
+            self._route_rows = self._slot_base[: self._rows] + positions
 
     def begin_extend(self, slots: torch.Tensor, starts: torch.Tensor, T: int, kv_len: int) -> None:
         """Next forward writes T tokens per sequence into ``slots`` [k] at positions
@@ -79,6 +111,8 @@ class SlotKVCache:
         self._kv_len = kv_len
         q_pos = starts[:, None] + torch.arange(T, device=slots.device)            # [k, T]
         self._mask = (self._keys[None, None, :kv_len] <= q_pos[:, :, None])[:, None]  # [k, 1, T, S]
+        if self.routes is not None:
+            self._route_rows = (self._slot_base[slots][:, None] + q_pos).reshape(-1)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
         """Write ``k, v`` [B, n_kv, T, hd] at ``positions`` [B, T]; return keys, values, mask."""
@@ -104,3 +138,5 @@ class SlotKVCache:
         """Copy the first ``length`` positions of slot ``src`` into slot ``dst`` (compaction)."""
         self.k[:, dst, :, :length] = self.k[:, src, :, :length]
         self.v[:, dst, :, :length] = self.v[:, src, :, :length]
+        if self.routes is not None:
+            self.routes[dst, :length] = self.routes[src, :length]

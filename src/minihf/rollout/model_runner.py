@@ -26,6 +26,11 @@ the last real position of each going through the LM head. A prefill is the case 
 buffer). Each forward ends in :meth:`_sample`: tokens and log-probs drawn on the device,
 then one device->host copy, the step's only host sync.
 
+With ``record_routes`` (a mixture-of-experts model, rollout routing replay) every forward
+also writes each token's expert ids per MoE layer beside its cached keys
+(``SlotKVCache.enable_routes``), and :meth:`keep_routes` copies a sequence's out of its slot
+when it leaves it; device ops only, no extra host sync.
+
 The runner decides nothing: which sequences run, in which slots, is the scheduler's
 (``minihf.rollout.scheduler``); the engine (``minihf.rollout.engine``) loops over the two.
 """
@@ -92,7 +97,7 @@ class ModelRunner:
     ``gpu_memory_utilization`` (of free CUDA memory) its size. ``decode``: ``eager``,
     ``static`` or ``graph`` (see the module docstring), the static step's batch buckets
     ``capture_sizes`` (default: :func:`default_capture_sizes`); ``prepack``: the decode's
-    packed weights on CPU (module docstring).
+    packed weights on CPU; ``record_routes``: each token's experts kept (module docstring).
     """
 
     DECODE_MODES = ("eager", "static", "graph")
@@ -100,8 +105,14 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, *, device: torch.device | str | None = None,
                  max_num_seqs: int = 256, kv_cache_memory: int | None = None,
                  gpu_memory_utilization: float | None = None, cpu_column_major: bool = True,
-                 decode: str = "eager", capture_sizes: list[int] | None = None, prepack: bool = False):
+                 decode: str = "eager", capture_sizes: list[int] | None = None, prepack: bool = False,
+                 record_routes: bool = False):
         self.model = model.eval()
+        args = getattr(model, "args", None)
+        if record_routes and not (args is not None and args.is_moe):
+            raise ValueError("record_routes keeps a mixture-of-experts model's expert choices, but this "
+                             "model is dense; leave it off (router_replay: disabled)")
+        self.record_routes = record_routes
         param_device = next(model.parameters()).device
         if device is None and param_device.type == "meta":
             raise ValueError("the engine's model is on the meta device: pass device= (where "
@@ -204,6 +215,10 @@ class ModelRunner:
             self.reset()  # release the old buffers (and graphs over them) before allocating new ones
             layers, kv, hd = self._cache_geometry
             self.cache = SlotKVCache(layers, slots, kv, max_len, hd, p.dtype, p.device)
+            if self.record_routes:
+                a = self.model.args
+                moe_layers = sum(a.is_moe_layer(i) for i in range(a.num_hidden_layers))
+                self.cache.enable_routes(moe_layers, a.num_experts_per_tok, a.num_experts)
             if self.decode_mode != "eager":
                 self.static = StaticDecode(self.cache.num_slots, p.device, capture=self.decode_mode == "graph")
         self._rows_key = None  # ids of dead sequences may be reused by the next call's
@@ -216,6 +231,15 @@ class ModelRunner:
     def move(self, src: int, dst: int, length: int) -> None:
         """Copy a sequence's first ``length`` cached positions from slot ``src`` to ``dst``."""
         self.cache.move(src, dst, length)
+
+    def keep_routes(self, left: list[tuple[Sequence, int]]) -> None:
+        """Copy the routes of the sequences that left their slots (``(seq, slot)``) into
+        ``seq.routes`` [cached positions, MoE layers, k] (on the device) before the slots are
+        reused; a sequence that comes back (evicted, then readmitted) is copied again."""
+        if self.cache is None or self.cache.routes is None:
+            return
+        for seq, slot in left:
+            seq.routes = self.cache.routes_of(slot, seq.cached)
 
     # -- forwards -----------------------------------------------------------------------
     def prefill(self, seqs: list[Sequence]) -> tuple[list[int], list[float]]:
@@ -279,7 +303,8 @@ class ModelRunner:
                 begin = torch.tensor([starts[i] for i in group], dtype=torch.long, device=dev)
                 positions = begin[:, None] + torch.arange(T, device=dev)
                 self.cache.begin_extend(slots, begin, T, top + T)
-            hidden = self.model.forward_hidden(tokens, positions, kv_cache=self.cache)  # [g, T, H]
+            hidden = self.model.forward_hidden(tokens, positions, kv_cache=self.cache,
+                                               moe=self.cache.recorder)                # [g, T, H]
             last = hidden[torch.arange(len(group), device=dev), torch.tensor(lens, device=dev) - 1]
             for i, h in zip(group, last):
                 last_hidden[i] = h
@@ -300,7 +325,7 @@ class ModelRunner:
         tok = torch.tensor(tokens, dtype=torch.long, device=dev)[:, None]  # [B, 1]
         pos = torch.tensor(positions, dtype=torch.long, device=dev)[:, None]
         self.cache.begin_decode(pos[:, 0], max(positions) + 1, same_length=min(positions) == max(positions))
-        logits = self.model(tok, pos, kv_cache=self.cache)[:, -1]  # [B, V]
+        logits = self.model(tok, pos, kv_cache=self.cache, moe=self.cache.recorder)[:, -1]  # [B, V]
         return self._sample(logits, seqs)
 
     def _decode_static(self, tokens: list[int], positions: list[int], seqs: list[Sequence | None]

@@ -66,6 +66,7 @@ class Sequence:
     turn_start: int = 0  # index in ``tokens`` where the current turn began
     evicted: bool = False  # paused without a slot: its whole context is prefilled again on return
     prefilled: int | None = None  # chunked prefill: context positions written so far (None: not in one)
+    routes: object = None  # a MoE model's expert ids per cached position, when the engine records them
 
     @property
     def num_tokens(self) -> int:
@@ -133,6 +134,9 @@ class Scheduler:
         self.paused: list[Sequence] = []  # paused since the caller last took them (take_paused)
         self.evicted: set[int] = set()  # ids of paused sequences that gave their slot away
         self.evictions = 0
+        # (sequence, slot) of every sequence that gave its slot up (finished or evicted) since
+        # the engine last took them: what it left there is intact until the next schedule()
+        self.vacated: list[tuple[Sequence, int]] = []
 
     # -- intake ------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -213,6 +217,7 @@ class Scheduler:
         seq = min(paused, key=lambda q: (q.num_tokens, q.seq_id))
         del self.running[seq.slot]
         heapq.heappush(self._free, seq.slot)
+        self.vacated.append((seq, seq.slot))
         seq.slot, seq.evicted = None, True
         self.evicted.add(seq.seq_id)
         self.evictions += 1
@@ -257,9 +262,15 @@ class Scheduler:
         else:
             del self.running[seq.slot]
             heapq.heappush(self._free, seq.slot)
+            self.vacated.append((seq, seq.slot))
         seq.slot = None
         self.finished.append(seq)
         return True
+
+    def take_vacated(self) -> list[tuple[Sequence, int]]:
+        """``(sequence, slot)`` of the sequences that left a slot since the last call."""
+        out, self.vacated = self.vacated, []
+        return out
 
     def take_paused(self) -> list[Sequence]:
         """The sequences paused at a turn end since the last call."""

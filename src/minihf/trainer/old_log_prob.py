@@ -26,6 +26,10 @@ def old_log_prob_phase(cfg, actor, batch: Batch, m: dict, step: int, timed, log)
         with timed(m, "old_log_prob"):
             old = actor.compute_log_prob(batch, calc_entropy=True, calc_bound=check != "off")
         m["actor/entropy"] = masked_mean(old["entropys"], batch["response_mask"]).item()
+        if "routed_experts" in old.tensors:  # router_replay R2: the update routes by these
+            batch.tensors["routed_experts"] = old["routed_experts"]
+        if "router_disagree" in old.tensors:  # R3: how often this forward's own choice differs
+            m.update(router_disagreement(old["router_disagree"], old["router_replayed"]))
         if source == "recompute":
             batch.tensors["old_log_probs"] = old["old_log_probs"]
         if "rollout_log_probs" in batch.tensors:
@@ -43,6 +47,15 @@ def old_log_prob_phase(cfg, actor, batch: Batch, m: dict, step: int, timed, log)
     if source == "recompute" and "rollout_log_probs" in batch.tensors:
         correct_rollout(cfg.algorithm.rollout_correction, batch, m)
     batch.meta["old_log_probs"] = source  # "update": the actor's own, detached
+
+
+def router_disagreement(disagree, replayed) -> dict[str, float]:
+    """``actor/router_disagreement``: the fraction of (token, MoE layer) pairs whose trainer
+    top-k expert set differs from the rollout's (replayed) one; ``..._max``: the worst
+    layer's fraction. From per-row counts [B, L]."""
+    per_layer = disagree.sum(0) / replayed.sum(0).clamp(min=1)               # [L]
+    return {"actor/router_disagreement": float(disagree.sum() / replayed.sum().clamp(min=1)),
+            "actor/router_disagreement_max": float(per_layer.max())}
 
 
 def correct_rollout(rc, batch: Batch, m: dict) -> None:

@@ -38,7 +38,7 @@ class PrepareConfig:
     num_test: int = 200                  # validation prompts to write
     seed: int = 0                        # seed of the data and the random-init model
     base_model: Optional[str] = None     # random-init model dir (minihf init-model) for the SFT
-    arch: str = "qwen2"                  # base model architecture (qwen2 | llama | qwen3 | mistral)
+    arch: str = "qwen2"                  # base model architecture (qwen2 | llama | qwen3 | mistral | qwen3_moe | mixtral)
     size: str = "mini"                   # base model size (tiny | mini | small | medium)
     sft_recipe: Optional[str] = None     # SFT recipe that writes <its default_local_dir>/hf
     sft_overrides: list[str] = field(default_factory=list)  # extra overrides for the SFT warm start

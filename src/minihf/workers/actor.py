@@ -56,6 +56,7 @@ from minihf.hybrid import HybridEngine, collect_rollout
 from minihf.multi_turn.loop import ENV_ROW_KEYS
 from minihf.hybrid.engine import rollout_dtype
 from minihf.models.lora import adapters_disabled, is_lora_param
+from minihf.models.moe import MoEStep, RouterStats
 from minihf.parallel.fsdp import default_mixed_precision
 from minihf.protocol import Batch
 from minihf.rollout.llm import eos_ids_from_dir
@@ -63,6 +64,7 @@ from minihf.workers.config import ActorRolloutRefConfig
 from minihf.workers.engine import build_fsdp_model, prefixed, run_micro_batches, tensors_of
 from minihf.workers.forward import forward_log_probs
 from minihf.workers.train_state import TrainState
+from minihf.workers.train_step import group_size
 
 INPUT_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
 UPDATE_KEYS = INPUT_KEYS + ("response_mask", "old_log_probs", "advantages")
@@ -88,7 +90,20 @@ def engine_tokens(cfg: ActorRolloutRefConfig, hf_config: dict, info) -> dict:
                                tp_group=info.tp_group if r.tensor_model_parallel_size > 1 else None,
                                leader=info.tp_rank == 0)
     return {"eos_token_ids": eos, "pad_token_id": pad if pad is not None else (eos[0] if eos else 0),
-            "multi_turn": multi_turn}
+            "multi_turn": multi_turn, "record_routes": cfg.actor.router_replay == "R3"}
+
+
+def check_router_replay(cfg: ActorRolloutRefConfig) -> None:
+    """``actor.router_replay`` other than disabled needs a mixture-of-experts model."""
+    mode = cfg.actor.router_replay
+    if mode != "disabled":
+        from minihf.models import load_args
+
+        args = load_args(cfg.model.path)
+        if not args.is_moe:
+            raise ValueError(f"actor_rollout_ref.actor.router_replay={mode} replays a mixture-of-experts "
+                             f"model's expert choices, but {cfg.model.path} is a dense {args.arch} model; "
+                             "set it to disabled")
 
 
 def shard_ranks(group, rank: int) -> list[int]:
@@ -142,6 +157,7 @@ class ActorRolloutRefWorker(Worker):
         """``total_training_steps``: the run's optimizer steps (for a cosine schedule)."""
         cfg = self.config
         get_policy_loss_fn(cfg.actor.policy_loss.loss_mode)  # an unknown name fails here
+        check_router_replay(cfg)
         self.state = TrainState.build(cfg.model, cfg.actor.fsdp, cfg.actor.optim, head="lm",
                                       group=self.group, device=self.device,
                                       total_steps=total_training_steps, compile=cfg.actor.use_torch_compile)
@@ -185,15 +201,16 @@ class ActorRolloutRefWorker(Worker):
 
     # -- inference ------------------------------------------------------------------------
     def _log_probs(self, model, batch: Batch, micro: int | None, max_tokens: int | None,
-                   calc_entropy: bool, calc_logit_scale: bool = False, chunk: int | None = None) -> dict:
-        data = tensors_of(batch, INPUT_KEYS, self.device)
+                   calc_entropy: bool, calc_logit_scale: bool = False, chunk: int | None = None,
+                   routes: str | None = None) -> dict:
+        data = tensors_of(batch, INPUT_KEYS + (("routed_experts",) if routes == "replay" else ()), self.device)
         temperature = float(batch.meta.get("temperature", 1.0))
         use_rmpad, share = self.config.model.use_remove_padding, self.config.model.shares_prompt
 
         def fn(mb):
             return forward_log_probs(model, mb, use_remove_padding=use_rmpad, share_prompt=share,
                                      temperature=temperature, calc_entropy=calc_entropy,
-                                     calc_logit_scale=calc_logit_scale, logits_chunk=chunk)
+                                     calc_logit_scale=calc_logit_scale, logits_chunk=chunk, routes=routes)
         return run_micro_batches(data, fn, micro_batch_size=micro, max_tokens=max_tokens,
                                  group=self.group, model=model, share_prompt=share)
 
@@ -205,17 +222,35 @@ class ActorRolloutRefWorker(Worker):
         dtypes = {rollout_dtype(self.config.rollout.dtype, self.device), trainer or torch.float32}
         return max(dtypes, key=lambda d: torch.finfo(d).eps)
 
-    @register(dispatch=Dispatch.DP_COMPUTE, reads=INPUT_KEYS)
+    def _routes(self, batch: Batch, update: bool) -> str | None:
+        """What ``actor.router_replay`` asks of this forward: ``replay`` the batch's
+        ``routed_experts`` (R3 always, R2 in the update), ``record`` them (R2, old log-probs)."""
+        mode = self.config.actor.router_replay
+        if mode == "disabled":
+            return None
+        if "routed_experts" in batch.tensors and (mode == "R3" or update):
+            return "replay"
+        return "record" if mode == "R2" and not update else None
+
+    @register(dispatch=Dispatch.DP_COMPUTE, reads=INPUT_KEYS + ("routed_experts",))
     def compute_log_prob(self, batch: Batch, calc_entropy: bool = False,
                          calc_bound: bool = False) -> Batch:
         """Old log-probs of the response tokens under the current actor (+ entropy). With
         ``calc_bound``, ``log_prob_bound`` [B, R]: how far the engine's log-prob of each token
         may sit from this one by rounding alone (twice ``logprob_rounding_bound`` in the
-        coarser of the two compute dtypes)."""
+        coarser of the two compute dtypes). ``actor.router_replay``: R2 adds
+        ``routed_experts`` (this forward's expert choices); R3 routes by the rollout's and
+        adds ``router_disagree`` / ``router_replayed`` [B, MoE layers] (tokens whose own
+        choice differs from the rollout's, tokens replayed)."""
         a = self.config.actor
+        routes = self._routes(batch, update=False)
         out = self._log_probs(self._require("actor"), batch, a.log_prob_micro_batch_size_per_gpu,
-                              a.max_tokens_per_micro_batch, calc_entropy, calc_bound, a.logits_chunk_size)
+                              a.max_tokens_per_micro_batch, calc_entropy, calc_bound, a.logits_chunk_size,
+                              routes)
         tensors = {"old_log_probs": out["log_probs"].cpu()}
+        for key in ("routed_experts", "router_disagree", "router_replayed"):
+            if key in out:
+                tensors[key] = out[key].cpu()
         if calc_entropy:
             tensors["entropys"] = out["entropy"].cpu()
         if calc_bound:
@@ -234,19 +269,23 @@ class ActorRolloutRefWorker(Worker):
         return Batch({"ref_log_prob": out["log_probs"].cpu()})
 
     # -- update ---------------------------------------------------------------------------
-    def _loss_fn(self, norm, tokens, temperature, own_old: bool):
+    def _loss_fn(self, norm, tokens, temperature, own_old: bool, routes: str | None = None):
         """``own_old``: the update is one on-policy step; the old log-probs are this
         forward's, detached (and the entropy is measured here for ``actor/entropy``)."""
         a = self.config.actor
         model = self.actor
         policy_loss = get_policy_loss_fn(a.policy_loss.loss_mode)
+        args = model.args
+        aux_coef = (args.router_aux_loss_coef if a.router_aux_loss_coef is None else a.router_aux_loss_coef)
 
         def loss_fn(mb):
             mask = mb["response_mask"]
+            router = RouterStats(args.num_experts) if args.is_moe else None
             out = forward_log_probs(model, mb, use_remove_padding=self.config.model.use_remove_padding,
                                     share_prompt=self.config.model.shares_prompt, temperature=temperature,
                                     calc_entropy=a.entropy_coeff != 0 or own_old,
-                                    entropy_grad=a.entropy_coeff != 0, logits_chunk=a.logits_chunk_size)
+                                    entropy_grad=a.entropy_coeff != 0, logits_chunk=a.logits_chunk_size,
+                                    moe=MoEStep(router) if router is not None else None, routes=routes)
             log_prob = out["log_probs"]                                       # [b, R]
             old = log_prob.detach() if own_old else mb["old_log_probs"]
             extra = {"rollout_is_weights": mb["rollout_is_weights"]} if "rollout_is_weights" in mb else {}
@@ -267,11 +306,17 @@ class ActorRolloutRefWorker(Worker):
                               a.loss_agg_mode, norm)
                 loss = loss + a.kl_loss_coef * kl
                 stats["kl_loss"] = kl
+            if router is not None:
+                # the load-balancing loss as a token-weighted mean over micro-batches; its
+                # gradient enters at each MoE layer (RouterStats), scaled here as backward
+                # will scale this loss (train_step: x dp for FSDP's average)
+                router.weight = aux_coef * share.detach() * group_size(self.state.group)
+                stats["moe_aux_loss"] = router.loss().to(share.device) * share
             return loss, stats
         return loss_fn
 
     @register(dispatch=Dispatch.DP_COMPUTE_EXACT, collect=Dispatch.RANK_ZERO,
-              reads=UPDATE_KEYS + ("ref_log_prob", "rollout_is_weights"))
+              reads=UPDATE_KEYS + ("ref_log_prob", "rollout_is_weights", "routed_experts"))
     def update_actor(self, batch: Batch) -> dict[str, float]:
         """PPO update: ``ppo_epochs`` x mini-batches x micro-batches; returns metrics."""
         a = self.config.actor
@@ -289,6 +334,9 @@ class ActorRolloutRefWorker(Worker):
                                  f"one takes {steps} optimizer steps (ppo_epochs={a.ppo_epochs}, "
                                  f"ppo_mini_batch_size={a.ppo_mini_batch_size}); compute "
                                  "old_log_probs first")
+        routes = self._routes(batch, update=True)
+        if routes == "replay":
+            keys += ("routed_experts",)
         data = tensors_of(batch, keys, self.device)
         temperature = float(batch.meta.get("temperature", 1.0))
         stats = self.state.update(
@@ -296,7 +344,7 @@ class ActorRolloutRefWorker(Worker):
             micro_batch_size=a.ppo_micro_batch_size_per_gpu,
             max_tokens=a.max_tokens_per_micro_batch, epochs=a.ppo_epochs, shuffle=a.shuffle,
             seed=int(batch.meta.get("global_step", 0)), loss_agg_mode=a.loss_agg_mode,
-            make_loss_fn=lambda norm, tokens: self._loss_fn(norm, tokens, temperature, own_old),
+            make_loss_fn=lambda norm, tokens: self._loss_fn(norm, tokens, temperature, own_old, routes),
             share_prompt=self.config.model.shares_prompt)
         metrics = prefixed(stats, "actor")
         if a.use_kl_loss:

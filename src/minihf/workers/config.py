@@ -108,6 +108,9 @@ class PolicyLossConfig:
     loss_mode: str = "vanilla"           # a registered loss (vanilla, gspo) or file.py:function
 
 
+ROUTER_REPLAY_MODES = ("disabled", "R2", "R3")
+
+
 @dataclass
 class ActorConfig:
     """PPO policy update."""
@@ -136,6 +139,15 @@ class ActorConfig:
     # for long responses and large vocabularies; null: a micro-batch's at once
     logits_chunk_size: Optional[int] = None
     use_torch_compile: bool = False      # torch.compile (dynamic shapes) each block's norms and MLP for the update and log-probs (verl's key; attention stays eager); each process compiles once
+    # a mixture-of-experts policy's load-balancing loss weight in the update (transformers'
+    # load_balancing_loss_func; the metric actor/moe_aux_loss); null: the model config's
+    # router_aux_loss_coef; 0: logged, not trained. Ignored for a dense model
+    router_aux_loss_coef: Optional[float] = None
+    # rollout routing replay for a mixture-of-experts policy (verl's modes): disabled; R2 =
+    # the old-log-prob forward records each token's experts and the update routes by them;
+    # R3 = the rollout engine records them and both the old-log-prob forward and the update
+    # route by them (the routing weights stay the live router's). Not for a dense model
+    router_replay: str = "disabled"
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
 
@@ -153,6 +165,13 @@ class ActorConfig:
         if not self.kl_loss_coef >= 0:
             raise ValueError(f"kl_loss_coef={self.kl_loss_coef} must be >= 0 (a negative weight "
                              "rewards moving away from the reference)")
+        if self.router_replay not in ROUTER_REPLAY_MODES:
+            raise ValueError(f"router_replay={self.router_replay!r}; choose one of {list(ROUTER_REPLAY_MODES)} "
+                             "(disabled, or R2/R3 for a mixture-of-experts model)")
+        coef = self.router_aux_loss_coef
+        if coef is not None and (isinstance(coef, bool) or not isinstance(coef, (int, float)) or not 0 <= coef < float("inf")):
+            raise ValueError(f"router_aux_loss_coef={coef!r} must be a finite number >= 0 (e.g. 0.001), or "
+                             "null for the model config's value")
         if self.clip_ratio_c is not None and not self.clip_ratio_c > 1:
             raise ValueError(f"clip_ratio_c={self.clip_ratio_c} must be > 1 (e.g. 3.0), or "
                              "null to disable the dual clip")

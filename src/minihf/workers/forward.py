@@ -20,6 +20,7 @@ import torch.nn as nn
 from minihf.algorithms import entropy_from_logits, last_index, logit_abs_scale, logprobs_from_logits
 from minihf.algorithms.chunked_logits import chunked_log_probs
 from minihf.models.linear import linear
+from minihf.models.moe import MoEStep
 from minihf.workers.packing import next_token_labels, pack, unpack
 
 
@@ -50,7 +51,8 @@ def scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 def forward_log_probs(model: nn.Module, mb: dict, *, use_remove_padding: bool = True,
                       share_prompt: bool = False, temperature: float = 1.0,
                       calc_entropy: bool = False, entropy_grad: bool = True,
-                      calc_logit_scale: bool = False, logits_chunk: int | None = None) -> dict:
+                      calc_logit_scale: bool = False, logits_chunk: int | None = None,
+                      moe: MoEStep | None = None, routes: str | None = None) -> dict:
     """Log-probs (and entropy) of the response tokens under ``model`` (an LM).
 
     Returns ``{"log_probs": [B, R]}`` (+ ``"entropy": [B, R]``), fp32, computed from
@@ -61,6 +63,12 @@ def forward_log_probs(model: nn.Module, mb: dict, *, use_remove_padding: bool = 
     token (what its log-prob's rounding scales with; an extra LM-head-sized matmul).
     ``logits_chunk``: the LM head's logits made that many tokens at a time, forward and
     backward (``minihf.algorithms.chunked_logits``), never ``[tokens, V]`` whole.
+    ``moe``: a ``minihf.models.moe.MoEStep`` for a mixture-of-experts model's layers to
+    record into (the load-balancing loss). ``routes`` (routing replay, MoE models):
+    ``"replay"`` routes every token by ``mb["routed_experts"]`` [B, T, L, k] (-1: its own
+    router's choice) and adds ``router_disagree`` / ``router_replayed`` [B, L] (per row and
+    MoE layer: tokens whose own top-k differs from the replayed, tokens replayed);
+    ``"record"`` adds ``routed_experts`` [B, T, L, k], this forward's choices (-1 at padding).
 
     The LM head runs as ``CausalLM.forward``'s ``head``: inside the model's forward (where
     FSDP has gathered its weight), at the kept positions only.
@@ -84,20 +92,72 @@ def forward_log_probs(model: nn.Module, mb: dict, *, use_remove_padding: bool = 
             out["logit_scale"] = logit_abs_scale(h.detach().float(), weight.detach().float(), temperature)
         return out
 
-    if use_remove_padding:
+    b, t = mb["input_ids"].shape
+    packed = _pack(mb, share_prompt) if use_remove_padding else None
+    # the padded position of each token the model runs over: packed, or every [B, T] position
+    where_run = packed.indices if packed is not None else torch.arange(b * t, device=valid.device)
+    if routes is not None:
+        moe, chosen = _routing(moe, routes, mb, where_run)
+    if packed is not None:
         # logits only at the positions that predict a real response token (the token before
         # it, which for the first one may be a shared prompt's): the LM head skips the rest
-        packed = _pack(mb, share_prompt)
-        b, t = packed.shape
         sel = packed.slot.view(b, t)[:, t - r - 1:t - 1][real]               # [M]
         out = model(packed.tokens, packed.positions, cu_seqlens=packed.cu_seqlens,
-                    shared_prefix=packed.shared_prefix, logits_to_keep=sel, head=head)
+                    shared_prefix=packed.shared_prefix, logits_to_keep=sel, head=head, moe=moe)
         where = real.nonzero(as_tuple=True)
-        return {k: v.new_zeros((b, r)).index_put_(where, v) for k, v in out.items()}
-    t = mb["input_ids"].shape[1]
-    out = model(mb["input_ids"], mb["position_ids"], attention_mask=mb["attention_mask"],
-                logits_to_keep=torch.arange(t - r - 1, t - 1, device=valid.device), head=head)
-    return {k: v.view(valid.shape) * valid for k, v in out.items()}
+        result = {k: v.new_zeros((b, r)).index_put_(where, v) for k, v in out.items()}
+    else:
+        out = model(mb["input_ids"], mb["position_ids"], attention_mask=mb["attention_mask"],
+                    logits_to_keep=torch.arange(t - r - 1, t - 1, device=valid.device), head=head, moe=moe)
+        result = {k: v.view(valid.shape) * valid for k, v in out.items()}
+    if routes is not None:
+        result.update(_routing_outputs(moe, chosen, mb, where_run, packed, model.args.num_experts))
+    return result
+
+
+def _routing(moe: MoEStep | None, routes: str, mb: dict, where_run: torch.Tensor
+             ) -> tuple[MoEStep, dict[int, torch.Tensor] | None]:
+    """``moe`` (or a new ``MoEStep``) set to replay ``mb``'s routes, or to record this
+    forward's into the returned dict (MoE layer -> ids [N, k])."""
+    moe = moe if moe is not None else MoEStep()
+    chosen = None
+    if routes == "replay":
+        table = mb["routed_experts"]                                          # [B, T, L, k]
+        moe.replay = table.reshape(-1, *table.shape[2:]).index_select(0, where_run)  # [N, L, k]
+        moe.disagreement = {}
+    elif routes == "record":
+        chosen = {}
+        moe.record = chosen.__setitem__
+    else:
+        raise ValueError(f"routes={routes!r}: use 'replay', 'record' or None")
+    return moe, chosen
+
+
+def _routing_outputs(moe: MoEStep, chosen: dict | None, mb: dict, where_run: torch.Tensor, packed,
+                     num_experts: int) -> dict:
+    """The per-row outputs of replaying (``chosen`` None) or recording (see
+    :func:`forward_log_probs`)."""
+    b, t = mb["input_ids"].shape
+    if chosen is None:
+        rows = where_run // t                                                 # [N] row of each token
+        layers = sorted(moe.disagreement)
+        out = {"router_disagree": torch.zeros(b, len(layers), device=rows.device),
+               "router_replayed": torch.zeros(b, len(layers), device=rows.device)}
+        for j in layers:
+            differ, used = moe.disagreement[j]
+            out["router_disagree"][:, j].index_add_(0, rows, differ.float())
+            out["router_replayed"][:, j].index_add_(0, rows, used.float())
+        return out
+    chosen = torch.stack([chosen[j] for j in sorted(chosen)], 1)             # [N, L, k]
+    dtype = torch.int16 if num_experts <= torch.iinfo(torch.int16).max else torch.int32  # as the engine's
+    if packed is not None:  # every padded position takes its packed token's (shared prompts too)
+        slot = packed.slot                                                    # [B*T], -1 at padding
+        table = chosen.index_select(0, slot.clamp(min=0)).to(dtype)
+        table[slot < 0] = -1
+    else:
+        table = chosen.to(dtype)
+        table[~mb["attention_mask"].reshape(-1).bool()] = -1
+    return {"routed_experts": table.view(b, t, *chosen.shape[1:])}
 
 
 def forward_values(model: nn.Module, mb: dict, *, use_remove_padding: bool = True,

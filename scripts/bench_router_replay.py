@@ -1,0 +1,134 @@
+"""Rollout routing replay measured: the rollout-vs-trainer log-prob gap and how often the
+trainer's expert choices differ from the rollout's, with replay off and on.
+
+    python scripts/bench_router_replay.py                                   # a random-init MoE model
+    python scripts/bench_router_replay.py --model-dir DIR --dtypes float32 bfloat16 --docs
+
+One process. A mixture-of-experts model (``--model-dir``, or the factory's random-init
+Qwen3-MoE of ``--size``) is loaded in each ``--dtypes`` (the engine and the trainer both
+compute in it, as on a GPU in bf16). The engine samples ``--prompts`` random prompts x
+``--max-tokens`` tokens (temperature 1) and records each token's experts (R3's record).
+The trainer's forward (packed, as the actor runs it) then scores the same tokens twice:
+with its own routing (replay off) and routing by the rollout's experts (replay on). Per
+setting: the largest and the mean |rollout log-prob - trainer log-prob| over the response
+tokens, and the fraction of (token, MoE layer) pairs whose trainer top-k set differs from
+the rollout's (the trainer's own choice, whether or not it is then overridden), overall and
+per layer. Only the trainer's forward changes between the two rows of a dtype.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+MARKERS = ("<!-- bench_router_replay: begin -->", "<!-- bench_router_replay: end -->")
+
+
+def rollout_batch(engine, prompts: list[list[int]], max_tokens: int, seed: int):
+    """The engine's samples in verl's layout, with ``routed_experts`` and ``rollout_log_probs``."""
+    from minihf.hybrid.engine import build_output, with_prompts
+    from minihf.protocol import Batch
+    from minihf.rollout import SamplingParams
+
+    width = max(len(p) for p in prompts)
+    empty = Batch({"input_ids": torch.zeros(len(prompts), width, dtype=torch.long),
+                   "attention_mask": torch.zeros(len(prompts), width, dtype=torch.long)})
+    batch = with_prompts(empty, prompts, width, pad_token_id=0)
+    params = [SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=seed + i, ignore_eos=True)
+              for i in range(len(prompts))]
+    seqs = [g[0] for g in engine.generate(prompts, params)]
+    return build_output(batch, seqs, max_tokens, pad_token_id=0).tensors
+
+
+def measure(model_dir: str, dtype: torch.dtype, prompts, max_tokens: int, seed: int) -> list[dict]:
+    from minihf.models import load_hf
+    from minihf.rollout.engine import Engine
+    from minihf.workers.forward import forward_log_probs
+
+    engine = Engine(load_hf(model_dir, dtype=dtype), max_num_seqs=len(prompts), record_routes=True)
+    mb = rollout_batch(engine, prompts, max_tokens, seed)
+    trainer = load_hf(model_dir, dtype=dtype).eval()
+    mask = mb["response_mask"].bool()
+    rows = []
+    with torch.no_grad():
+        own = forward_log_probs(trainer, mb, routes="record")                # the trainer's own routing
+        replay = forward_log_probs(trainer, mb, routes="replay")
+    # the trainer's own choices vs the rollout's: off, from the routes it recorded; on, as the
+    # replaying forward counted them (its own top-k before the override)
+    rollout, mine = mb["routed_experts"].long(), own["routed_experts"].long()
+    both = (rollout >= 0).all(-1) & (mine >= 0).all(-1)                     # [B, T, L]
+    differ = (rollout.sort(-1).values != mine.sort(-1).values).any(-1) & both
+    off = (differ.sum((0, 1)) / both.sum((0, 1)).clamp(min=1)).tolist(), float(differ.sum() / both.sum())
+    on = ((replay["router_disagree"].sum(0) / replay["router_replayed"].sum(0).clamp(min=1)).tolist(),
+          float(replay["router_disagree"].sum() / replay["router_replayed"].sum().clamp(min=1)))
+    for name, out, (per_layer, overall) in (("off", own, off), ("on (R3)", replay, on)):
+        gap = (out["log_probs"] - mb["rollout_log_probs"]).abs()[mask]
+        rows.append({"dtype": str(dtype).replace("torch.", ""), "replay": name, "max_gap": float(gap.max()),
+                     "mean_gap": float(gap.mean()), "disagreement": overall, "per_layer": per_layer})
+    return rows
+
+
+def table(rows: list[dict]) -> list[str]:
+    out = ["| dtype | replay | max \\|Δ log-prob\\| | mean \\|Δ log-prob\\| | expert choices differing | per MoE layer |",
+           "|---|---|---|---|---|---|"]
+    for r in rows:
+        layers = ", ".join(f"{x:.2%}" for x in r["per_layer"])
+        out.append(f"| {r['dtype']} | {r['replay']} | {r['max_gap']:.2e} | {r['mean_gap']:.2e} | "
+                   f"{r['disagreement']:.2%} | {layers} |")
+    return out
+
+
+def write_docs(args, lines: list[str], model: str) -> None:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_step_tables import write_model_section
+
+    from minihf.cli.doctor import cpu_name
+
+    text = ["### Routing replay measured", "",
+            f"Generated by `python scripts/bench_router_replay.py {' '.join(sys.argv[1:])}` (do not edit by "
+            f"hand; the script's docstring says what runs). {cpu_name()}, torch {torch.__version__}, Python "
+            f"{platform.python_version()}; {model}; {args.prompts} prompts x {args.max_tokens} sampled tokens.",
+            "", *lines]
+    write_model_section(ROOT / "docs" / "models.md", text, MARKERS)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-dir", help="a mixture-of-experts HF model dir (default: a random-init one)")
+    ap.add_argument("--size", default="small", help="the factory's size for the random-init model")
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--docs", action="store_true", help="write the table into docs/models.md")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir, what = args.model_dir, f"`{args.model_dir}`"
+        if model_dir is None:
+            from minihf.hub import init_model
+
+            model_dir = str(init_model(Path(tmp) / "moe", arch="qwen3_moe", size=args.size, task="sort",
+                                       seed=args.seed))
+            what = f"the factory's random-init Qwen3-MoE `{args.size}` (8 experts, top-2)"
+        from minihf.models import load_args
+
+        vocab = load_args(model_dir).vocab_size
+        g = torch.Generator().manual_seed(args.seed)
+        prompts = torch.randint(1, vocab, (args.prompts, args.prompt_len), generator=g).tolist()
+        rows = [r for d in args.dtypes for r in measure(model_dir, getattr(torch, d), prompts, args.max_tokens,
+                                                        args.seed)]
+    lines = table(rows)
+    print("\n".join(lines))
+    if args.docs:
+        write_docs(args, lines, what)
+
+
+if __name__ == "__main__":
+    main()

@@ -53,20 +53,23 @@ def _tp_rank(rank, world, path):
         ref_logits = ref(ids, pos)
     ref_tokens = [o.outputs[0].token_ids for o in LLM(ref, max_num_seqs=3).generate(PROMPTS, greedy)]
     model = apply_tp(load_hf(path), dist.group.WORLD)
-    moe = model.model.layers[0].mlp
-    kinds = (type(moe.gate).__name__, isinstance(moe.experts[3].up_proj, ColumnParallelLinear),
-             isinstance(moe.experts[3].down_proj, RowParallelLinear), tuple(moe.experts[3].down_proj.weight.shape))
+    moe = model.model.layers[0].ffn
+    expert = moe.experts[3]
+    up, down = (expert.up_proj, expert.down_proj) if hasattr(expert, "up_proj") else (expert.w3, expert.w2)
+    kinds = (type(moe.gate).__name__, isinstance(up, ColumnParallelLinear), isinstance(down, RowParallelLinear),
+             tuple(down.weight.shape))
     with torch.no_grad():
         logits = model(ids, pos)
     tokens = [o.outputs[0].token_ids for o in LLM(model, max_num_seqs=3).generate(PROMPTS, greedy)]
     return dict(kinds=kinds, logit_diff=(logits - ref_logits).abs().max().item(), same=tokens == ref_tokens)
 
 
-def test_tp2_matches_tp1(moe_dirs):
+@pytest.mark.parametrize("arch, down", [("qwen3_moe", (64, 16)), ("mixtral", (64, 24))])
+def test_tp2_matches_tp1(moe_dirs, arch, down):
     """Logits within test_tp's bound (fp32, only the summation order of the split matmuls
     differs: 6e-5); greedy tokens identical."""
-    for r in spawn_ranks(_tp_rank, 2, moe_dirs["qwen3_moe"][0], timeout_s=240):
-        assert r["kinds"] == ("Linear", True, True, (64, 16)), r["kinds"]  # router whole, experts split
+    for r in spawn_ranks(_tp_rank, 2, moe_dirs[arch][0], timeout_s=240):
+        assert r["kinds"] == ("Linear", True, True, down), r["kinds"]  # router whole, experts split
         assert r["logit_diff"] < 6e-5, r["logit_diff"]
         assert r["same"]
 
@@ -180,3 +183,63 @@ def test_grpo_moe_recipe_on_two_ranks_with_each_replay_mode(tiny_moe, tmp_path):
             assert ("actor/router_disagreement" in h) == (mode == "R3"), (mode, h)
             if mode == "R3":
                 assert 0 <= h["actor/router_disagreement"] <= 0.01, h
+
+
+def test_grpo_moe_with_r3_stopped_and_resumed_equals_the_uninterrupted_run(tiny_moe, tmp_path):
+    """Routing replay carries no state across steps (the routes travel with each step's
+    batch), so a resumed run repeats the uninterrupted one exactly: every metric but the
+    timings, the load-balancing loss and the disagreement included."""
+    from test_ppo import _runs
+
+    model, data = tiny_moe
+    extra = {"trainer.total_training_steps": 4, "trainer.save_freq": 2,
+             "actor_rollout_ref.actor.router_replay": "R3"}
+    cases = [("full", "grpo_moe", None, "full", extra), ("first", "grpo_moe", 2, "resumed", extra),
+             ("rest", "grpo_moe", None, "resumed", extra)]
+    res = spawn_ranks(_runs, 2, model, data, str(tmp_path), cases, timeout_s=600)[0]
+
+    def strip(h):  # (a resumed engine syncs every weight once more: perf/reshard_bytes differs)
+        return {k: v for k, v in h.items() if not k.startswith(("timing_s/", "perf/"))}
+    assert [strip(h) for h in res["full"]] == [strip(h) for h in res["first"] + res["rest"]]
+    assert all("actor/router_disagreement" in h and "actor/moe_aux_loss" in h for h in res["full"] if h["step"])
+
+
+@pytest.mark.slow
+def test_standalone_rollout_with_r3_equals_colocated(tiny_moe, tmp_path):
+    """A MoE actor on ranks 0-1 and a TP-2 standalone rollout on ranks 2-3 (weights sent
+    point to point, each rank its slice of every expert; the rollout's routes travel with
+    the batch) train exactly as the colocated hybrid engine does, with R3 on."""
+    from test_standalone import COLOCATED, RUN, STANDALONE, _run, slice_bytes, strip
+
+    model, data = tiny_moe
+    r3 = {**RUN, "actor_rollout_ref.actor.router_replay": "R3", "async_training.staleness": 0}
+    cases = [("colocated", None, "colocated", {**COLOCATED, **r3}),
+             ("standalone", None, "standalone", {**STANDALONE, **r3})]
+    res = spawn_ranks(_run, 4, model, data, str(tmp_path), cases, timeout_s=900)
+    hist = {name: res[0][name][0] for name, *_ in cases}
+    assert strip(hist["standalone"]) == strip(hist["colocated"])
+    steps = [h for h in hist["standalone"] if h["step"] > 0]
+    assert [h.get("perf/weight_sync_bytes") for h in steps] == [None] + [slice_bytes(model, 2)] * 2
+    assert all("actor/router_disagreement" in h for h in steps)
+
+
+@pytest.mark.slow
+def test_grpo_moe_learns_with_r3(tmp_path):
+    """recipes/grpo_moe from an empty dir (data, the random-init MoE model, its SFT warm
+    start built first) with routing replay R3 and ``check_log_probs=error``: the validation
+    score rises by >= 0.3 and every step's rollout log-probs are within rounding of the
+    trainer's (its rows are the run's). Wall time is printed (the issue asks for 10 minutes
+    on 2 CPU cores; docs/models.md has the measured figure)."""
+    import json
+
+    from test_controller_launch import run_main_job
+
+    before, after, elapsed, log = run_main_job(
+        tmp_path, "recipe=grpo_moe", "actor_rollout_ref.actor.router_replay=R3",
+        "actor_rollout_ref.rollout.check_log_probs=error")
+    print(f"grpo_moe with R3: validation {before:.3f} -> {after:.3f} in {elapsed:.0f}s")
+    assert after - before >= 0.3, log
+    rows = [json.loads(line) for line in
+            (tmp_path / "outputs" / "grpo_moe" / "metrics.jsonl").read_text().splitlines()]
+    assert sum("actor/router_disagreement" in r for r in rows) == 150
+    assert max(r["training/rollout_log_prob_bound_ratio"] for r in rows if r["step"]) <= 1.0

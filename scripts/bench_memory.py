@@ -15,8 +15,10 @@ The settings: nothing; ``actor.logits_chunk_size`` (``--chunk`` tokens, never th
 ``[tokens, vocab]`` logits); ``actor.fsdp.activation_checkpointing`` (each block's
 activations recomputed in the backward); both; and on request ``torch.compile``
 (``actor.use_torch_compile``, after an untimed first update that compiles; the grads of
-that update are dropped). Sequence parallelism (issue 58's Ulysses)
-is not built yet, so it has no row.
+that update are dropped); ``SP=2`` and ``SP=2 + both`` (Ulysses,
+``actor.ulysses_sequence_parallel_size=2``: two gloo ranks started by ``torch.distributed.run``,
+one thread each, each holding the whole model and running half the sequence's tokens; the
+gradients summed over the two as FSDP would, then AdamW; the figure is the larger rank's).
 """
 
 from __future__ import annotations
@@ -30,10 +32,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SETTINGS = {"nothing": (False, False, False), "chunked logits": (True, False, False),  # (chunks, AC, compile)
-            "activation checkpointing": (False, True, False), "both": (True, True, False),
-            "torch.compile": (False, False, True)}
-DEFAULT_SETTINGS = ["nothing", "chunked logits", "activation checkpointing", "both"]
+SETTINGS = {"nothing": (False, False, False, 1), "chunked logits": (True, False, False, 1),  # (chunks, AC, compile, SP)
+            "activation checkpointing": (False, True, False, 1), "both": (True, True, False, 1),
+            "torch.compile": (False, False, True, 1), "SP=2": (False, False, False, 2),
+            "SP=2 + both": (True, True, False, 2)}
+DEFAULT_SETTINGS = ["nothing", "chunked logits", "activation checkpointing", "both", "SP=2", "SP=2 + both"]
 MARKERS = ("<!-- bench_memory: begin -->", "<!-- bench_memory: end -->")
 
 
@@ -47,16 +50,22 @@ def _status_kb(key: str) -> int:
 def child(args) -> dict:
     """One update in this process; its peak memory above the start and its seconds."""
     import torch
+    import torch.distributed as dist
 
     from minihf.algorithms.policy_loss import compute_policy_loss
     from minihf.models import load_hf
     from minihf.models.model import compile_blocks
     from minihf.parallel.fsdp import enable_activation_checkpointing
+    from minihf.parallel.ulysses import seq_parallel
     from minihf.workers.forward import forward_log_probs
     from minihf.workers.optim import OptimConfig, build_optimizer
 
-    torch.set_num_threads(args.threads)
-    chunked, checkpointed, compiled = SETTINGS[args.setting]
+    chunked, checkpointed, compiled, sp_size = SETTINGS[args.setting]
+    sp = None
+    if sp_size > 1:
+        dist.init_process_group("gloo")
+        sp = seq_parallel(dist.group.WORLD)
+    torch.set_num_threads(max(1, args.threads // sp_size))
     model = load_hf(args.model).train()
     if checkpointed:
         enable_activation_checkpointing(model)
@@ -74,10 +83,13 @@ def child(args) -> dict:
         mb = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
               "position_ids": torch.arange(ids.shape[1])[None], "responses": ids[:, args.prompt:]}
         out = forward_log_probs(model, mb, calc_entropy=True, entropy_grad=False,
-                                logits_chunk=args.chunk if chunked else None)
+                                logits_chunk=args.chunk if chunked else None, sp=sp)
         mask = torch.ones_like(out["log_probs"])
         loss = compute_policy_loss(out["log_probs"].detach(), out["log_probs"], mask, mask)[0]
         loss.backward()
+        if sp is not None:  # each rank's gradient is its tokens' part: the sum is the update's
+            for p in model.parameters():
+                dist.all_reduce(p.grad)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return float(loss)
@@ -89,14 +101,23 @@ def child(args) -> dict:
     t = time.perf_counter()
     loss = update(args.length)
     seconds = time.perf_counter() - t
-    peak = _status_kb("VmHWM")
-    return {"peak_mb": (peak - base) / 1024, "seconds": seconds, "loss": loss}
+    peak_mb = (_status_kb("VmHWM") - base) / 1024
+    if sp is not None:  # the larger rank's figures
+        both = torch.tensor([peak_mb, seconds], dtype=torch.float64)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX)
+        peak_mb, seconds = both.tolist()
+        dist.destroy_process_group()
+    return {"peak_mb": peak_mb, "seconds": seconds, "loss": loss}
 
 
 def run_child(args, length: int, setting: str) -> dict:
-    cmd = [sys.executable, __file__, "--child", setting, "--model", args.model, "--lengths", str(length),
-           "--prompt", str(args.prompt), "--chunk", str(args.chunk), "--threads", str(args.threads)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    sp = SETTINGS[setting][3]
+    launcher = ([sys.executable] if sp == 1 else
+                [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={sp}"])
+    cmd = launcher + [__file__, "--child", setting, "--model", args.model, "--lengths", str(length),
+                      "--prompt", str(args.prompt), "--chunk", str(args.chunk), "--threads", str(args.threads)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}
+                          if sp > 1 else None)
     if proc.returncode != 0:
         return {"error": (proc.stderr.strip().splitlines() or [f"rc={proc.returncode}"])[-1]}
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -115,8 +136,8 @@ def write_docs(args, table: list[str]) -> None:
     lines = ["### Memory of one actor update by response length", "",
              f"Generated by `python scripts/bench_memory.py {' '.join(sys.argv[1:])}` (do not edit by hand; the "
              f"script's docstring says what runs). {cpu_name()}, {args.threads} threads, torch {torch.__version__}, "
-             f"Python {platform.python_version()}; fp32, one rank, a {args.prompt}-token prompt, chunks of "
-             f"{args.chunk} tokens.", "", *table]
+             f"Python {platform.python_version()}; fp32, one rank (SP: two ranks of one thread each, the "
+             f"larger rank's figures), a {args.prompt}-token prompt, chunks of {args.chunk} tokens.", "", *table]
     write_model_section(ROOT / "docs" / "training.md", lines, MARKERS)
 
 
@@ -134,7 +155,9 @@ def main():
     args = ap.parse_args()
     if args.child:
         args.setting, args.length = args.child, args.lengths[0]
-        print(json.dumps(child(args)))
+        result = child(args)
+        if os.environ.get("RANK", "0") == "0":
+            print(json.dumps(result))
         return
     if not Path("/proc/self/clear_refs").exists():
         sys.exit("bench_memory reads Linux's /proc/self/status and clear_refs; this system has none")

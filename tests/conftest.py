@@ -21,3 +21,16 @@ def smollm2_tokenizer_dir(tmp_path_factory) -> Path:
         elif f.suffix != ".md":
             shutil.copy(f, out / f.name)
     return out
+
+
+@pytest.fixture(scope="module")
+def tiny_job(tmp_path_factory):
+    """A tiny random model and the ``digits`` task's data (32 train, 8 test rows), built once per
+    module: the RL job tests' ``(model dir, data dir)``."""
+    from minihf.data import make_task_data
+    from minihf.hub import init_model
+
+    root = tmp_path_factory.mktemp("job")
+    init_model(root / "model", size="tiny", task="digits")
+    make_task_data("digits", root / "data", 32, 8, seed=0)  # the recipes' task is sort: any works
+    return str(root / "model"), str(root / "data")

@@ -17,7 +17,7 @@ import torch
 
 from minihf.config import ConfigError
 from minihf.testing import spawn_ranks
-from test_ppo import ScriptedActor, _runs, final_params, job_config, tiny_job  # noqa: F401  (fixture)
+from test_ppo import ScriptedActor, _runs, final_params, job_config
 
 
 class VersionedActor(ScriptedActor):

@@ -17,16 +17,17 @@ def test_one_update_per_setting(tmp_path):
     vocabulary: each setting's row has a peak (MB) and seconds, and the chunked logits'
     peak is the smaller: whole, the [2048, 4096] fp32 logits alone are 32 MB (their
     log-softmax as much again), in chunks of 256 a sixteenth of that, while the rest of
-    the tiny model's update is a few MB."""
+    the tiny model's update is a few MB. With Ulysses on two ranks (``SP=2``) each rank holds
+    half the tokens' logits and activations: its peak is the smaller too."""
     path = tmp_path / "llama"
     build_tiny("llama", path, max_position_embeddings=4096, vocab_size=4096)
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_memory.py"), "--model", str(path),
                           "--lengths", "2048", "--chunk", "256", "--threads", "1",
-                          "--settings", "nothing", "chunked logits"],
+                          "--settings", "nothing", "chunked logits", "SP=2"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     rows = [line for line in out.stdout.splitlines() if line.startswith("  2048 tokens")]
-    assert len(rows) == 2, out.stdout
+    assert len(rows) == 3, out.stdout
     peaks = [float(line.split()[-4]) for line in rows]  # "... <peak> MB, <s> s"
-    assert all(p > 0 for p in peaks) and peaks[1] < peaks[0], rows
+    assert all(p > 0 for p in peaks) and peaks[1] < peaks[0] and peaks[2] < peaks[0], rows
     assert out.stdout.splitlines()[-1].startswith("| 2048 | ")

@@ -16,7 +16,7 @@ from minihf.models import build_model, load_args
 from minihf.models.lora import apply_lora, module_names
 from minihf.testing import spawn_ranks
 
-from test_ppo import _runs, job_config, tiny_job  # noqa: F401  (tiny_job: a fixture)
+from test_ppo import _runs, job_config
 
 LORA = {"actor_rollout_ref.model.lora_rank": 8, "actor_rollout_ref.model.lora_alpha": 16,
         "actor_rollout_ref.actor.optim.lr": 1e-2}

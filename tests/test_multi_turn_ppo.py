@@ -43,17 +43,6 @@ def _run(rank, world, model, data, tmp, recipe, tp=1, name=None, extra=None):
     return run(ppo_driver(cfg), ppo_roles(cfg), cfg.controller)
 
 
-@pytest.fixture(scope="module")
-def tiny_job(tmp_path_factory):
-    from minihf.data import make_task_data
-    from minihf.hub import init_model
-
-    root = tmp_path_factory.mktemp("mtppo")
-    init_model(root / "model", size="tiny", task="digits")
-    make_task_data("digits", root / "data", 32, 8, seed=0)
-    return str(root / "model"), str(root / "data")
-
-
 @pytest.mark.parametrize("recipe,world", [("grpo", 1), ("ppo", 2)])
 def test_multi_turn_job(tiny_job, tmp_path, recipe, world):
     model, data = tiny_job

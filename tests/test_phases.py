@@ -7,7 +7,7 @@ import torch
 
 from minihf.config import ConfigError
 from minihf.protocol import Batch
-from test_ppo import ScriptedActor, job_config, tiny_job  # noqa: F401  (fixture)
+from test_ppo import ScriptedActor, job_config
 
 REMAX_LIKE = '''
 import torch

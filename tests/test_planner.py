@@ -15,7 +15,8 @@ from typer.testing import CliRunner
 
 from minihf.cli import app
 from minihf.planner import DeviceProfile, Group, Plan, estimate, model_shape, plan_overrides, search
-from minihf.planner.cost import forward_seconds, generation_seconds, resident_bytes, update_seconds
+from minihf.planner.cost import (forward_seconds, generation_seconds, micro_batch_bytes, resident_bytes,
+                                 update_seconds)
 from minihf.planner.job import Role, Workload
 from minihf.planner.search import compositions, describe, groupings, set_partitions, tp_options
 
@@ -99,6 +100,24 @@ def test_forward_update_and_generation_formulas_by_hand():
     assert forward_seconds(moe, 128, 8, 1, 2, 1e10, PROFILE) == pytest.approx(4.4e-7)  # the gathers: all
     seconds, peak = generation_seconds(work([Role("actor", moe, True, epochs=2, mini_batch=4)]), plan, PROFILE)
     assert seconds == pytest.approx(8e-8 / 4 + 6 * 3.664e-8) and peak == pytest.approx(1000 * 2 + 4 * 16 * 32)
+
+
+def test_sequence_parallel_memory_and_time_by_hand():
+    m = _Shape(params=1000, layers=2, hidden=10, kv_dim=4, vocab=50, ffn=20)
+    # Ulysses over the 2 ranks: one SP group runs all 8 micro-batches (8 rows / (2 / 2) / 1), each
+    # gathering 1000*2/2 bytes / 1e10 + 1e-8 s and sending 4 x 2 layers x (16/2 tokens x 10 x 2 bytes)
+    # x (1/2) = 640 bytes / 1e10 of all-to-alls: 8 x (1e-7 + 1e-8 + 6.4e-8) = 1.392e-6 s
+    assert forward_seconds(m, 128, 8, 1, 2, 1e10, PROFILE, sp=2) == pytest.approx(1.392e-6)
+    # the update: 8 micro-batches x (4e-7 + 9e-8 + 2 x 6.4e-8 forward and backward) = 4.944e-6 per
+    # epoch (more than the compute 3.84e-7), + 2 AdamW steps of 1.6e-7
+    role = Role("actor", m, True, epochs=2, mini_batch=4, sp=2)
+    assert update_seconds(role, 1, work([role]), 2, 1e10, PROFILE) == pytest.approx(2 * (4.944e-6 + 2 * 1.6e-7))
+    # memory: a rank holds half a micro-batch's 16 tokens: activations 8 x 2 layers x 2 x (8*10 + 3*20)
+    # bytes and the logits 8 x 50 x 12, beside two gathered units (the largest block) and fp32 grads
+    one, two = (micro_batch_bytes(Role("actor", m, True, sp=s), 1, work([role]), 2, True) for s in (1, 2))
+    units = 2 * m.largest_block * 2 + 4 * m.largest_block
+    assert two - units == pytest.approx(8 * 2 * 2 * (80 + 60) + 8 * 50 * 12)
+    assert one - units == pytest.approx(2 * (two - units))
 
 
 def test_model_shape_counts_total_and_active_parameters(tmp_path):

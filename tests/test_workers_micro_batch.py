@@ -121,13 +121,13 @@ def test_mini_batch_rows_epochs_shuffle_and_divisibility():
     from minihf.workers.train_state import mini_batch_rows
 
     # group=None: one rank holds the whole global mini-batch
-    assert mini_batch_rows(5, 2, None, epochs=2, shuffle=False, seed=0) == [[0, 1], [2, 3], [4]] * 2
-    steps = mini_batch_rows(8, 4, None, epochs=3, shuffle=True, seed=7)
+    assert mini_batch_rows(5, 2, 1, epochs=2, shuffle=False, seed=0) == [[0, 1], [2, 3], [4]] * 2
+    steps = mini_batch_rows(8, 4, 1, epochs=3, shuffle=True, seed=7)
     epochs = [sum(steps[i:i + 2], []) for i in range(0, 6, 2)]
     assert all(sorted(e) == list(range(8)) for e in epochs)  # every row once per epoch
     assert len({tuple(e) for e in epochs}) == 3  # reshuffled each epoch
-    assert steps == mini_batch_rows(8, 4, None, epochs=3, shuffle=True, seed=7)  # same seed, same order
-    assert steps != mini_batch_rows(8, 4, None, epochs=3, shuffle=True, seed=8)
+    assert steps == mini_batch_rows(8, 4, 1, epochs=3, shuffle=True, seed=7)  # same seed, same order
+    assert steps != mini_batch_rows(8, 4, 1, epochs=3, shuffle=True, seed=8)
 
 
 def test_rollout_logprobs_equal_compute_log_prob_path():

@@ -72,7 +72,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, hd]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        gqa = self.num_heads != self.num_kv_heads
+        if meta is not None and meta.sp is not None:  # Ulysses: every token, this rank's heads
+            q, k, v = meta.sp.to_heads(q, k, v)
+        gqa = q.shape[1] != k.shape[1]
         if kv_cache is not None:
             k, v, mask = kv_cache.update(self.layer_idx, k, v, positions)
             # (two batched matmuls instead: 2x faster attention at batch 128 on CPU, 1.05-1.07x
@@ -98,11 +100,13 @@ class Attention(nn.Module):
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)
                 outs.append(o.transpose(1, 2).reshape(S * L, -1))                # [S*L, h*hd]
             out = torch.cat(outs).index_select(0, seg.back)[None]                # [1, T, h*hd]
-            return self.o_proj(out)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.mask,
                                                  is_causal=meta.is_causal, enable_gqa=gqa)
-        out = out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
+        if out.dim() == 4:                                                       # [B, h, T, hd]
+            out = out.transpose(1, 2).reshape(B, out.shape[2], -1)              # [B, T, h*hd]
+        if meta is not None and meta.sp is not None:  # back to this rank's tokens, every head
+            out = meta.sp.to_tokens(out, self.num_heads)
         return self.o_proj(out)
 
 

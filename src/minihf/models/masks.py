@@ -26,6 +26,7 @@ return NaN, and pads must stay finite.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -45,6 +46,7 @@ class AttnMeta:
     cu_seqlens_k: torch.Tensor | None = None  # int32 [S+1] over the gathered keys
     max_seqlen_k: int = 0
     segments: Segments | None = None  # packed input without flash-attn
+    sp: Any = None  # minihf.parallel.ulysses.SeqParallel: this rank runs a piece of the tokens
 
 
 @dataclass

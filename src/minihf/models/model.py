@@ -5,7 +5,10 @@ One forward serves training and generation:
 shared_prefix=None, moe=None)``; ``shared_prefix`` [S] (packed input only) says which packed
 sequence each one continues (-1: none), so a prompt shared by several responses is packed
 once; ``moe`` (``minihf.models.moe.MoEStep``) what a mixture-of-experts model's layers
-record in this forward (the load-balancing loss's statistics).
+record in this forward (the load-balancing loss's statistics); ``sp``
+(``minihf.parallel.ulysses.SeqParallel``, packed input only) runs this rank's piece of the
+packed row (the row's length a multiple of the group's size), attention over all of it, and
+returns that piece's outputs.
 The model never touches torch.distributed; tensor parallelism and FSDP are applied after
 construction by ``minihf.parallel``. Build order (CONTRIBUTING.md, rule 2): construct on the meta
 device (``build_model(args, device="meta")``), parallelize, then ``materialize`` and load
@@ -39,7 +42,7 @@ class DecoderModel(nn.Module):
         self.rope = RopeTable(args)  # not a module or buffer: invisible to state dicts / FSDP
 
     def forward(self, tokens, positions=None, kv_cache=None, cu_seqlens=None,
-                attention_mask=None, shared_prefix=None, moe=None) -> torch.Tensor:
+                attention_mask=None, shared_prefix=None, moe=None, sp=None) -> torch.Tensor:
         if positions is None:
             if kv_cache is not None:
                 raise ValueError("positions are required with a kv_cache (they say where "
@@ -48,9 +51,18 @@ class DecoderModel(nn.Module):
         if kv_cache is not None and (cu_seqlens is not None or attention_mask is not None):
             raise ValueError("with a kv_cache the cache decides the mask: pass positions only "
                              "(not cu_seqlens or attention_mask)")
+        full = tokens
+        if sp is not None:  # Ulysses: this rank's tokens; attention gathers the rest
+            if cu_seqlens is None or moe is not None:
+                raise ValueError("sequence parallelism runs packed input (cu_seqlens) of a dense "
+                                 "model only")
+            lo, hi = sp.bounds(tokens.shape[1])
+            tokens, positions = tokens[:, lo:hi], positions[:, lo:hi]
         h = self.embed_tokens(tokens)
         meta = None if kv_cache is not None else build_attn_meta(
-            tokens, attention_mask, cu_seqlens, h.dtype, shared_prefix)
+            full, attention_mask, cu_seqlens, h.dtype, shared_prefix)
+        if sp is not None:
+            meta.sp = sp
         cos, sin = self.rope(positions, h.dtype)
         for layer in self.layers:
             h = layer(h, cos, sin, positions, meta, kv_cache, moe)
@@ -66,9 +78,9 @@ class _Base(nn.Module):
         self.model = DecoderModel(args)
 
     def forward_hidden(self, tokens, positions=None, kv_cache=None, cu_seqlens=None,
-                       attention_mask=None, shared_prefix=None, moe=None) -> torch.Tensor:
-        """Final normed hidden states [B, T, H]."""
-        return self.model(tokens, positions, kv_cache, cu_seqlens, attention_mask, shared_prefix, moe)
+                       attention_mask=None, shared_prefix=None, moe=None, sp=None) -> torch.Tensor:
+        """Final normed hidden states [B, T, H] (with ``sp``, this rank's piece of T)."""
+        return self.model(tokens, positions, kv_cache, cu_seqlens, attention_mask, shared_prefix, moe, sp)
 
     def tie_weights(self) -> None:
         """Re-establish weight sharing (``to_empty`` breaks it); no-op when untied."""
@@ -87,16 +99,17 @@ class CausalLM(_Base):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, tokens, positions=None, kv_cache=None, cu_seqlens=None,
-                attention_mask=None, shared_prefix=None, logits_to_keep=None, head=None, moe=None):
+                attention_mask=None, shared_prefix=None, logits_to_keep=None, head=None, moe=None,
+                sp=None):
         """Logits [B, T, V] in the parameter dtype; with ``logits_to_keep`` (long [K], positions
         along T, repeats allowed; transformers' argument) only those, [B, K, V]: the LM head
         is the largest matmul of a real vocabulary, and a trainer needs it at response
         positions only. ``head(hidden, lm_head_weight)``, when given, replaces the LM head's
         matmul and its result is returned (``minihf.algorithms.chunked_logits``: log-probs
         without whole logits); it runs inside this forward, where FSDP has gathered the
-        weight."""
+        weight. With ``sp``, ``logits_to_keep`` indexes this rank's piece."""
         h = self.forward_hidden(tokens, positions, kv_cache, cu_seqlens, attention_mask,
-                                shared_prefix, moe)
+                                shared_prefix, moe, sp)
         if logits_to_keep is not None:
             h = h.index_select(1, logits_to_keep)
         return self.lm_head(h) if head is None else head(h, self.lm_head.weight)
@@ -111,10 +124,10 @@ class ValueModel(_Base):
         self.value_head = Linear(args.hidden_size, 1)
 
     def forward(self, tokens, positions=None, kv_cache=None, cu_seqlens=None,
-                attention_mask=None, shared_prefix=None, moe=None) -> torch.Tensor:
+                attention_mask=None, shared_prefix=None, moe=None, sp=None) -> torch.Tensor:
         """Values [B, T]."""
         h = self.forward_hidden(tokens, positions, kv_cache, cu_seqlens, attention_mask,
-                                shared_prefix, moe)
+                                shared_prefix, moe, sp)
         # not a view: FSDP2 hooks a root module's output for its backward, and an in-place
         # edit of a view would skip that hook (it warns about every view it returns)
         return self.value_head(h).squeeze(-1).clone()
@@ -130,10 +143,10 @@ class ScoreModel(_Base):
         self.score = Linear(args.hidden_size, 1, bias=False)
 
     def forward(self, tokens, positions=None, kv_cache=None, cu_seqlens=None,
-                attention_mask=None, shared_prefix=None, moe=None) -> torch.Tensor:
+                attention_mask=None, shared_prefix=None, moe=None, sp=None) -> torch.Tensor:
         """Scores [B, T]."""
         h = self.forward_hidden(tokens, positions, kv_cache, cu_seqlens, attention_mask,
-                                shared_prefix, moe)
+                                shared_prefix, moe, sp)
         return self.score(h).squeeze(-1).clone()  # not a view (see ValueModel.forward)
 
 

@@ -50,6 +50,12 @@ fp32 gradients), activations (``b (8 h + 3 ffn)`` per token and layer; ``b h`` w
 activation checkpointing, plus one layer's full set) and the LM head's logits in fp32
 (``12 V`` bytes per token: logits, log-softmax and its gradient); a forward micro-batch's
 unit and logits.
+
+Ulysses sequence parallelism (a role's ``ulysses_sequence_parallel_size`` ``s``): a rank
+holds ``1/s`` of a micro-batch's tokens, so its activations and logits are ``1/s``; it takes
+part in ``s`` times as many micro-batches (each gathering the FSDP units) and sends, per
+layer and micro-batch, ``4 (s-1)/s`` of its tokens' hidden states through all-to-alls (q,
+k, v, the attention output) in each forward and backward. Compute is unchanged.
 """
 
 from __future__ import annotations
@@ -102,13 +108,26 @@ def units(role: Role) -> int:
     return role.model.layers + 1 if role.wrap_blocks else 1
 
 
+def sp_bytes(model: ModelShape, tokens: int, rows: int, micro: int, sp: int, b: float) -> float:
+    """Bytes one rank sends in a forward's all-to-alls over a micro-batch (Ulysses, ``sp``
+    ranks): q, k, v and the attention output of its tokens, all but a 1/sp share, per layer."""
+    if sp == 1:
+        return 0.0
+    per_rank = tokens / rows * micro / sp
+    return 4 * model.layers * per_rank * model.hidden * b * (sp - 1) / sp
+
+
 def forward_seconds(model: ModelShape, tokens: int, rows: int, micro: int, g: int, link: float,
-                    profile: DeviceProfile, fsdp_units: int = 1) -> float:
+                    profile: DeviceProfile, fsdp_units: int = 1, sp: int = 1) -> float:
+    """A forward over ``rows`` rows (``tokens`` in all) on ``g`` ranks, micro-batches of
+    ``micro`` rows; with Ulysses (``sp``) an SP group runs each micro-batch together, so a rank
+    takes part in ``sp`` times as many (each gathering the weights) plus their all-to-alls."""
     compute = 2 * model.active * tokens / (g * profile.flops)
     if g == 1:
         return compute
-    steps = math.ceil(rows / g / micro)
-    comm = steps * (gathered(model.params, g, profile.bytes_per_param) / link + fsdp_units * profile.collective_latency)
+    steps = math.ceil(rows / (g // sp) / micro)
+    comm = steps * (gathered(model.params, g, profile.bytes_per_param) / link + fsdp_units * profile.collective_latency
+                    + sp_bytes(model, tokens, rows, micro, sp, profile.bytes_per_param) / link)
     return _together(compute, comm, profile)
 
 
@@ -125,9 +144,12 @@ def update_seconds(role: Role, micro: int, w: Workload, g: int, link: float, pro
     flops = (2 if role.activation_checkpointing else 0) + (6 if role.lora_params is None else 4)
     compute = flops * p * w.forward_tokens / (g * profile.flops)
     comm = 0.0
-    if g > 1:  # per micro-batch: two all-gathers and a reduce-scatter of every unit
-        comm = math.ceil(w.sequences / g / micro) * (gathered(p, g, 2 * b + 4) / link
-                                                     + 3 * units(role) * profile.collective_latency)
+    if g > 1:  # per micro-batch: two all-gathers and a reduce-scatter of every unit (Ulysses:
+        # sp times the micro-batches, and their all-to-alls forward, backward and recomputed)
+        a2a = (3 if role.activation_checkpointing else 2) * sp_bytes(
+            role.model, w.forward_tokens, w.sequences, micro, role.sp, b)
+        comm = math.ceil(w.sequences / (g // role.sp) / micro) * (
+            gathered(p, g, 2 * b + 4) / link + 3 * units(role) * profile.collective_latency + a2a / link)
     adamw = math.ceil(w.sequences / role.mini_batch) * 32 * role.trained_params / g / profile.memory_bandwidth
     return role.epochs * (_together(compute, comm, profile) + adamw)
 
@@ -151,7 +173,7 @@ def _unit(model: ModelShape, wrap_blocks: bool) -> int:
 def micro_batch_bytes(role: Role, micro: int, w: Workload, b: int, train: bool) -> float:
     """Transient bytes of one micro-batch of ``role`` (forward, or forward + backward)."""
     m = role.model
-    tokens = micro * (w.prompt_len + w.response_len)
+    tokens = math.ceil(micro * (w.prompt_len + w.response_len) / role.sp)  # this rank's (Ulysses: 1/sp)
     unit = _unit(m, role.wrap_blocks)
     # value and score heads: one output; an LM head in chunks holds one chunk's logits at a time
     logits = min(tokens, role.logits_chunk or tokens) * m.vocab * 12 if role.name == "actor" else 0
@@ -247,7 +269,7 @@ def estimate(w: Workload, plan: Plan, profile: DeviceProfile) -> Estimate:
     def forward(role_name: str, overlapped: bool = False) -> float:
         g, role = plan.group_of(role_name), w.role(role_name)
         return forward_seconds(role.model, w.forward_tokens, w.sequences, plan.micro(role_name), g.devices,
-                               link[g.roles], seen(role_name, overlapped), units(role))
+                               link[g.roles], seen(role_name, overlapped), units(role), role.sp)
 
     phases["reward"] = sum(forward(r) for r in ("reward_model", "cost_model") if _has(w, r))
     phases["old_log_prob"] = forward("actor") if w.recompute_old_log_prob else 0.0

@@ -113,6 +113,7 @@ class Role:
     token_budget: bool = False           # the config cuts micro-batches by tokens (max_tokens_per_micro_batch)
     lora_params: int | None = None       # LoRA: the adapters' parameters (the base is frozen); None: all train
     logits_chunk: int | None = None      # tokens whose logits exist at a time (actor.logits_chunk_size); None: all
+    sp: int = 1                          # ranks that split each micro-batch's tokens (ulysses_sequence_parallel_size)
 
     @property
     def trained_params(self) -> int:
@@ -165,7 +166,7 @@ def workload(cfg, models: dict[str, str] | None = None) -> Workload:
         return Role(name, shape(name, model_cfg.path), True, section.ppo_epochs, section.ppo_mini_batch_size,
                     fsdp.activation_checkpointing, fsdp.wrap_blocks,
                     section.max_tokens_per_micro_batch is not None, lora,
-                    getattr(section, "logits_chunk_size", None))
+                    getattr(section, "logits_chunk_size", None), section.ulysses_sequence_parallel_size)
 
     roles = [trained("actor", a.actor, a.actor.fsdp, a.model)]
     if c.enable:

@@ -102,6 +102,33 @@ def check_rollout_tp(cfg: PPOConfig) -> None:
         raise ConfigError(f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}: {exc}") from None
 
 
+def check_sequence_parallel(cfg: PPOConfig, world: int) -> None:
+    """Each ``ulysses_sequence_parallel_size`` against its role's ranks and its model (one
+    line naming the key and the values that work), before any worker starts."""
+    from minihf.controller.config import resolve_placement
+    from minihf.models import load_args
+    from minihf.parallel.ulysses import check_sp_model, check_sp_ranks
+    from minihf.workers import CriticWorker
+    from minihf.workers.actor import sp_sizes
+
+    roles = ppo_roles(cfg)
+    a, ref = sp_sizes(cfg.actor_rollout_ref)
+    sizes = [("actor", "actor_rollout_ref.actor", a, cfg.actor_rollout_ref.model),
+             ("actor", "actor_rollout_ref.ref", ref, cfg.actor_rollout_ref.model)]
+    sizes += [(name, name, role.args[0].ulysses_sequence_parallel_size, role.args[0].model)
+              for name, role in roles.items() if role.worker_cls is CriticWorker]  # critic, cost_critic
+    if all(size == 1 for *_, size, _ in sizes):
+        return
+    layouts = resolve_placement(cfg.controller.placement, world, list(roles))
+    for role, section, size, model in sizes:
+        key = f"{section}.ulysses_sequence_parallel_size"
+        try:
+            check_sp_ranks(size, layouts[role].size, key, role)
+            check_sp_model(size, load_args(model.path), key, model.use_remove_padding)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+
+
 def check_lora(cfg: PPOConfig) -> None:
     """The LoRA keys of the trained roles against their models, before any worker starts:
     module names that match nothing, a ``lora_adapter_path`` that is no PEFT dir, is broken
@@ -147,6 +174,7 @@ def rl_job(cfg: PPOJobConfig, device, trainer=None):
     try:
         prepare_job(cfg, device)
         check_paths(cfg)
+        check_sequence_parallel(cfg, dist.get_world_size())
         if device.type == "cuda" and cfg.trainer.memory_check:  # before any role loads a model
             from minihf.planner.startup import check_memory, device_profile
 

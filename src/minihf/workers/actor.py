@@ -61,7 +61,8 @@ from minihf.parallel.fsdp import default_mixed_precision
 from minihf.protocol import Batch
 from minihf.rollout.llm import eos_ids_from_dir
 from minihf.workers.config import ActorRolloutRefConfig
-from minihf.workers.engine import build_fsdp_model, prefixed, run_micro_batches, tensors_of
+from minihf.parallel.ulysses import check_sp_model
+from minihf.workers.engine import build_fsdp_model, prefixed, run_micro_batches, sp_group, sp_layouts, tensors_of
 from minihf.workers.forward import forward_log_probs
 from minihf.workers.train_state import TrainState
 from minihf.workers.train_step import group_size
@@ -106,6 +107,21 @@ def check_router_replay(cfg: ActorRolloutRefConfig) -> None:
                              "set it to disabled")
 
 
+def sp_sizes(cfg: ActorRolloutRefConfig) -> tuple[int, int]:
+    """The actor's and the reference's ``ulysses_sequence_parallel_size`` (the reference's
+    null: the actor's, as in verl)."""
+    actor = cfg.actor.ulysses_sequence_parallel_size
+    ref = cfg.ref.ulysses_sequence_parallel_size
+    return actor, actor if ref is None else ref
+
+
+def check_sequence_parallel(cfg: ActorRolloutRefConfig, args) -> None:
+    """The actor's and reference's SP sizes against the model (``args``)."""
+    for section, size in zip(("actor", "ref"), sp_sizes(cfg)):
+        check_sp_model(size, args, f"actor_rollout_ref.{section}.ulysses_sequence_parallel_size",
+                       cfg.model.use_remove_padding)
+
+
 def shard_ranks(group, rank: int) -> list[int]:
     """Global ranks holding FSDP shards 0, 1, ... over ``group`` (its rank order)."""
     import torch.distributed as dist
@@ -144,12 +160,14 @@ class ActorRolloutRefWorker(Worker):
         self.state: TrainState | None = None  # the trained policy (model, optimizer, schedule)
         self.actor = self.ref = None           # self.actor is self.state.model
         self.rollout: HybridEngine | None = None
+        self.sp = self.ref_sp = None  # Ulysses groups of the update/old log-probs and the reference
         self.transfer_plans: dict = {}  # a standalone rollout's sync plans (send_weights)
 
     @classmethod
     def declare_layouts(cls, config: ActorRolloutRefConfig, with_ref: bool = True,
                         reference: str | None = None, generates: bool = True) -> dict[str, int]:
-        return {"rollout": config.rollout.tensor_model_parallel_size if generates else 1}
+        return {"rollout": config.rollout.tensor_model_parallel_size if generates else 1,
+                **sp_layouts(*sp_sizes(config))}
 
     # -- set-up ---------------------------------------------------------------------------
     @register(dispatch=Dispatch.ONE_TO_ALL)
@@ -162,6 +180,8 @@ class ActorRolloutRefWorker(Worker):
                                       group=self.group, device=self.device,
                                       total_steps=total_training_steps, compile=cfg.actor.use_torch_compile)
         self.actor = self.state.model
+        check_sequence_parallel(cfg, self.actor.args)
+        self.sp, self.ref_sp = (sp_group(self, n) for n in sp_sizes(cfg))
         if self.with_ref and self.reference == "adapters_off":
             self.ref = self.actor
         elif self.with_ref:
@@ -202,7 +222,7 @@ class ActorRolloutRefWorker(Worker):
     # -- inference ------------------------------------------------------------------------
     def _log_probs(self, model, batch: Batch, micro: int | None, max_tokens: int | None,
                    calc_entropy: bool, calc_logit_scale: bool = False, chunk: int | None = None,
-                   routes: str | None = None) -> dict:
+                   routes: str | None = None, sp=None) -> dict:
         data = tensors_of(batch, INPUT_KEYS + (("routed_experts",) if routes == "replay" else ()), self.device)
         temperature = float(batch.meta.get("temperature", 1.0))
         use_rmpad, share = self.config.model.use_remove_padding, self.config.model.shares_prompt
@@ -210,9 +230,10 @@ class ActorRolloutRefWorker(Worker):
         def fn(mb):
             return forward_log_probs(model, mb, use_remove_padding=use_rmpad, share_prompt=share,
                                      temperature=temperature, calc_entropy=calc_entropy,
-                                     calc_logit_scale=calc_logit_scale, logits_chunk=chunk, routes=routes)
+                                     calc_logit_scale=calc_logit_scale, logits_chunk=chunk, routes=routes,
+                                     sp=sp)
         return run_micro_batches(data, fn, micro_batch_size=micro, max_tokens=max_tokens,
-                                 group=self.group, model=model, share_prompt=share)
+                                 group=self.group, model=model, share_prompt=share, sp=sp)
 
     def _coarsest_dtype(self) -> torch.dtype:
         """The lower of the engine's and the trainer's compute precisions (bf16 where
@@ -246,7 +267,7 @@ class ActorRolloutRefWorker(Worker):
         routes = self._routes(batch, update=False)
         out = self._log_probs(self._require("actor"), batch, a.log_prob_micro_batch_size_per_gpu,
                               a.max_tokens_per_micro_batch, calc_entropy, calc_bound, a.logits_chunk_size,
-                              routes)
+                              routes, self.sp)
         tensors = {"old_log_probs": out["log_probs"].cpu()}
         for key in ("routed_experts", "router_disagree", "router_replayed"):
             if key in out:
@@ -265,7 +286,8 @@ class ActorRolloutRefWorker(Worker):
         ref = self._require("ref")
         with adapters_disabled(ref) if self.reference == "adapters_off" else nullcontext():
             out = self._log_probs(ref, batch, r.log_prob_micro_batch_size_per_gpu,
-                                  r.max_tokens_per_micro_batch, False, chunk=r.logits_chunk_size)
+                                  r.max_tokens_per_micro_batch, False, chunk=r.logits_chunk_size,
+                                  sp=self.ref_sp)
         return Batch({"ref_log_prob": out["log_probs"].cpu()})
 
     # -- update ---------------------------------------------------------------------------
@@ -285,7 +307,8 @@ class ActorRolloutRefWorker(Worker):
                                     share_prompt=self.config.model.shares_prompt, temperature=temperature,
                                     calc_entropy=a.entropy_coeff != 0 or own_old,
                                     entropy_grad=a.entropy_coeff != 0, logits_chunk=a.logits_chunk_size,
-                                    moe=MoEStep(router) if router is not None else None, routes=routes)
+                                    moe=MoEStep(router) if router is not None else None, routes=routes,
+                                    sp=self.sp)
             log_prob = out["log_probs"]                                       # [b, R]
             old = log_prob.detach() if own_old else mb["old_log_probs"]
             extra = {"rollout_is_weights": mb["rollout_is_weights"]} if "rollout_is_weights" in mb else {}
@@ -345,7 +368,7 @@ class ActorRolloutRefWorker(Worker):
             max_tokens=a.max_tokens_per_micro_batch, epochs=a.ppo_epochs, shuffle=a.shuffle,
             seed=int(batch.meta.get("global_step", 0)), loss_agg_mode=a.loss_agg_mode,
             make_loss_fn=lambda norm, tokens: self._loss_fn(norm, tokens, temperature, own_old, routes),
-            share_prompt=self.config.model.shares_prompt)
+            share_prompt=self.config.model.shares_prompt, sp=self.sp)
         metrics = prefixed(stats, "actor")
         if a.use_kl_loss:
             metrics["actor/kl_coef"] = a.kl_loss_coef

@@ -79,6 +79,12 @@ def _check_chunk(section: str, chunk: Optional[int]) -> None:
                          "logits are made at a time, e.g. 1024) or null (all of a micro-batch's at once)")
 
 
+def _check_sp(section: str, size) -> None:
+    if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
+        raise ValueError(f"{section}.ulysses_sequence_parallel_size={size!r} must be an int >= 1 "
+                         "(ranks that split one sequence; 1 = off)")
+
+
 def _check_micro(micro: Optional[int], max_tokens: Optional[int]) -> None:
     if micro is None and max_tokens is None:
         raise ValueError("set a micro-batch size (*_micro_batch_size_per_gpu) or "
@@ -138,6 +144,10 @@ class ActorConfig:
     # forward and backward; minihf.algorithms.chunked_logits): never [tokens, vocab] whole,
     # for long responses and large vocabularies; null: a micro-batch's at once
     logits_chunk_size: Optional[int] = None
+    # Ulysses sequence parallelism (verl's key): this many of the actor's ranks split each packed
+    # micro-batch's tokens (attention by all-to-all over heads); it must divide the actor's
+    # ranks; needs model.use_remove_padding and a dense model. 1: off
+    ulysses_sequence_parallel_size: int = 1
     use_torch_compile: bool = False      # torch.compile (dynamic shapes) each block's norms and MLP for the update and log-probs (verl's key; attention stays eager); each process compiles once
     # a mixture-of-experts policy's load-balancing loss weight in the update (transformers'
     # load_balancing_loss_func; the metric actor/moe_aux_loss); null: the model config's
@@ -154,6 +164,7 @@ class ActorConfig:
     def __post_init__(self):
         _check_ppo_update(self)
         _check_chunk("actor", self.logits_chunk_size)
+        _check_sp("actor", self.ulysses_sequence_parallel_size)
         if not self.clip_ratio > 0:
             raise ValueError(f"clip_ratio={self.clip_ratio} must be > 0")
         if self.clip_ratio_low is not None and not 0 <= self.clip_ratio_low < 1:
@@ -186,11 +197,13 @@ class RefConfig:
     log_prob_micro_batch_size_per_gpu: Optional[int] = 8  # rows per reference forward (when no token budget)
     max_tokens_per_micro_batch: Optional[int] = None  # token budget per reference forward (wins when set)
     logits_chunk_size: Optional[int] = None  # as actor.logits_chunk_size, for the reference's forward
+    ulysses_sequence_parallel_size: Optional[int] = None  # as actor's, for the reference's forward; null: actor's
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)  # param_offload: keep it on the host when idle
 
     def __post_init__(self):
         _check_micro(self.log_prob_micro_batch_size_per_gpu, self.max_tokens_per_micro_batch)
         _check_chunk("ref", self.logits_chunk_size)
+        _check_sp("ref", self.ulysses_sequence_parallel_size)
 
 
 @dataclass
@@ -368,11 +381,13 @@ class CriticConfig:
     shuffle: bool = False                # reshuffle rows each epoch
     cliprange_value: float = 0.5         # value clipping around the old values
     loss_agg_mode: str = "token-mean"    # how token losses are averaged (see agg_loss)
+    ulysses_sequence_parallel_size: int = 1  # as actor.ulysses_sequence_parallel_size, for the critic
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
 
     def __post_init__(self):
         _check_ppo_update(self)
+        _check_sp("critic", self.ulysses_sequence_parallel_size)
         if not self.cliprange_value > 0:
             raise ValueError(f"cliprange_value={self.cliprange_value} must be > 0 (the values "
                              "move at most this far from the old ones per update)")

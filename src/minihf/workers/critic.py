@@ -17,7 +17,8 @@ from minihf.algorithms import compute_value_loss, masked_mean
 from minihf.controller import Dispatch, Worker, register
 from minihf.protocol import Batch
 from minihf.workers.config import CriticConfig
-from minihf.workers.engine import prefixed, run_micro_batches, tensors_of
+from minihf.workers.engine import prefixed, run_micro_batches, sp_group, sp_layouts, tensors_of
+from minihf.parallel.ulysses import check_sp_model
 from minihf.workers.forward import forward_values
 from minihf.workers.train_state import TrainState
 
@@ -31,6 +32,11 @@ class CriticWorker(Worker):
         self.config = config
         self.state: TrainState | None = None
         self.critic = None  # self.state.model
+        self.sp = None      # its Ulysses group (critic.ulysses_sequence_parallel_size)
+
+    @classmethod
+    def declare_layouts(cls, config: CriticConfig) -> dict[str, int]:
+        return sp_layouts(config.ulysses_sequence_parallel_size)
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def init_model(self, total_training_steps: int | None = None) -> None:
@@ -39,6 +45,9 @@ class CriticWorker(Worker):
         self.state = TrainState.build(c.model, c.fsdp, c.optim, head="value", group=self.group,
                                       device=self.device, total_steps=total_training_steps)
         self.critic = self.state.model
+        check_sp_model(c.ulysses_sequence_parallel_size, self.critic.args,
+                       "critic.ulysses_sequence_parallel_size", c.model.use_remove_padding)
+        self.sp = sp_group(self, c.ulysses_sequence_parallel_size)
 
     def _model(self):
         if self.critic is None:
@@ -53,11 +62,11 @@ class CriticWorker(Worker):
 
         def fn(mb):
             v = forward_values(model, mb, use_remove_padding=c.model.use_remove_padding,
-                               share_prompt=self.config.model.shares_prompt)
+                               share_prompt=self.config.model.shares_prompt, sp=self.sp)
             return {"values": v}
         out = run_micro_batches(data, fn, micro_batch_size=c.forward_micro_batch_size_per_gpu,
                                 max_tokens=c.max_tokens_per_micro_batch, group=self.group,
-                                model=model, share_prompt=self.config.model.shares_prompt)
+                                model=model, share_prompt=self.config.model.shares_prompt, sp=self.sp)
         return Batch({"values": out["values"].cpu()})
 
     def _loss_fn(self, norm, tokens):
@@ -66,7 +75,7 @@ class CriticWorker(Worker):
         def loss_fn(mb):
             mask = mb["response_mask"]
             vpreds = forward_values(model, mb, use_remove_padding=c.model.use_remove_padding,
-                                    share_prompt=self.config.model.shares_prompt)
+                                    share_prompt=self.config.model.shares_prompt, sp=self.sp)
             vf_loss, clipfrac = compute_value_loss(vpreds, mb["returns"], mb["values"], mask,
                                                    c.cliprange_value, c.loss_agg_mode, norm)
             share = mask.float().sum() / tokens
@@ -85,7 +94,7 @@ class CriticWorker(Worker):
             micro_batch_size=c.ppo_micro_batch_size_per_gpu,
             max_tokens=c.max_tokens_per_micro_batch, epochs=c.ppo_epochs, shuffle=c.shuffle,
             seed=int(batch.meta.get("global_step", 0)), loss_agg_mode=c.loss_agg_mode,
-            make_loss_fn=self._loss_fn, share_prompt=self.config.model.shares_prompt)
+            make_loss_fn=self._loss_fn, share_prompt=self.config.model.shares_prompt, sp=self.sp)
         return prefixed(stats, "critic")
 
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Dispatch.RANK_ZERO)

@@ -21,6 +21,7 @@ from minihf.models.model import compile_blocks
 from minihf.models.lora import (ALL_LINEAR, adaptable, apply_lora, init_lora_state, is_lora_param,
                                 module_names, target_list, trained_with_lora)
 from minihf.parallel.fsdp import apply_fsdp, fsdp_mesh, load_sharded, reshard
+from minihf.parallel.ulysses import SeqParallel, seq_parallel
 from minihf.workers.config import FSDPConfig, ModelConfig
 from minihf.workers.packing import response_prompt_groups
 from minihf.workers.train_step import plan_micro_batches, take_rows
@@ -109,13 +110,19 @@ def tensors_of(batch, keys: Sequence[str], device: torch.device) -> dict[str, to
 def run_micro_batches(data: dict[str, torch.Tensor], fn: Callable[[dict], dict],
                       *, micro_batch_size: int | None, max_tokens: int | None,
                       group, model: nn.Module | None = None,
-                      share_prompt: bool = False) -> dict[str, torch.Tensor]:
+                      share_prompt: bool = False, sp: SeqParallel | None = None) -> dict[str, torch.Tensor]:
     """``fn`` over micro-batches of ``data`` (no grad), outputs back in row order.
 
     Every rank of ``group`` runs the same number of forwards (FSDP all-gathers per call).
     ``model`` (the FSDP model ``fn`` runs) is resharded afterwards. ``share_prompt``: ``fn``
     runs a shared prompt once, so a token budget plans the rows sharing one together.
+    ``sp`` (Ulysses): the SP group's rows run together (``fn`` splits each micro-batch's
+    tokens over the group, a budget of ``max_tokens x sp.size``); each rank returns its own.
     """
+    own = None
+    if sp is not None:
+        data, own = sp.gather_rows(data)
+        max_tokens = max_tokens * sp.size if max_tokens is not None else None
     groups = response_prompt_groups(data) if share_prompt and max_tokens is not None else None
     plan = plan_micro_batches(data["attention_mask"], micro_batch_size=micro_batch_size,
                               max_tokens=max_tokens, group=group, groups=groups)
@@ -127,7 +134,18 @@ def run_micro_batches(data: dict[str, torch.Tensor], fn: Callable[[dict], dict],
         result[k] = torch.empty_like(cat).index_copy_(0, order.to(cat.device), cat)
     if model is not None:
         reshard(model)
-    return result
+    return result if own is None else sp.own_rows(result, own)
+
+
+def sp_layouts(*sizes: int) -> dict[str, int]:
+    """The layouts a role declares for its sequence-parallel sizes: one per size over 1, whose
+    TP groups serve as the SP groups (every rank creates them at launch)."""
+    return {f"sp{n}": n for n in sizes if n > 1}
+
+
+def sp_group(worker, size: int) -> SeqParallel | None:
+    """``worker``'s SP group of ``size`` ranks (declared by :func:`sp_layouts`); None for 1."""
+    return seq_parallel(worker.parallel(f"sp{size}").tp_group) if size > 1 else None
 
 
 def prefixed(metrics: dict[str, float], prefix: str) -> dict[str, float]:

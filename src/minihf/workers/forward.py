@@ -8,8 +8,11 @@ response of length ``R``; ``attention_mask``/``position_ids`` ``[B, T]``; ``resp
 Two equivalent paths: padded (``attention_mask`` passed to the model) and padding-free
 (:mod:`minihf.workers.packing`: one packed row with ``cu_seqlens``), selected by
 ``use_remove_padding``. Packed, ``share_prompt`` runs a prompt shared by several rows
-once (see :mod:`minihf.workers.packing`). The model is called through ``__call__`` (never
-a sub-module directly) so FSDP's hooks gather its parameters.
+once (see :mod:`minihf.workers.packing`), and ``sp`` (a
+``minihf.parallel.ulysses.SeqParallel``) splits the packed row over a sequence-parallel
+group: each rank runs its piece and the outputs come back whole on every rank. The model is
+called through ``__call__`` (never a sub-module directly) so FSDP's hooks gather its
+parameters.
 """
 
 from __future__ import annotations
@@ -29,14 +32,26 @@ def _pack(mb: dict, share_prompt: bool):
     return pack(mb["input_ids"], mb["attention_mask"], mb["position_ids"], prompt_length)
 
 
-def _run(model: nn.Module, mb: dict, use_remove_padding: bool, share_prompt: bool = False):
+def _check_sp(sp, use_remove_padding: bool) -> None:
+    if sp is not None and not use_remove_padding:
+        raise ValueError("sequence parallelism (ulysses_sequence_parallel_size > 1) splits the "
+                         "packed row: set model.use_remove_padding=true")
+
+
+def _run(model: nn.Module, mb: dict, use_remove_padding: bool, share_prompt: bool = False, sp=None):
     """Model outputs in the padded ``[B, T, ...]`` layout, or, if packed, on the packed
     row ``[N, ...]`` with the packing."""
+    _check_sp(sp, use_remove_padding)
     if use_remove_padding:
         packed = _pack(mb, share_prompt)
-        out = model(packed.tokens, packed.positions, cu_seqlens=packed.cu_seqlens,
-                    shared_prefix=packed.shared_prefix)                         # [1, N, ...]
-        return out[0], packed
+        if sp is None:
+            out = model(packed.tokens, packed.positions, cu_seqlens=packed.cu_seqlens,
+                        shared_prefix=packed.shared_prefix)                     # [1, N, ...]
+            return out[0], packed
+        tokens = sp.pad(packed.tokens)
+        out = model(tokens, sp.pad(packed.positions), cu_seqlens=packed.cu_seqlens,
+                    shared_prefix=packed.shared_prefix, sp=sp)                  # [1, N/s, ...]
+        return sp.whole(out[0], tokens.shape[1])[:packed.tokens.shape[1]], packed
     out = model(mb["input_ids"], mb["position_ids"], attention_mask=mb["attention_mask"])
     return out, None
 
@@ -52,7 +67,7 @@ def forward_log_probs(model: nn.Module, mb: dict, *, use_remove_padding: bool = 
                       share_prompt: bool = False, temperature: float = 1.0,
                       calc_entropy: bool = False, entropy_grad: bool = True,
                       calc_logit_scale: bool = False, logits_chunk: int | None = None,
-                      moe: MoEStep | None = None, routes: str | None = None) -> dict:
+                      moe: MoEStep | None = None, routes: str | None = None, sp=None) -> dict:
     """Log-probs (and entropy) of the response tokens under ``model`` (an LM).
 
     Returns ``{"log_probs": [B, R]}`` (+ ``"entropy": [B, R]``), fp32, computed from
@@ -69,28 +84,37 @@ def forward_log_probs(model: nn.Module, mb: dict, *, use_remove_padding: bool = 
     router's choice) and adds ``router_disagree`` / ``router_replayed`` [B, L] (per row and
     MoE layer: tokens whose own top-k differs from the replayed, tokens replayed);
     ``"record"`` adds ``routed_experts`` [B, T, L, k], this forward's choices (-1 at padding).
+    ``sp``: a ``minihf.parallel.ulysses.SeqParallel`` (packed only): each rank of the group
+    runs its piece of the packed row, the LM head at the kept positions in it, and the
+    results come back whole on every rank (see that module for the gradient).
 
     The LM head runs as ``CausalLM.forward``'s ``head``: inside the model's forward (where
     FSDP has gathered its weight), at the kept positions only.
     """
+    _check_sp(sp, use_remove_padding)
+    if sp is not None and (routes is not None or moe is not None):
+        raise ValueError("sequence parallelism runs dense models only (no moe statistics or "
+                         "routing replay)")
     r = mb["responses"].shape[1]
     valid = mb["attention_mask"][:, -r:]                                     # [B, R]
     real = valid.bool()
     labels = mb["responses"][real] if use_remove_padding else mb["responses"].reshape(-1)
 
-    def head(hidden, weight):                              # [1, M, H] or [B, R, H] -> {key: [M] or [B * R]}
-        h = hidden.reshape(-1, hidden.shape[-1])
-        if logits_chunk is not None:
-            out = chunked_log_probs(h, weight, labels, temperature=temperature, chunk=logits_chunk,
-                                    calc_entropy=calc_entropy, entropy_grad=entropy_grad)
-        else:
-            logits = scaled(linear(h, weight), temperature)                    # [M, V]
-            out = {"log_probs": logprobs_from_logits(logits, labels)}
-            if calc_entropy:
-                out["entropy"] = entropy_from_logits(logits if entropy_grad else logits.detach())
-        if calc_logit_scale:
-            out["logit_scale"] = logit_abs_scale(h.detach().float(), weight.detach().float(), temperature)
-        return out
+    def head_for(labels):  # the LM head's replacement, scoring ``labels`` at the kept positions
+        def head(hidden, weight):                          # [1, M, H] or [B, R, H] -> {key: [M] or [B * R]}
+            h = hidden.reshape(-1, hidden.shape[-1])
+            if logits_chunk is not None:
+                out = chunked_log_probs(h, weight, labels, temperature=temperature, chunk=logits_chunk,
+                                        calc_entropy=calc_entropy, entropy_grad=entropy_grad)
+            else:
+                logits = scaled(linear(h, weight), temperature)                # [M, V]
+                out = {"log_probs": logprobs_from_logits(logits, labels)}
+                if calc_entropy:
+                    out["entropy"] = entropy_from_logits(logits if entropy_grad else logits.detach())
+            if calc_logit_scale:
+                out["logit_scale"] = logit_abs_scale(h.detach().float(), weight.detach().float(), temperature)
+            return out
+        return head
 
     b, t = mb["input_ids"].shape
     packed = _pack(mb, share_prompt) if use_remove_padding else None
@@ -102,13 +126,24 @@ def forward_log_probs(model: nn.Module, mb: dict, *, use_remove_padding: bool = 
         # logits only at the positions that predict a real response token (the token before
         # it, which for the first one may be a shared prompt's): the LM head skips the rest
         sel = packed.slot.view(b, t)[:, t - r - 1:t - 1][real]               # [M]
-        out = model(packed.tokens, packed.positions, cu_seqlens=packed.cu_seqlens,
-                    shared_prefix=packed.shared_prefix, logits_to_keep=sel, head=head, moe=moe)
+        if sp is None:
+            out = model(packed.tokens, packed.positions, cu_seqlens=packed.cu_seqlens,
+                        shared_prefix=packed.shared_prefix, logits_to_keep=sel, head=head_for(labels),
+                        moe=moe)
+        else:  # the kept positions in this rank's piece; the values made whole after
+            tokens = sp.pad(packed.tokens)
+            lo, hi = sp.bounds(tokens.shape[1])
+            mine = (sel >= lo) & (sel < hi)
+            out = model(tokens, sp.pad(packed.positions), cu_seqlens=packed.cu_seqlens,
+                        shared_prefix=packed.shared_prefix, logits_to_keep=sel[mine] - lo,
+                        head=head_for(labels[mine]), sp=sp)
+            out = {k: sp.scatter(v, mine) for k, v in out.items()}
         where = real.nonzero(as_tuple=True)
         result = {k: v.new_zeros((b, r)).index_put_(where, v) for k, v in out.items()}
     else:
         out = model(mb["input_ids"], mb["position_ids"], attention_mask=mb["attention_mask"],
-                    logits_to_keep=torch.arange(t - r - 1, t - 1, device=valid.device), head=head, moe=moe)
+                    logits_to_keep=torch.arange(t - r - 1, t - 1, device=valid.device), head=head_for(labels),
+                    moe=moe)
         result = {k: v.view(valid.shape) * valid for k, v in out.items()}
     if routes is not None:
         result.update(_routing_outputs(moe, chosen, mb, where_run, packed, model.args.num_experts))
@@ -161,11 +196,12 @@ def _routing_outputs(moe: MoEStep, chosen: dict | None, mb: dict, where_run: tor
 
 
 def forward_values(model: nn.Module, mb: dict, *, use_remove_padding: bool = True,
-                   share_prompt: bool = False) -> torch.Tensor:
+                   share_prompt: bool = False, sp=None) -> torch.Tensor:
     """Critic values for the response tokens ``[B, R]`` (fp32): the value at the token
-    before each response token, as in verl; zero at response padding."""
+    before each response token, as in verl; zero at response padding. ``sp``: as in
+    :func:`forward_log_probs`."""
     r = mb["responses"].shape[1]
-    out, packed = _run(model, mb, use_remove_padding, share_prompt)
+    out, packed = _run(model, mb, use_remove_padding, share_prompt, sp)
     if packed is not None:
         out = unpack(out, packed)                                            # [B, T]
     return out[:, -r - 1:-1].float() * mb["attention_mask"][:, -r:]

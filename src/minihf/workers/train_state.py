@@ -33,6 +33,7 @@ from minihf.utils.files import read_json
 from minihf.workers.config import FSDPConfig, ModelConfig
 from minihf.workers.engine import build_fsdp_model
 from minihf.workers.optim import OptimConfig, build_lr_scheduler, build_optimizer
+from minihf.parallel.ulysses import SeqParallel
 from minihf.workers.packing import response_prompt_groups
 from minihf.workers.train_step import (LossFn, global_normalizer, global_token_count, group_size,
                                        mean_metrics, plan_micro_batches, take_rows,
@@ -62,16 +63,18 @@ class TrainState:
         return cls(model, optim, group=group, total_steps=total_steps, hf_source=model_cfg.path,
                    lora=lora_meta(model_cfg, model))
 
-    def step(self, micro_batches: Sequence[dict], loss_fn: LossFn) -> dict[str, float]:
-        """One optimizer step; metrics summed over micro-batches and ranks (+ grad_norm, lr)."""
+    def step(self, micro_batches: Sequence[dict], loss_fn: LossFn, count_stats: bool = True) -> dict[str, float]:
+        """One optimizer step; metrics summed over micro-batches and ranks (+ grad_norm, lr).
+        ``count_stats`` False: this rank's statistics are another rank's copy (SP), left out."""
         return train_minibatch(self.model, self.optimizer, self.lr_scheduler, micro_batches,
-                               loss_fn, clip_grad=self.optim.clip_grad, group=self.group)
+                               loss_fn, clip_grad=self.optim.clip_grad, group=self.group,
+                               count_stats=count_stats)
 
     def update(self, data: dict[str, torch.Tensor], *, mini_batch_size: int,
                micro_batch_size: int | None, max_tokens: int | None, epochs: int, shuffle: bool,
                seed: int, loss_agg_mode: str,
                make_loss_fn: Callable[[torch.Tensor, torch.Tensor], LossFn],
-               share_prompt: bool = False) -> dict[str, float]:
+               share_prompt: bool = False, sp: SeqParallel | None = None) -> dict[str, float]:
         """One update call of a PPO role: epochs x mini-batches x micro-batches.
 
         For each mini-batch the global loss normaliser and token count (over all DP ranks)
@@ -80,18 +83,33 @@ class TrainState:
         metrics averaged over the call's optimizer steps, and ``skipped_updates`` (how many
         had a non-finite gradient and did not update) when any did. ``share_prompt``: the
         loss runs a shared prompt once (a token budget keeps the rows sharing one together).
+
+        ``sp`` (Ulysses, ``minihf.parallel.ulysses``): the ranks of an SP group unite their rows
+        and run each micro-batch together, a piece of its tokens each, so a mini-batch holds
+        ``sp.size`` times this rank's share and a micro-batch's token budget is
+        ``max_tokens x sp.size`` (verl's rules). Every SP rank computes the same loss from the
+        whole outputs; its gradient flows through its own tokens only, so FSDP's sum over all
+        ranks (the ``x dp`` of ``train_step``) is the mini-batch's gradient. The normaliser,
+        token count and statistics count each row once: on the group's leader alone.
         """
         steps = []
+        dp = group_size(self.group)
+        if sp is not None:
+            data, _ = sp.gather_rows(data)
+            max_tokens = max_tokens * sp.size if max_tokens is not None else None
+            dp //= sp.size
+        counted = sp is None or sp.leader
         num_rows = len(next(iter(data.values())))
-        for rows in mini_batch_rows(num_rows, mini_batch_size, self.group, epochs=epochs,
+        for rows in mini_batch_rows(num_rows, mini_batch_size, dp, epochs=epochs,
                                     shuffle=shuffle, seed=seed):
             mini = take_rows(data, rows)
-            norm = global_normalizer(mini["response_mask"], loss_agg_mode, self.group)
-            tokens = global_token_count(mini["response_mask"], self.group)
+            mask = mini["response_mask"] if counted else torch.zeros_like(mini["response_mask"])
+            norm = global_normalizer(mask, loss_agg_mode, self.group)
+            tokens = global_token_count(mask, self.group)
             groups = response_prompt_groups(mini) if share_prompt and max_tokens is not None else None
             plan = plan_micro_batches(mini["attention_mask"], micro_batch_size=micro_batch_size,
                                       max_tokens=max_tokens, group=self.group, groups=groups)
-            steps.append(self.step([take_rows(mini, p) for p in plan], make_loss_fn(norm, tokens)))
+            steps.append(self.step([take_rows(mini, p) for p in plan], make_loss_fn(norm, tokens), counted))
         skipped = sum(s.pop("skipped", 0.0) for s in steps)
         out = mean_metrics(steps)
         if skipped:
@@ -175,15 +193,14 @@ def move_optimizer_state(optimizer, device: torch.device | str) -> None:
                 state[key] = value.to(device, non_blocking=True)
 
 
-def mini_batch_rows(num_rows: int, mini_batch_size: int, group, *, epochs: int,
+def mini_batch_rows(num_rows: int, mini_batch_size: int, dp: int, *, epochs: int,
                     shuffle: bool, seed: int) -> list[list[int]]:
     """Row lists of the optimizer steps of one update call (epochs x mini-batches).
 
-    ``mini_batch_size`` is global; each of the ``dp`` ranks holds ``mini_batch_size / dp``
-    rows of every mini-batch. ``shuffle`` permutes rows per epoch from ``seed`` (the same
-    on every rank, so ranks stay in step).
+    ``mini_batch_size`` is global; each of the ``dp`` data-parallel ranks (or SP groups)
+    holds ``mini_batch_size / dp`` rows of every mini-batch. ``shuffle`` permutes rows per
+    epoch from ``seed`` (the same on every rank, so ranks stay in step).
     """
-    dp = group_size(group)
     if mini_batch_size % dp:
         raise ValueError(f"ppo_mini_batch_size={mini_batch_size} is not divisible by the "
                          f"{dp} data-parallel ranks; use a multiple of {dp}")

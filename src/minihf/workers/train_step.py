@@ -91,7 +91,7 @@ LossFn = Callable[[dict], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 def train_minibatch(model: nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler,
                     micro_batches: Sequence[dict], loss_fn: LossFn, *, clip_grad: float,
-                    group=None) -> dict[str, float]:
+                    group=None, count_stats: bool = True) -> dict[str, float]:
     """Accumulate ``loss_fn`` over ``micro_batches``, clip, step; return reduced stats.
 
     ``loss_fn(mb) -> (loss, stats)``: ``loss`` is the micro-batch's share of the global
@@ -99,7 +99,8 @@ def train_minibatch(model: nn.Module, optimizer: torch.optim.Optimizer, lr_sched
     statistics. Returns the stats summed over micro-batches and ranks plus ``grad_norm``
     (the true global norm, before clipping) and ``lr`` (the one used for this step). A
     non-finite gradient norm (a NaN/Inf loss or gradient) skips the parameter update and
-    adds ``skipped: 1.0``.
+    adds ``skipped: 1.0``. ``count_stats`` False: this rank's statistics are a copy of
+    another rank's (a sequence-parallel group's, ``minihf.parallel.ulysses``) and count 0.
     """
     dp = group_size(group)
     optimizer.zero_grad(set_to_none=True)
@@ -124,6 +125,8 @@ def train_minibatch(model: nn.Module, optimizer: torch.optim.Optimizer, lr_sched
         out["skipped"] = 1.0
     if keys:
         stacked = torch.stack([sums[k].to(grad_norm.device) for k in keys])
+        if not count_stats:
+            stacked = torch.zeros_like(stacked)
         all_reduce_(stacked, group)
         out.update({k: float(v) for k, v in zip(keys, stacked.tolist())})
     return out

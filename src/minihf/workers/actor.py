@@ -58,10 +58,10 @@ from minihf.hybrid.engine import rollout_dtype
 from minihf.models.lora import adapters_disabled, is_lora_param
 from minihf.models.moe import MoEStep, RouterStats
 from minihf.parallel.fsdp import default_mixed_precision
+from minihf.parallel.ulysses import check_sp_model
 from minihf.protocol import Batch
 from minihf.rollout.llm import eos_ids_from_dir
 from minihf.workers.config import ActorRolloutRefConfig
-from minihf.parallel.ulysses import check_sp_model
 from minihf.workers.engine import build_fsdp_model, prefixed, run_micro_batches, sp_group, sp_layouts, tensors_of
 from minihf.workers.forward import forward_log_probs
 from minihf.workers.train_state import TrainState

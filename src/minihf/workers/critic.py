@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from minihf.algorithms import compute_value_loss, masked_mean
 from minihf.controller import Dispatch, Worker, register
+from minihf.parallel.ulysses import check_sp_model
 from minihf.protocol import Batch
 from minihf.workers.config import CriticConfig
 from minihf.workers.engine import prefixed, run_micro_batches, sp_group, sp_layouts, tensors_of
-from minihf.parallel.ulysses import check_sp_model
 from minihf.workers.forward import forward_values
 from minihf.workers.train_state import TrainState
 

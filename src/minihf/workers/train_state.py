@@ -28,12 +28,12 @@ import torch
 import torch.nn as nn
 
 from minihf.models.lora import adaptable, lora_modules, target_list
+from minihf.parallel.ulysses import SeqParallel
 from minihf.utils import checkpoint as ckpt
 from minihf.utils.files import read_json
 from minihf.workers.config import FSDPConfig, ModelConfig
 from minihf.workers.engine import build_fsdp_model
 from minihf.workers.optim import OptimConfig, build_lr_scheduler, build_optimizer
-from minihf.parallel.ulysses import SeqParallel
 from minihf.workers.packing import response_prompt_groups
 from minihf.workers.train_step import (LossFn, global_normalizer, global_token_count, group_size,
                                        mean_metrics, plan_micro_batches, take_rows,

@@ -109,7 +109,7 @@ def check_sequence_parallel(cfg: PPOConfig, world: int) -> None:
     from minihf.models import load_args
     from minihf.parallel.ulysses import check_sp_model, check_sp_ranks
     from minihf.workers import CriticWorker
-    from minihf.workers.actor import sp_sizes
+    from minihf.workers.actor_checks import sp_sizes
 
     roles = ppo_roles(cfg)
     a, ref = sp_sizes(cfg.actor_rollout_ref)

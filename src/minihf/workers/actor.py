@@ -58,9 +58,9 @@ from minihf.hybrid.engine import rollout_dtype
 from minihf.models.lora import adapters_disabled, is_lora_param
 from minihf.models.moe import MoEStep, RouterStats
 from minihf.parallel.fsdp import default_mixed_precision
-from minihf.parallel.ulysses import check_sp_model
 from minihf.protocol import Batch
 from minihf.rollout.llm import eos_ids_from_dir
+from minihf.workers.actor_checks import check_actor_sp, check_router_replay, sp_sizes
 from minihf.workers.config import ActorRolloutRefConfig
 from minihf.workers.engine import build_fsdp_model, prefixed, run_micro_batches, sp_group, sp_layouts, tensors_of
 from minihf.workers.forward import forward_log_probs
@@ -92,34 +92,6 @@ def engine_tokens(cfg: ActorRolloutRefConfig, hf_config: dict, info) -> dict:
                                leader=info.tp_rank == 0)
     return {"eos_token_ids": eos, "pad_token_id": pad if pad is not None else (eos[0] if eos else 0),
             "multi_turn": multi_turn, "record_routes": cfg.actor.router_replay == "R3"}
-
-
-def check_router_replay(cfg: ActorRolloutRefConfig) -> None:
-    """``actor.router_replay`` other than disabled needs a mixture-of-experts model."""
-    mode = cfg.actor.router_replay
-    if mode != "disabled":
-        from minihf.models import load_args
-
-        args = load_args(cfg.model.path)
-        if not args.is_moe:
-            raise ValueError(f"actor_rollout_ref.actor.router_replay={mode} replays a mixture-of-experts "
-                             f"model's expert choices, but {cfg.model.path} is a dense {args.arch} model; "
-                             "set it to disabled")
-
-
-def sp_sizes(cfg: ActorRolloutRefConfig) -> tuple[int, int]:
-    """The actor's and the reference's ``ulysses_sequence_parallel_size`` (the reference's
-    null: the actor's, as in verl)."""
-    actor = cfg.actor.ulysses_sequence_parallel_size
-    ref = cfg.ref.ulysses_sequence_parallel_size
-    return actor, actor if ref is None else ref
-
-
-def check_sequence_parallel(cfg: ActorRolloutRefConfig, args) -> None:
-    """The actor's and reference's SP sizes against the model (``args``)."""
-    for section, size in zip(("actor", "ref"), sp_sizes(cfg)):
-        check_sp_model(size, args, f"actor_rollout_ref.{section}.ulysses_sequence_parallel_size",
-                       cfg.model.use_remove_padding)
 
 
 def shard_ranks(group, rank: int) -> list[int]:
@@ -180,7 +152,7 @@ class ActorRolloutRefWorker(Worker):
                                       group=self.group, device=self.device,
                                       total_steps=total_training_steps, compile=cfg.actor.use_torch_compile)
         self.actor = self.state.model
-        check_sequence_parallel(cfg, self.actor.args)
+        check_actor_sp(cfg, self.actor.args)
         self.sp, self.ref_sp = (sp_group(self, n) for n in sp_sizes(cfg))
         if self.with_ref and self.reference == "adapters_off":
             self.ref = self.actor

@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
-from minihf.algorithms import LOSS_AGG_MODES
 from minihf.algorithms.kl import KL_PENALTIES
 from minihf.workers.optim import OptimConfig
+from minihf.workers.section_checks import check_chunk, check_micro, check_ppo_update, check_sp
 
 
 @dataclass
@@ -73,39 +73,6 @@ class TrainedModelConfig(RLModelConfig):
                                  "lora_rank > 0 (e.g. 16) or drop them")
 
 
-def _check_chunk(section: str, chunk: Optional[int]) -> None:
-    if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1):
-        raise ValueError(f"{section}.logits_chunk_size={chunk!r} must be an int >= 1 (response tokens whose "
-                         "logits are made at a time, e.g. 1024) or null (all of a micro-batch's at once)")
-
-
-def _check_sp(section: str, size) -> None:
-    if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
-        raise ValueError(f"{section}.ulysses_sequence_parallel_size={size!r} must be an int >= 1 "
-                         "(ranks that split one sequence; 1 = off)")
-
-
-def _check_micro(micro: Optional[int], max_tokens: Optional[int]) -> None:
-    if micro is None and max_tokens is None:
-        raise ValueError("set a micro-batch size (*_micro_batch_size_per_gpu) or "
-                         "max_tokens_per_micro_batch")
-    if micro is not None and micro < 1:
-        raise ValueError(f"micro-batch size {micro} must be >= 1")
-    if max_tokens is not None and max_tokens < 1:
-        raise ValueError(f"max_tokens_per_micro_batch={max_tokens} must be >= 1")
-
-
-def _check_ppo_update(cfg) -> None:
-    """The checks shared by the actor's and the critic's update sections."""
-    if cfg.ppo_mini_batch_size < 1 or cfg.ppo_epochs < 1:
-        raise ValueError(f"ppo_mini_batch_size={cfg.ppo_mini_batch_size} and "
-                         f"ppo_epochs={cfg.ppo_epochs} must be >= 1")
-    _check_micro(cfg.ppo_micro_batch_size_per_gpu, cfg.max_tokens_per_micro_batch)
-    if cfg.loss_agg_mode not in LOSS_AGG_MODES:
-        raise ValueError(f"loss_agg_mode={cfg.loss_agg_mode!r}; choose one of "
-                         f"{list(LOSS_AGG_MODES)}")
-
-
 @dataclass
 class PolicyLossConfig:
     """Which registered policy loss the actor minimises (``minihf.algorithms``'
@@ -162,9 +129,9 @@ class ActorConfig:
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
 
     def __post_init__(self):
-        _check_ppo_update(self)
-        _check_chunk("actor", self.logits_chunk_size)
-        _check_sp("actor", self.ulysses_sequence_parallel_size)
+        check_ppo_update(self)
+        check_chunk("actor", self.logits_chunk_size)
+        check_sp("actor", self.ulysses_sequence_parallel_size)
         if not self.clip_ratio > 0:
             raise ValueError(f"clip_ratio={self.clip_ratio} must be > 0")
         if self.clip_ratio_low is not None and not 0 <= self.clip_ratio_low < 1:
@@ -201,9 +168,9 @@ class RefConfig:
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)  # param_offload: keep it on the host when idle
 
     def __post_init__(self):
-        _check_micro(self.log_prob_micro_batch_size_per_gpu, self.max_tokens_per_micro_batch)
-        _check_chunk("ref", self.logits_chunk_size)
-        _check_sp("ref", self.ulysses_sequence_parallel_size)
+        check_micro(self.log_prob_micro_batch_size_per_gpu, self.max_tokens_per_micro_batch)
+        check_chunk("ref", self.logits_chunk_size)
+        check_sp("ref", self.ulysses_sequence_parallel_size)
 
 
 @dataclass
@@ -386,8 +353,8 @@ class CriticConfig:
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
 
     def __post_init__(self):
-        _check_ppo_update(self)
-        _check_sp("critic", self.ulysses_sequence_parallel_size)
+        check_ppo_update(self)
+        check_sp("critic", self.ulysses_sequence_parallel_size)
         if not self.cliprange_value > 0:
             raise ValueError(f"cliprange_value={self.cliprange_value} must be > 0 (the values "
                              "move at most this far from the old ones per update)")
@@ -402,7 +369,7 @@ class RewardModelConfig:
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
 
     def __post_init__(self):
-        _check_micro(self.micro_batch_size_per_gpu, self.max_tokens_per_micro_batch)
+        check_micro(self.micro_batch_size_per_gpu, self.max_tokens_per_micro_batch)
 
 
 @dataclass
@@ -416,5 +383,5 @@ class LogProbConfig:
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
 
     def __post_init__(self):
-        _check_micro(self.log_prob_micro_batch_size_per_gpu, self.max_tokens_per_micro_batch)
-        _check_chunk("<role>", self.logits_chunk_size)
+        check_micro(self.log_prob_micro_batch_size_per_gpu, self.max_tokens_per_micro_batch)
+        check_chunk("<role>", self.logits_chunk_size)

@@ -139,7 +139,7 @@ def main(argv=None) -> None:
     p.add_argument("--workdir", default="outputs/zoo")
     p.add_argument("--out", default="docs/algorithms.md")
     a = p.parse_args(argv)
-    unknown = [r for r in a.recipes if not (ROOT / "recipes" / r / "config.yaml").is_file()]
+    unknown = [r for r in a.recipes if not (ROOT / "src" / "minihf" / "recipes" / r / "config.yaml").is_file()]
     if unknown:
         p.error(f"unknown recipe(s) {unknown}; choose from {RECIPES}")
     if a.steps < 1 or a.nproc < 1:

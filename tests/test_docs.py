@@ -1,6 +1,6 @@
 """The docs, run as written.
 
-* docs/writing-a-recipe.md on a tiny model: fork the grpo recipe, add the reward, estimator
+* docs/writing-a-recipe.md on a tiny model: start a recipe on grpo (`minihf recipe new`), add the reward, estimator
   and loss files and the YAML that names them, run the fork twice (one process instead of
   torchrun's two, with overrides that make the run tiny), and plot the two runs.
 * Every other fenced command and code block of the README and docs/ (below): run top to
@@ -11,7 +11,6 @@ import json
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -41,7 +40,6 @@ def test_writing_a_recipe_runs_as_written(tmp_path):
 
     init_model(tmp_path / "m", size="tiny", task="sort")
     make_task_data("sort", tmp_path / "d", 16, 4)
-    shutil.copytree(ROOT / "recipes" / "grpo", tmp_path / "recipes" / "grpo")
     (tmp_path / "outputs" / "sft_sort").mkdir(parents=True)     # section 5's judge: the main job's
     (tmp_path / "outputs" / "sft_sort" / "hf").symlink_to(tmp_path / "m")  # warm start, here the tiny model
     tiny = [f"actor_rollout_ref.model.path={tmp_path}/m", f"data.train_files={tmp_path}/d/train.parquet",

@@ -21,7 +21,7 @@ import torch
 from minihf.trainer.plugins.dapo import dynamic_rollout
 from minihf.testing import spawn_ranks
 
-RECIPES = Path(__file__).parent.parent / "recipes"
+RECIPES = Path(__file__).parent.parent / "src" / "minihf" / "recipes"
 ZOO = ["dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "gspo", "dapo", "distill"]
 
 

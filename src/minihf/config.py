@@ -37,8 +37,8 @@ import yaml
 from minihf.utils.yaml_load import YAMLInputError, load_yaml, load_yaml_file
 
 T = TypeVar("T")
-# minihf's own recipes: package data (``src/minihf/recipes``; ``recipes/`` in a checkout is a
-# link to it), so an installed wheel has them too
+# minihf's own recipes: package data (``src/minihf/recipes``), so an installed wheel has them
+# too; read-only examples (a user's own live in their ``./recipes``: ``minihf recipe new``)
 DEFAULT_RECIPES_DIR = Path(str(resources.files("minihf") / "recipes"))
 
 

@@ -384,9 +384,11 @@ def plot(
 
 from minihf.cli.config_cmd import config_app  # noqa: E402 - the commands live beside the app
 from minihf.cli.plan import plan as _plan  # noqa: E402
+from minihf.cli.recipe_cmd import recipe_app  # noqa: E402
 
 app.command("plan")(_plan)
 app.add_typer(config_app, name="config")
+app.add_typer(recipe_app, name="recipe")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,95 @@
+"""``minihf recipe new`` and ``minihf recipe list``: a user's recipes live in the user's own
+folder (``./recipes`` by default), minihf's shipped ones stay read-only examples."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import typer
+
+recipe_app = typer.Typer(no_args_is_help=True, help="Start a recipe of your own; list the recipes found.")
+
+NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+
+
+def _inside(path: Path, root: Path) -> bool:
+    return path.resolve() == root.resolve() or root.resolve() in path.resolve().parents
+
+
+def _summary(config: Path) -> str:
+    """The first comment line of a recipe's config.yaml (what it is), or ''."""
+    for line in config.read_text().splitlines():
+        if line.startswith("#"):
+            return line.lstrip("# ").strip()
+        if line.strip():
+            return ""
+    return ""
+
+
+def new_recipe(name: str, base: str, out_dir: str | Path = "recipes", copy: bool = False) -> Path:
+    """Write ``out_dir/name/``: a ``config.yaml`` that builds on ``base`` (``base: BASE``, so
+    only what differs is stated), or with ``copy`` every file of the base recipe. Returns the
+    folder. Raises ``ConfigError`` on a bad name, an unknown base, an existing folder or a
+    folder inside minihf's own (shipped) recipes."""
+    from minihf.config import DEFAULT_RECIPES_DIR, ConfigError, find_recipe
+
+    if not NAME.fullmatch(name):
+        raise ConfigError(f"recipe name {name!r}: use letters, digits, '_', '-' or '.' (a folder name, "
+                          f"e.g. my_exp)")
+    target = Path(out_dir) / name
+    if _inside(target, DEFAULT_RECIPES_DIR):
+        raise ConfigError(f"{target} lies in minihf's shipped recipes ({DEFAULT_RECIPES_DIR}), which are "
+                          f"read-only examples; write yours to a folder of your own (--dir recipes, the "
+                          f"default, from your project's directory)")
+    if target.exists():
+        raise ConfigError(f"{target} already exists; choose another name or remove it")
+    source = find_recipe(base)
+    target.mkdir(parents=True)
+    if copy:
+        for f in sorted(source.parent.iterdir()):
+            if f.is_file() and not f.name.endswith(".pyc"):
+                shutil.copy2(f, target / f.name)
+        return target
+    (target / "config.yaml").write_text(
+        f"# {name}: builds on the `{base}` recipe ({source}); state here only what differs.\n"
+        f"# `minihf config show {name}` prints every resolved value, its help and where it came from.\n"
+        f"base: {base}\n")
+    return target
+
+
+@recipe_app.command("new")
+def recipe_new(
+    name: str = typer.Argument(..., help="The new recipe's name (its folder)."),
+    base: str = typer.Option("grpo", help="The recipe it builds on: a name (`minihf recipe list`) or a path."),
+    dir: str = typer.Option("recipes", "--dir", help="Where your recipes live; `recipe=NAME` looks in "
+                                                     "./recipes first, else pass the folder as recipe=PATH."),
+    copy: bool = typer.Option(False, "--copy", help="Copy the base's files (config.yaml and its Python) "
+                                                    "instead of writing `base: BASE` with nothing changed."),
+) -> None:
+    """Start a recipe of your own: `minihf recipe new my_exp --base grpo` writes
+    recipes/my_exp/config.yaml (`base: grpo`); run it with recipe=my_exp."""
+    from minihf.config import ConfigError
+
+    try:
+        target = new_recipe(name, base, dir, copy)
+    except ConfigError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    files = ", ".join(sorted(p.name for p in target.iterdir()))
+    typer.echo(f"wrote {target}/ ({files}); run it with recipe={name if dir == 'recipes' else target}")
+
+
+@recipe_app.command("list")
+def recipe_list() -> None:
+    """The recipes `recipe=NAME` finds: yours under ./recipes first, then minihf's shipped ones."""
+    from minihf.config import DEFAULT_RECIPES_DIR
+
+    local = Path("recipes")
+    for label, root in (("yours (./recipes)", local), (f"shipped ({DEFAULT_RECIPES_DIR})", DEFAULT_RECIPES_DIR)):
+        found = sorted(p for p in root.glob("*/config.yaml")) if root.is_dir() else []
+        if root is local and not found:
+            continue
+        typer.echo(f"# {label}")
+        for config in found:
+            typer.echo(f"{config.parent.name:<28} {_summary(config)}")

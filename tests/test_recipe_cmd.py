@@ -1,0 +1,68 @@
+"""``minihf recipe new`` / ``minihf recipe list``: a user's recipe is written to the user's own
+folder, builds on (or copies) a shipped one, resolves to the same config, and bad input fails in
+one line naming the value."""
+
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from minihf.cli.app import app
+from minihf.cli.recipe_cmd import new_recipe
+from minihf.config import DEFAULT_RECIPES_DIR, ConfigError, load_config
+from minihf.trainer.ppo_job import PPOJobConfig
+
+
+@pytest.fixture
+def cwd(tmp_path):
+    old = os.getcwd()
+    os.chdir(tmp_path)
+    yield tmp_path
+    os.chdir(old)
+
+
+def test_new_builds_on_the_base_and_resolves_to_it(cwd):
+    target = new_recipe("my_exp", "dapo")
+    assert target == Path("recipes/my_exp") and sorted(os.listdir(target)) == ["config.yaml"]
+    assert "base: dapo" in (target / "config.yaml").read_text()
+    assert asdict(load_config(PPOJobConfig, "my_exp")) == asdict(load_config(PPOJobConfig, "dapo"))
+    (target / "config.yaml").write_text((target / "config.yaml").read_text() + "trainer:\n  total_training_steps: 7\n")
+    assert load_config(PPOJobConfig, "my_exp").trainer.total_training_steps == 7
+    assert load_config(PPOJobConfig, "dapo").trainer.total_training_steps != 7   # the shipped one untouched
+
+
+def test_copy_takes_the_base_files(cwd):
+    target = new_recipe("d2", "distill", out_dir="mine", copy=True)
+    assert sorted(os.listdir(target)) == sorted(p.name for p in (DEFAULT_RECIPES_DIR / "distill").iterdir()
+                                                if p.is_file() and not p.name.endswith(".pyc"))
+    assert (target / "distill.py").read_text() == (DEFAULT_RECIPES_DIR / "distill" / "distill.py").read_text()
+    mine, shipped = load_config(PPOJobConfig, str(target)), load_config(PPOJobConfig, "distill")
+    assert mine.algorithm.adv_estimator.startswith(str((cwd / target).resolve()))   # its own copy of the code
+    assert mine.algorithm.adv_estimator.split(":")[-1] == shipped.algorithm.adv_estimator.split(":")[-1]
+
+
+@pytest.mark.parametrize("name, kwargs, message", [
+    ("my exp", {}, "recipe name 'my exp': use letters"),
+    ("x", {"base": "gpro"}, "recipe 'gpro' not found"),
+    ("grpo", {"out_dir": str(DEFAULT_RECIPES_DIR)}, "read-only examples"),
+    ("y", {"out_dir": str(DEFAULT_RECIPES_DIR / "grpo")}, "read-only examples"),
+])
+def test_bad_input(cwd, name, kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        new_recipe(name, kwargs.pop("base", "grpo"), **kwargs)
+    assert not Path("recipes").exists() and not (DEFAULT_RECIPES_DIR / "y").exists()
+
+
+def test_cli_new_list_and_existing(cwd):
+    runner = CliRunner()
+    res = runner.invoke(app, ["recipe", "new", "my_exp", "--base", "grpo"])
+    assert res.exit_code == 0 and "recipe=my_exp" in res.output
+    res = runner.invoke(app, ["recipe", "new", "my_exp"])
+    assert res.exit_code != 0 and "already exists" in res.output
+    res = runner.invoke(app, ["recipe", "list"])
+    assert res.exit_code == 0
+    yours, shipped = res.output.split("# shipped")
+    assert "my_exp" in yours and "grpo " not in yours
+    assert "grpo " in shipped and "GRPO on the synthetic `sort` task" in shipped

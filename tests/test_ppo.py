@@ -77,6 +77,7 @@ def check_metrics(hist, with_critic):
         assert k in keys, k
     for k in ("critic/vf_loss", "critic/values/mean", "timing_s/values", "timing_s/update_critic"):
         assert (k in keys) == with_critic, k
+    assert not any(k.endswith(("/trained_rows", "/schedule_skipped_steps")) for k in keys)  # rows as planned
     assert all(math.isfinite(v) for h in steps for v in h.values() if isinstance(v, float))
 
 

@@ -236,6 +236,7 @@ class PPOTrainer(RunLoop):
         if "multi_turn_turns" in batch.tensors:
             m.update(multi_turn_metrics(batch))
         batch.meta["global_step"] = ctx.step
+        batch.meta["scheduled_rows"] = self.cfg.data.train_batch_size * n  # what the LR schedule counts on
         return batch
 
     def _reward_phase(self, ctx: StepContext, batch: Batch, m: dict) -> None:

@@ -19,7 +19,10 @@ the first time one of these shows up:
 * rollout and trainer disagree (``training/rollout_probs_diff_mean`` above 0.01; bf16 on both
   sides gives ~1e-4 at most): the samples are off-policy for the update, from a precision
   mismatch or an engine that did not get the step's weights (not checked on a step whose
-  samples are stale by design, ``async/staleness/max`` > 0).
+  samples are stale by design, ``async/staleness/max`` > 0);
+* an update trained other rows than the run planned (``<role>/trained_rows``: a plug-in
+  dropped rows before it, as rejection sampling does): it took fewer optimizer steps and its
+  LR schedule moved past the ones not taken (``TrainState.update``), said once in one line.
 
 :class:`SkipCounter` counts the steps whose update skipped an optimizer step for a
 NaN/Inf gradient (``training/skipped_steps``) and stops the run after
@@ -151,4 +154,12 @@ class RunWatch:
                        f"from the trainer's by {diff:.3g} on average (training/rollout_probs_diff_"
                        f"mean > {ROLLOUT_DIFF}); the samples are off-policy for the update: check "
                        "actor_rollout_ref.rollout.dtype against the trainer's precision", out)
+        for key in sorted(k for k in m if k.endswith("/trained_rows")):
+            role, skipped = key.split("/")[0], m.get(key.replace("trained_rows", "schedule_skipped_steps"), 0)
+            what = (f"its LR schedule moved past the {skipped:.0f} optimizer steps not taken, so it still ends "
+                    f"with the run" if skipped >= 0 else
+                    f"it took {-skipped:.0f} optimizer steps more than planned, so its LR schedule runs ahead")
+            self._once(key, f"step {step}: the {role} update trained {m[key]:.0f} rows, not the "
+                       f"data.train_batch_size x rollout.n a step plans (a plug-in changed the rows before "
+                       f"it): {what}; {key} logs it each step", out)
         return out

@@ -340,7 +340,8 @@ class ActorRolloutRefWorker(Worker):
             max_tokens=a.max_tokens_per_micro_batch, epochs=a.ppo_epochs, shuffle=a.shuffle,
             seed=int(batch.meta.get("global_step", 0)), loss_agg_mode=a.loss_agg_mode,
             make_loss_fn=lambda norm, tokens: self._loss_fn(norm, tokens, temperature, own_old, routes),
-            share_prompt=self.config.model.shares_prompt, sp=self.sp)
+            share_prompt=self.config.model.shares_prompt, sp=self.sp,
+            scheduled_rows=batch.meta.get("scheduled_rows"))
         metrics = prefixed(stats, "actor")
         if a.use_kl_loss:
             metrics["actor/kl_coef"] = a.kl_loss_coef

@@ -94,7 +94,8 @@ class CriticWorker(Worker):
             micro_batch_size=c.ppo_micro_batch_size_per_gpu,
             max_tokens=c.max_tokens_per_micro_batch, epochs=c.ppo_epochs, shuffle=c.shuffle,
             seed=int(batch.meta.get("global_step", 0)), loss_agg_mode=c.loss_agg_mode,
-            make_loss_fn=self._loss_fn, share_prompt=self.config.model.shares_prompt, sp=self.sp)
+            make_loss_fn=self._loss_fn, share_prompt=self.config.model.shares_prompt, sp=self.sp,
+            scheduled_rows=batch.meta.get("scheduled_rows"))
         return prefixed(stats, "critic")
 
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Dispatch.RANK_ZERO)

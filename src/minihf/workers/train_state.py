@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -74,7 +75,8 @@ class TrainState:
                micro_batch_size: int | None, max_tokens: int | None, epochs: int, shuffle: bool,
                seed: int, loss_agg_mode: str,
                make_loss_fn: Callable[[torch.Tensor, torch.Tensor], LossFn],
-               share_prompt: bool = False, sp: SeqParallel | None = None) -> dict[str, float]:
+               share_prompt: bool = False, sp: SeqParallel | None = None,
+               scheduled_rows: int | None = None) -> dict[str, float]:
         """One update call of a PPO role: epochs x mini-batches x micro-batches.
 
         For each mini-batch the global loss normaliser and token count (over all DP ranks)
@@ -91,6 +93,14 @@ class TrainState:
         whole outputs; its gradient flows through its own tokens only, so FSDP's sum over all
         ranks (the ``x dp`` of ``train_step``) is the mini-batch's gradient. The normaliser,
         token count and statistics count each row once: on the group's leader alone.
+
+        ``scheduled_rows``: the rows a step holds as the run was planned (``data.train_batch_size
+        x rollout.n``; the LR schedule allots them ``scheduled_rows // mini_batch_size x
+        epochs`` optimizer steps). When a plug-in dropped rows before the update, the call
+        takes fewer optimizer steps (mini-batches keep their size) and the schedule then moves
+        past the steps not taken, so it still follows the run's progress and ends with it;
+        the metrics gain ``trained_rows`` and ``schedule_skipped_steps`` (negative: more rows
+        than planned, the schedule ran ahead). With the planned rows nothing changes.
         """
         steps = []
         dp = group_size(self.group)
@@ -114,7 +124,19 @@ class TrainState:
         out = mean_metrics(steps)
         if skipped:
             out["skipped_updates"] = skipped
+        if scheduled_rows is not None and num_rows * dp != scheduled_rows:
+            planned = scheduled_rows // mini_batch_size * epochs
+            out["trained_rows"], out["schedule_skipped_steps"] = float(num_rows * dp), float(planned - len(steps))
+            self.advance_schedule(planned - len(steps))
         return out
+
+    def advance_schedule(self, steps: int) -> None:
+        """Move the LR schedule ``steps`` optimizer steps on without taking them (the steps a
+        step's dropped rows would have taken)."""
+        with warnings.catch_warnings():  # torch warns of a schedule step without an optimizer step
+            warnings.simplefilter("ignore", UserWarning)
+            for _ in range(steps):
+                self.lr_scheduler.step()
 
     def save(self, path: str, extra: dict | None = None) -> str:
         """Sharded model + optimizer + schedule + RNG (+ ``extra``) under ``path``; every

@@ -223,3 +223,92 @@ def test_a_grpo_step_in_chunks_is_the_same_step(tmp_path, monkeypatch):
     for key in ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/ppo_kl", "actor/grad_norm"):
         assert key in whole, sorted(whole)
         assert chunked[key] == pytest.approx(whole[key], rel=1e-3, abs=1e-4), key
+
+
+# -- log-probs at chosen ids (an auxiliary loss's) and the top k (a teacher's) ---------------
+
+def _at(h, w, y, t, ids, chunk):
+    if chunk is None:  # the whole-logits path, as forward_log_probs runs it
+        z = (h @ w.T).to(torch.promote_types(h.dtype, torch.float32)) / t
+        return {"log_probs": logprobs_from_logits(z, y),
+                "log_probs_at": z.gather(-1, ids) - torch.logsumexp(z, -1, keepdim=True)}
+    return chunked_log_probs(h, w, y, temperature=t, chunk=chunk, ids=ids)
+
+
+@pytest.mark.parametrize("chunk", [None, 1, 5, 1000])
+def test_log_probs_at_ids_match_float64_forward_and_backward(chunk):
+    h, w, y, a, _ = _case()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, w.shape[0], (h.shape[0], 3), generator=g)
+    ids[:, 0] = y                                         # an id may repeat the label
+    c = torch.randn(h.shape[0], 3, generator=g)
+    out = _at(h, w, y, 0.7, ids, chunk)
+    exact = torch.log_softmax(h.double() @ w.double().T / 0.7, -1)
+    bound = logprob_rounding_bound(logit_abs_scale(h, w, 0.7))[:, None]
+    assert ((out["log_probs_at"].double() - exact.gather(-1, ids)).abs() <= bound).all()
+    assert torch.equal(out["log_probs_at"][:, 0], out["log_probs"])  # the label's, computed alike
+    # gradients: float64 through this path against autograd through float64's whole logits
+    # (the same sums in another order: a few hundred terms, rounding far below 1e-10)
+    hd, wd = h.double().requires_grad_(), w.double().requires_grad_()
+    mine = _at(hd, wd, y, 0.7, ids, chunk)
+    ((mine["log_probs"] * a.double()).sum() + (mine["log_probs_at"] * c.double()).sum()).backward()
+    z = torch.log_softmax(h.double() @ w.double().T / 0.7, -1)
+    hr, wr = h.double().requires_grad_(), w.double().requires_grad_()
+    z = torch.log_softmax(hr @ wr.T / 0.7, -1)
+    ((z.gather(-1, y[:, None]).squeeze(-1) * a.double()).sum() + (z.gather(-1, ids) * c.double()).sum()).backward()
+    torch.testing.assert_close(hd.grad, hr.grad, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(wd.grad, wr.grad, rtol=1e-10, atol=1e-12)
+
+
+def test_gradcheck_with_ids_in_float64():
+    h, w, y, _, _ = _case(m=6, hidden=5, vocab=9, dtype=torch.float64)
+    ids = torch.tensor([[0, 3], [8, 8], [1, 2], [4, 0], [5, 6], [7, 1]])
+
+    def f(h, w):
+        out = chunked_log_probs(h, w, y, temperature=0.8, chunk=4, calc_entropy=True, ids=ids)
+        return out["log_probs"], out["log_probs_at"], out["entropy"]
+    assert torch.autograd.gradcheck(f, (h.requires_grad_(), w.requires_grad_()))
+
+
+def test_top_k_is_the_most_likely_ids_without_gradient():
+    h, w, y, _, _ = _case(dtype=torch.float64)  # float64: no near-tie can flip the order
+    out = chunked_log_probs(h.requires_grad_(), w, y, chunk=5, top_k=4)
+    exact = torch.log_softmax(h.detach() @ w.T, -1).topk(4, dim=-1)
+    assert torch.equal(out["top_k_ids"], exact.indices) and not out["top_k_log_probs"].requires_grad
+    torch.testing.assert_close(out["top_k_log_probs"], exact.values, rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="top_k=300: use 1 to the vocabulary size 211"):
+        chunked_log_probs(h, w, y, top_k=300)
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_forward_log_probs_at_ids_and_top_k(model_and_batch, packed):
+    """float64, as above: the chunked and whole paths agree within twice the float64 bound,
+    a position's log-probs at ids are its log-softmax there, padding stays zero."""
+    import copy
+
+    from minihf.workers.forward import forward_log_probs
+
+    model, mb = model_and_batch
+    model = copy.deepcopy(model).double()
+    r = mb["responses"].shape[1]
+    ids = torch.stack([mb["responses"], (mb["responses"] + 1) % 97], -1)        # [B, R, 2]
+    runs = {}
+    for chunk in (None, 4):
+        model.zero_grad()
+        out = forward_log_probs(model, mb, use_remove_padding=packed, temperature=0.7, logits_chunk=chunk,
+                                ids=ids, top_k=3, calc_logit_scale=True)
+        (out["log_probs_at"] * torch.linspace(-1, 1, 2, dtype=torch.float64)).sum().backward()
+        runs[chunk] = out, {n: p.grad.clone() for n, p in model.named_parameters()}
+    (whole, gw), (chunked, gc) = runs[None], runs[4]
+    valid = mb["attention_mask"][:, -r:].bool()
+    bound = logprob_rounding_bound(whole["logit_scale"], torch.float64)[..., None]
+    assert whole["log_probs_at"].shape == (4, r, 2) and whole["top_k_ids"].shape == (4, r, 3)
+    assert ((chunked["log_probs_at"] - whole["log_probs_at"]).abs() <= 2 * bound).all()
+    assert ((whole["log_probs_at"][..., 0] - whole["log_probs"]).abs() <= 2 * bound[..., 0]).all()
+    assert torch.equal(chunked["top_k_ids"], whole["top_k_ids"])
+    assert ((chunked["top_k_log_probs"] - whole["top_k_log_probs"]).abs() <= 2 * bound).all()
+    assert (whole["top_k_log_probs"][valid][:, 0] >= whole["log_probs"][valid] - 2 * bound[..., 0][valid]).all()
+    for out in (whole, chunked):
+        assert (out["log_probs_at"][~valid] == 0).all() and (out["top_k_ids"][~valid] == 0).all()
+    for name in gw:
+        torch.testing.assert_close(gc[name], gw[name], rtol=1e-10, atol=1e-10 * gw[name].abs().max().item())

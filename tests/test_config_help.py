@@ -49,11 +49,21 @@ def test_reference_defaults_are_the_built_ones():
     for title, cls in doc_roots().items():
         built, checked = cls(), 0
         for e in reference(cls):
-            if e.default is None:
+            if e.default is None or ".<name>." in e.key:  # one entry of a mapping: below
                 continue
             assert to_dict(functools.reduce(getattr, e.key.split("."), built)) == e.default, (title, e.key)
             checked += 1
         assert checked > 20, title
+    # a mapping of sections lists one entry's keys, with the entry class's defaults
+    from minihf.trainer.ppo_config import RoleSection
+    from minihf.trainer.ppo_job import PPOJobConfig
+    from minihf.workers.aux_loss import AuxLossConfig
+
+    entries = {e.key: e.default for e in reference(PPOJobConfig) if ".<name>." in e.key}
+    assert entries["roles.<name>.worker"] == RoleSection.worker == "LogProbWorker"
+    assert entries["roles.<name>.fsdp.wrap_blocks"] is True
+    assert entries["actor_rollout_ref.actor.aux_losses.<name>.coef"] == AuxLossConfig.coef
+    assert entries["controller.placement.<name>.tp_size"] == 1
     lrs = {e.key: e.default for e in reference(SFTConfig) if e.key == "optim.lr"}
     assert lrs == {"optim.lr": SFTConfig().optim.lr} and SFTConfig().optim.lr != OptimConfig().lr
 

@@ -58,7 +58,9 @@ def field_help(cls: type) -> dict[str, str]:
 
 
 def reference(cls: type, prefix: str = "", defaults: Any = None) -> list[Entry]:
-    """Every leaf field of the config tree rooted at dataclass ``cls``, depth first.
+    """Every leaf field of the config tree rooted at dataclass ``cls``, depth first; a
+    mapping of sections (``roles: dict[str, RoleSection]``) also lists one entry's keys, as
+    ``roles.<name>.worker``.
 
     A nested config's defaults are those of the instance its parent's field builds
     (``defaults``): a ``default_factory`` may set them apart from the class's own (the SFT,
@@ -86,6 +88,9 @@ def reference(cls: type, prefix: str = "", defaults: Any = None) -> list[Entry]:
             continue
         default = "(required)" if value is dataclasses.MISSING else to_dict(value)
         out.append(Entry(key, _describe(tp), default, helps.get(f.name, "")))
+        args = typing.get_args(tp) if typing.get_origin(tp) is dict else ()
+        if len(args) == 2 and dataclasses.is_dataclass(args[1]):  # a mapping of sections: one entry's keys
+            out += reference(args[1], key + ".<name>.")
     return out
 
 

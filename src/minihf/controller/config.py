@@ -20,8 +20,8 @@ from minihf.utils.threads import check_setting as check_threads
 @dataclass
 class RoleSpec:
     """Where one role runs: ``ranks`` ("all" or a list of global ranks) and its TP size."""
-    ranks: Union[Literal["all"], list[int]] = "all"
-    tp_size: int = 1
+    ranks: Union[Literal["all"], list[int]] = "all"  # the global ranks the role runs on; all: every rank
+    tp_size: int = 1                     # tensor-parallel size of its default layout (training roles: 1)
 
     def __post_init__(self):
         if self.tp_size < 1:

@@ -8,6 +8,7 @@ always does. Calls to groups on disjoint ranks run at the same time.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from minihf.controller.driver import CallFuture, Driver
@@ -42,9 +43,17 @@ class WorkerGroup:
     """The workers of one role, seen from the driver."""
 
     def __init__(self, layout: RoleLayout, worker_cls: type[Worker], driver: Driver,
-                 layouts: dict[str, RoleLayout] | None = None):
+                 layouts: dict[str, RoleLayout] | None = None,
+                 reads: dict[str, tuple[str, ...]] | None = None):
+        """``reads``: Batch keys a method reads beyond its registered ones
+        (``Worker.declare_reads``), method name -> keys."""
         self.layout, self.worker_cls, self._driver = layout, worker_cls, driver
         self.layouts = {DEFAULT_LAYOUT: layout, **(layouts or {})}  # name -> layout
+        self.reads = dict(reads or {})
+        unknown = sorted(set(self.reads) - set(worker_cls.remote_methods))
+        if unknown:
+            raise ControllerError(f"{worker_cls.__name__}.declare_reads names {unknown}, which are not its "
+                                  f"remote methods ({self.method_names()})")
 
     def layout_of(self, spec: MethodSpec) -> RoleLayout:
         """The layout a method is dispatched over."""
@@ -94,6 +103,9 @@ class WorkerGroup:
                 f"role {self.role!r} ({self.worker_cls.__name__}) has no remote method "
                 f"{name!r}; registered methods: {self.method_names()} (declare one with "
                 "@register on the worker class)")
+        more = self.reads.get(name, ())
+        if more and spec.reads is not None:
+            spec = replace(spec, reads=spec.reads + tuple(k for k in more if k not in spec.reads))
         return RemoteCall(self, spec)
 
     def __dir__(self) -> list[str]:

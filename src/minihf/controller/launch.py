@@ -136,8 +136,9 @@ def run(driver_fn: DriverFn, roles: Mapping[str, Role | type[Worker]],
         torch.set_num_threads(1)  # the caller's thread: see "one OpenMP team" above
         if rank == 0:
             driver = Driver(rank, links, workers, cuda, config.timeout_s, pool)
-            groups = {n: WorkerGroup(layouts[n][DEFAULT_LAYOUT], roles[n].worker_cls, driver,
-                                     layouts[n]) for n in sorted(layouts)}
+            groups = {n: WorkerGroup(layouts[n][DEFAULT_LAYOUT], roles[n].worker_cls, driver, layouts[n],
+                                     roles[n].worker_cls.declare_reads(*roles[n].args, **roles[n].kwargs))
+                      for n in sorted(layouts)}
             result = run_driver(driver, lambda: driver_fn(groups))
         else:
             serve(*links[0], workers, rank, config.idle_timeout_s, pool)

@@ -13,7 +13,8 @@ so ``self.device`` and friends are usable inside ``__init__``; subclasses just c
 ``super().__init__()``. ``dp_rank``/``tp_rank``/... describe the default layout;
 ``self.parallel(name)`` any declared one. A worker class declares its extra layouts with
 the classmethod ``declare_layouts(*args, **kwargs)`` (from its constructor arguments,
-e.g. the rollout TP size in its config), so every rank can build their groups at launch.
+e.g. the rollout TP size in its config), so every rank can build their groups at launch;
+``declare_reads(*args, **kwargs)`` adds Batch keys a method reads, from its config.
 Every worker has ``start_profile`` / ``stop_profile`` (``trainer.profile_steps``,
 ``minihf.utils.profiling``).
 """
@@ -147,6 +148,13 @@ class Worker:
     def declare_layouts(cls, *args: Any, **kwargs: Any) -> dict[str, int]:
         """Extra (TP-strided) layouts of this role, name -> TP size, from the constructor's
         arguments; called on every rank at launch, before the worker exists."""
+        return {}
+
+    @classmethod
+    def declare_reads(cls, *args: Any, **kwargs: Any) -> dict[str, tuple[str, ...]]:
+        """Batch keys a method reads beyond its ``@register(reads=...)``, method name -> keys,
+        from the constructor's arguments (a recipe's loss that reads a teacher's tensors);
+        called on rank 0 at launch."""
         return {}
 
     def link(self, role: str) -> Any:

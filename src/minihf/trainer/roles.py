@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from minihf.config import section_of
-from minihf.workers.actor import reference_source
+from minihf.workers.actor_checks import reference_source
 
 
 def _always(cfg) -> bool:

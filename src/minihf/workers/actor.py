@@ -60,7 +60,8 @@ from minihf.models.moe import MoEStep, RouterStats
 from minihf.parallel.fsdp import default_mixed_precision
 from minihf.protocol import Batch
 from minihf.rollout.llm import eos_ids_from_dir
-from minihf.workers.actor_checks import check_actor_sp, check_router_replay, sp_sizes
+from minihf.workers.actor_checks import check_actor_sp, check_router_replay, reference_source, shard_ranks, sp_sizes
+from minihf.workers.aux_loss import add_aux_terms, aux_loss_reads, build_aux_losses, extra_stats, ids_for
 from minihf.workers.config import ActorRolloutRefConfig
 from minihf.workers.engine import build_fsdp_model, prefixed, run_micro_batches, sp_group, sp_layouts, tensors_of
 from minihf.workers.forward import forward_log_probs
@@ -92,18 +93,6 @@ def engine_tokens(cfg: ActorRolloutRefConfig, hf_config: dict, info) -> dict:
                                leader=info.tp_rank == 0)
     return {"eos_token_ids": eos, "pad_token_id": pad if pad is not None else (eos[0] if eos else 0),
             "multi_turn": multi_turn, "record_routes": cfg.actor.router_replay == "R3"}
-
-
-def shard_ranks(group, rank: int) -> list[int]:
-    """Global ranks holding FSDP shards 0, 1, ... over ``group`` (its rank order)."""
-    import torch.distributed as dist
-
-    return dist.get_process_group_ranks(group) if group is not None else [rank]
-
-
-def reference_source(model_cfg) -> str:
-    """How the reference policy is computed: a LoRA actor's is its base (adapters off)."""
-    return "adapters_off" if getattr(model_cfg, "lora", False) else "model"
 
 
 class ActorRolloutRefWorker(Worker):
@@ -141,12 +130,17 @@ class ActorRolloutRefWorker(Worker):
         return {"rollout": config.rollout.tensor_model_parallel_size if generates else 1,
                 **sp_layouts(*sp_sizes(config))}
 
+    @classmethod
+    def declare_reads(cls, config: ActorRolloutRefConfig, *args, **kwargs) -> dict[str, tuple[str, ...]]:
+        return {"update_actor": aux_loss_reads(config.actor.aux_losses)}  # what its aux losses read
+
     # -- set-up ---------------------------------------------------------------------------
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def init_model(self, total_training_steps: int | None = None) -> None:
         """``total_training_steps``: the run's optimizer steps (for a cosine schedule)."""
         cfg = self.config
         get_policy_loss_fn(cfg.actor.policy_loss.loss_mode)  # an unknown name fails here
+        self.aux_losses = build_aux_losses(cfg.actor.aux_losses, UPDATE_KEYS + ("ref_log_prob", "rollout_is_weights"))
         check_router_replay(cfg)
         self.state = TrainState.build(cfg.model, cfg.actor.fsdp, cfg.actor.optim, head="lm",
                                       group=self.group, device=self.device,
@@ -280,17 +274,20 @@ class ActorRolloutRefWorker(Worker):
                                     calc_entropy=a.entropy_coeff != 0 or own_old,
                                     entropy_grad=a.entropy_coeff != 0, logits_chunk=a.logits_chunk_size,
                                     moe=MoEStep(router) if router is not None else None, routes=routes,
-                                    sp=self.sp)
+                                    sp=self.sp, ids=ids_for(self.aux_losses, mb))
             log_prob = out["log_probs"]                                       # [b, R]
             old = log_prob.detach() if own_old else mb["old_log_probs"]
             extra = {"rollout_is_weights": mb["rollout_is_weights"]} if "rollout_is_weights" in mb else {}
-            pg_loss, clipfrac, ppo_kl, clipfrac_lower = policy_loss(
+            pg_loss, clipfrac, ppo_kl, clipfrac_lower, *own = policy_loss(  # (+ its own figures)
                 old, log_prob, mb["advantages"], mask,
                 loss_agg_mode=a.loss_agg_mode, normalizer=norm, config=a, **extra)
             share = mask.float().sum() / tokens  # this micro-batch's weight in token means
             stats = {"pg_loss": pg_loss, "pg_clipfrac": clipfrac * share,
                      "ppo_kl": ppo_kl * share, "pg_clipfrac_lower": clipfrac_lower * share}
-            loss = pg_loss
+            for k, v in (extra_stats(own[0], f"policy loss {a.policy_loss.loss_mode}") if own else {}).items():
+                stats[k] = v.to(share.device) * share
+            loss = pg_loss + add_aux_terms(self.aux_losses, mb, out, stats, share=share,
+                                           loss_agg_mode=a.loss_agg_mode, normalizer=norm)
             if a.entropy_coeff != 0:
                 entropy = agg_loss(out["entropy"], mask, a.loss_agg_mode, norm)
                 loss = loss - a.entropy_coeff * entropy
@@ -332,6 +329,7 @@ class ActorRolloutRefWorker(Worker):
         routes = self._routes(batch, update=True)
         if routes == "replay":
             keys += ("routed_experts",)
+        keys += tuple(k for k in aux_loss_reads(a.aux_losses) if k not in keys)
         data = tensors_of(batch, keys, self.device)
         temperature = float(batch.meta.get("temperature", 1.0))
         stats = self.state.update(

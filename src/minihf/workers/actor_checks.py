@@ -1,7 +1,8 @@
 """The actor section's settings checked against its model: routing replay needs a
 mixture-of-experts model; the actor's and reference's sequence-parallel sizes must fit the
 model (``minihf.parallel.ulysses``). The job runs them before any worker starts
-(``minihf.trainer.ppo_job``), the worker again at ``init_model``."""
+(``minihf.trainer.ppo_job``), the worker again at ``init_model``. Also the section's small
+derived facts: how the reference is computed, which ranks hold the FSDP shards."""
 
 from __future__ import annotations
 
@@ -35,3 +36,15 @@ def check_actor_sp(cfg: ActorRolloutRefConfig, args) -> None:
     for section, size in zip(("actor", "ref"), sp_sizes(cfg)):
         check_sp_model(size, args, f"actor_rollout_ref.{section}.ulysses_sequence_parallel_size",
                        cfg.model.use_remove_padding)
+
+
+def reference_source(model_cfg) -> str:
+    """How the reference policy is computed: a LoRA actor's is its base (adapters off)."""
+    return "adapters_off" if getattr(model_cfg, "lora", False) else "model"
+
+
+def shard_ranks(group, rank: int) -> list[int]:
+    """Global ranks holding FSDP shards 0, 1, ... over ``group`` (its rank order)."""
+    import torch.distributed as dist
+
+    return dist.get_process_group_ranks(group) if group is not None else [rank]

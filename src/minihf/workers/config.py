@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
 from minihf.algorithms.kl import KL_PENALTIES
+from minihf.workers.aux_loss import AuxLossConfig
 from minihf.workers.optim import OptimConfig
 from minihf.workers.section_checks import check_chunk, check_micro, check_ppo_update, check_sp
 
@@ -125,6 +126,9 @@ class ActorConfig:
     # R3 = the rollout engine records them and both the old-log-prob forward and the update
     # route by them (the routing weights stay the live router's). Not for a dense model
     router_replay: str = "disabled"
+    # extra terms of the loss from a recipe, by name (minihf.workers.aux_loss: a function that may
+    # read the student's log-probs at chosen ids from the update's forward, and batch keys)
+    aux_losses: dict[str, AuxLossConfig] = field(default_factory=dict)
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
 

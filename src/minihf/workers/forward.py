@@ -67,7 +67,8 @@ def forward_log_probs(model: nn.Module, mb: dict, *, use_remove_padding: bool = 
                       share_prompt: bool = False, temperature: float = 1.0,
                       calc_entropy: bool = False, entropy_grad: bool = True,
                       calc_logit_scale: bool = False, logits_chunk: int | None = None,
-                      moe: MoEStep | None = None, routes: str | None = None, sp=None) -> dict:
+                      moe: MoEStep | None = None, routes: str | None = None, sp=None,
+                      ids: torch.Tensor | None = None, top_k: int = 0) -> dict:
     """Log-probs (and entropy) of the response tokens under ``model`` (an LM).
 
     Returns ``{"log_probs": [B, R]}`` (+ ``"entropy": [B, R]``), fp32, computed from
@@ -87,6 +88,10 @@ def forward_log_probs(model: nn.Module, mb: dict, *, use_remove_padding: bool = 
     ``sp``: a ``minihf.parallel.ulysses.SeqParallel`` (packed only): each rank of the group
     runs its piece of the packed row, the LM head at the kept positions in it, and the
     results come back whole on every rank (see that module for the gradient).
+    ``ids`` ``[B, R, k]`` (long): adds ``"log_probs_at"`` ``[B, R, k]``, the log-probs of
+    those ids at each response position, from the same logits (with their gradient; what an
+    auxiliary loss reads, e.g. a teacher's top-k). ``top_k``: adds ``"top_k_ids"`` and
+    ``"top_k_log_probs"`` ``[B, R, top_k]``, the most likely ids there (no gradient).
 
     The LM head runs as ``CausalLM.forward``'s ``head``: inside the model's forward (where
     FSDP has gathered its weight), at the kept positions only.
@@ -99,16 +104,26 @@ def forward_log_probs(model: nn.Module, mb: dict, *, use_remove_padding: bool = 
     valid = mb["attention_mask"][:, -r:]                                     # [B, R]
     real = valid.bool()
     labels = mb["responses"][real] if use_remove_padding else mb["responses"].reshape(-1)
+    if ids is not None:  # [M, k] or [B * R, k], as the labels
+        ids = ids[real] if use_remove_padding else ids.reshape(-1, ids.shape[-1])
 
-    def head_for(labels):  # the LM head's replacement, scoring ``labels`` at the kept positions
+    def head_for(labels, ids):  # the LM head's replacement, scoring ``labels`` at the kept positions
         def head(hidden, weight):                          # [1, M, H] or [B, R, H] -> {key: [M] or [B * R]}
             h = hidden.reshape(-1, hidden.shape[-1])
             if logits_chunk is not None:
                 out = chunked_log_probs(h, weight, labels, temperature=temperature, chunk=logits_chunk,
-                                        calc_entropy=calc_entropy, entropy_grad=entropy_grad)
+                                        calc_entropy=calc_entropy, entropy_grad=entropy_grad, ids=ids,
+                                        top_k=top_k)
             else:
                 logits = scaled(linear(h, weight), temperature)                # [M, V]
                 out = {"log_probs": logprobs_from_logits(logits, labels)}
+                if ids is not None or top_k:
+                    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+                    if ids is not None:
+                        out["log_probs_at"] = logits.gather(-1, ids) - lse
+                    if top_k:
+                        top = logits.detach().topk(top_k, dim=-1)
+                        out["top_k_ids"], out["top_k_log_probs"] = top.indices, top.values - lse.detach()
                 if calc_entropy:
                     out["entropy"] = entropy_from_logits(logits if entropy_grad else logits.detach())
             if calc_logit_scale:
@@ -128,7 +143,7 @@ def forward_log_probs(model: nn.Module, mb: dict, *, use_remove_padding: bool = 
         sel = packed.slot.view(b, t)[:, t - r - 1:t - 1][real]               # [M]
         if sp is None:
             out = model(packed.tokens, packed.positions, cu_seqlens=packed.cu_seqlens,
-                        shared_prefix=packed.shared_prefix, logits_to_keep=sel, head=head_for(labels),
+                        shared_prefix=packed.shared_prefix, logits_to_keep=sel, head=head_for(labels, ids),
                         moe=moe)
         else:  # the kept positions in this rank's piece; the values made whole after
             tokens = sp.pad(packed.tokens)
@@ -136,15 +151,16 @@ def forward_log_probs(model: nn.Module, mb: dict, *, use_remove_padding: bool = 
             mine = (sel >= lo) & (sel < hi)
             out = model(tokens, sp.pad(packed.positions), cu_seqlens=packed.cu_seqlens,
                         shared_prefix=packed.shared_prefix, logits_to_keep=sel[mine] - lo,
-                        head=head_for(labels[mine]), sp=sp)
+                        head=head_for(labels[mine], None if ids is None else ids[mine]), sp=sp)
             out = {k: sp.scatter(v, mine) for k, v in out.items()}
         where = real.nonzero(as_tuple=True)
-        result = {k: v.new_zeros((b, r)).index_put_(where, v) for k, v in out.items()}
+        result = {k: v.new_zeros((b, r) + v.shape[1:]).index_put_(where, v) for k, v in out.items()}
     else:
         out = model(mb["input_ids"], mb["position_ids"], attention_mask=mb["attention_mask"],
-                    logits_to_keep=torch.arange(t - r - 1, t - 1, device=valid.device), head=head_for(labels),
+                    logits_to_keep=torch.arange(t - r - 1, t - 1, device=valid.device), head=head_for(labels, ids),
                     moe=moe)
-        result = {k: v.view(valid.shape) * valid for k, v in out.items()}
+        result = {k: v.view(valid.shape + v.shape[1:]) * valid.view(valid.shape + (1,) * (v.dim() - 1)).to(v.dtype)
+                  for k, v in out.items()}
     if routes is not None:
         result.update(_routing_outputs(moe, chosen, mb, where_run, packed, model.args.num_experts))
     return result

@@ -25,7 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = ["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "gspo",
-           "dapo", "ppo", "ppo_rm", "safe_rlhf", "distill"]
+           "dapo", "ppo", "ppo_rm", "safe_rlhf", "distill", "gkd"]
 LAST = 10  # steps whose mean episode cost is reported for safe_rlhf
 
 
@@ -53,7 +53,7 @@ def run_one(recipe: str, steps: int, nproc: int, workdir: Path) -> dict:
     result = {"recipe": recipe, "failed": False, "val_before": vals[0], "val_after": vals[-1],
               "steps": len(train), "wall_s": wall,
               "step_s": sum(r["timing_s/step"] for r in train) / len(train), "phases": phases}
-    if recipe == "distill":  # the teacher's own last validation, from the run that trained it
+    if recipe in ("distill", "gkd"):  # the teacher's own last validation, from the run that trained it
         teacher = ROOT / "outputs" / "grpo_sort" / "metrics.jsonl"
         vals_t = [json.loads(x).get("val-core/mean") for x in teacher.read_text().splitlines()] \
             if teacher.is_file() else []
@@ -109,6 +109,14 @@ def markdown(results: list[dict], steps: int, nproc: int) -> str:
                   "same SFT start samples, and a teacher role, the main job's final policy (`recipes/grpo` "
                   f"trained to the end, validation {next(r for r in ok if r['recipe'] == 'distill')['teacher']}), "
                   "scores each of the student's tokens; it is not trained on the task's reward.", ""]
+    if any(r["recipe"] == "gkd" for r in ok):
+        gkd = next(r for r in ok if r["recipe"] == "gkd")
+        lines += ["`gkd` is top-k logit distillation (recipe files only: a teacher worker class, a plug-in, an "
+                  "auxiliary loss): the same student and teacher as `distill` "
+                  f"(validation {gkd['teacher']}); the teacher returns its 8 most likely tokens at each of the "
+                  "student's positions and the actor's `aux_losses` term, reading the student's log-probs at "
+                  "them from the update's own forward, is the KL from the teacher's distribution over them; "
+                  "the advantages are zero.", ""]
     safe = [r for r in ok if "safe" in r]
     if safe:
         lines += [

@@ -22,7 +22,7 @@ from minihf.trainer.plugins.dapo import dynamic_rollout
 from minihf.testing import spawn_ranks
 
 RECIPES = Path(__file__).parent.parent / "src" / "minihf" / "recipes"
-ZOO = ["dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "gspo", "dapo", "distill"]
+ZOO = ["dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "gspo", "dapo", "distill", "gkd"]
 
 
 def overrides(model, data, out, **extra):
@@ -45,9 +45,12 @@ def _run_recipes(rank, world, model, data, tmp, names):
     out = {}
     teacher = {"prepare.role_recipes": "{}", "roles.teacher.model.path": f"{model}-teacher"}
     for name in names:
-        extra = {"dapo": {"reward_model.overlong_buffer.len": 3}, "distill": teacher,
+        extra = {"dapo": {"reward_model.overlong_buffer.len": 3}, "distill": teacher, "gkd": teacher,
                  # the teacher is the student's own start model: the reverse KL starts at 0
-                 "distill@same": {**teacher, "roles.teacher.model.path": model}}.get(name, {})
+                 "distill@same": {**teacher, "roles.teacher.model.path": model},
+                 # the same, one optimizer step a step: the KL is measured before any update
+                 "gkd@same": {**teacher, "roles.teacher.model.path": model,
+                              "actor_rollout_ref.actor.ppo_epochs": 1}}.get(name, {})
         cfg = load_config(PPOJobConfig, name.split("@")[0], overrides(model, data, f"{tmp}/{name}", **extra))
         out[name] = run(ppo_driver(cfg), ppo_roles(cfg), cfg.controller)
     return out
@@ -76,8 +79,9 @@ def test_every_rl_recipe_is_tested():
 
 def test_zoo_recipes_run_two_steps(tiny, tmp_path):
     model, data = tiny
-    res = spawn_ranks(_run_recipes, 1, model, data, str(tmp_path), ZOO + ["distill@same"], timeout_s=600)[0]
-    same = res.pop("distill@same")
+    res = spawn_ranks(_run_recipes, 1, model, data, str(tmp_path), ZOO + ["distill@same", "gkd@same"],
+                      timeout_s=600)[0]
+    same, gkd_same = res.pop("distill@same"), res.pop("gkd@same")
     for name, hist in res.items():
         steps = [h for h in hist if h["step"] > 0]
         assert [h["step"] for h in steps] == [1, 2], name
@@ -97,6 +101,14 @@ def test_zoo_recipes_run_two_steps(tiny, tmp_path):
     # a teacher on the student's own start weights: the LogProbWorker and the actor's old
     # log-probs run the same forward on the same micro-batches, so the same floats: exactly 0
     assert [h["distill/reverse_kl"] for h in same if h["step"] > 0][0] == 0.0
+    # gkd: the teacher's top k reach the actor's aux loss, which alone moves the student (the
+    # advantages are zero, so the policy-gradient loss is exactly 0)
+    gkd = [h for h in res["gkd"] if h["step"] > 0]
+    assert all("timing_s/teacher" in h and h["actor/gkd/kl"] > 0 and h["actor/pg_loss"] == 0.0 for h in gkd)
+    assert all(0 < h["actor/gkd/teacher_mass"] <= 1 + 1e-6 and h["actor/grad_norm"] > 0 for h in gkd)
+    # on the student's own weights the KL is second order in the two forwards' rounding
+    # difference (log-probs within ~1e-6 of each other here: KL <~ 1e-12); 1e-8 leaves room
+    assert 0 <= [h["actor/gkd/kl"] for h in gkd_same if h["step"] > 0][0] < 1e-8
 
 
 def test_overlong_penalty_by_hand():

@@ -64,7 +64,9 @@ def test_writing_a_recipe_runs_as_written(tmp_path):
                 res = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=300)
                 assert res.returncode == 0, (line, res.stdout[-2000:], res.stderr[-2000:])
                 ran.append(argv[0])
-    assert len(ran) == 6
+    assert len(ran) == 7
+    refereed = [json.loads(x) for x in (tmp_path / "outputs/my_exp_v5/metrics.jsonl").read_text().splitlines()]
+    assert 0 <= refereed[-1]["referee/agrees"] <= 1 and "timing_s/referee" in refereed[-1]   # section 8's role
     avoided = [json.loads(x) for x in (tmp_path / "outputs/my_exp_v4/metrics.jsonl").read_text().splitlines()]
     assert 0 < avoided[-1]["actor/avoid/p"] < 1 and avoided[-1]["actor/avoid/loss"] > 0   # section 6's aux loss
     judged = [json.loads(x) for x in (tmp_path / "outputs/my_exp_v3/metrics.jsonl").read_text().splitlines()]

@@ -236,3 +236,66 @@ def test_recipe_plugins_roles_and_their_errors(tiny_job, tmp_path):  # noqa: F81
           roles="{judge: {model: {path: nowhere}}}")
     fails(r"prepare.role_recipes.judge: the config has no roles.judge section",
           **{"prepare.role_recipes": "{judge: grpo}"})
+
+
+MY_ACTOR = '''
+from minihf.workers import ActorRolloutRefWorker, CriticWorker
+
+
+class CountingActor(ActorRolloutRefWorker):
+    """update_actor wrapped (no @register: it keeps the library method's dispatch and reads):
+    the library's update, then a figure of its own."""
+
+    def update_actor(self, batch):
+        metrics = super().update_actor(batch)
+        self.calls = getattr(self, "calls", 0) + 1
+        return {**metrics, "mine/update_calls": float(self.calls), "mine/rows": float(len(batch))}
+
+
+class NotAnActor(CriticWorker):
+    pass
+'''
+
+
+def test_a_recipe_names_the_actor_class_and_plugins_replace_core_rows(tiny_job, tmp_path):  # noqa: F811
+    from minihf.trainer.phases import Plugin
+    from minihf.trainer.ppo_job import ppo_roles
+    from minihf.trainer.roles import RoleDef, role_table
+    from minihf.testing import spawn_ranks
+    from test_ppo import _runs
+
+    model, data = tiny_job
+    (tmp_path / "mine.py").write_text(MY_ACTOR)
+    mine = f"{tmp_path}/mine.py"
+    cfg = job_config(model, data, tmp_path / "a", "grpo", **{"actor_rollout_ref.worker": f"{mine}:CountingActor"})
+    assert ppo_roles(cfg)["actor"].worker_cls.__name__ == "CountingActor"
+    hist = spawn_ranks(_runs, 1, model, data, str(tmp_path), [
+        ("mine", "grpo", None, "mine", {"actor_rollout_ref.worker": f"{mine}:CountingActor"})], timeout_s=300)[0]
+    steps = [h for h in hist["mine"] if h["step"] > 0]
+    assert [h["mine/update_calls"] for h in steps] == [1.0, 2.0, 3.0] and steps[0]["mine/rows"] == 8.0
+    assert "actor/pg_loss" in steps[0]                                  # the library's update ran
+    with pytest.raises(ValueError, match=r"worker .*mine.py:NotAnActor must subclass minihf.workers.ActorRolloutRefWorker"):
+        ppo_roles(job_config(model, data, tmp_path / "b", "grpo", **{"actor_rollout_ref.worker": f"{mine}:NotAnActor"}))
+    with pytest.raises((ConfigError, ValueError), match=r"worker='CriticWorker': name ActorRolloutRefWorker, or a subclass"):
+        job_config(model, data, tmp_path / "b", "grpo", **{"actor_rollout_ref.worker": "CriticWorker"})
+    with pytest.raises((ConfigError, ValueError), match=r"worker: .*mine.py has no worker class 'Gone'"):
+        job_config(model, data, tmp_path / "b", "grpo", **{"actor_rollout_ref.worker": f"{mine}:Gone"})
+
+    class Replacing(Plugin):
+        roles = [RoleDef("actor", f"{mine}:CountingActor", "actor_rollout_ref", trains="actor_rollout_ref.actor",
+                         checkpointed=True, replaces=True)]
+
+    class Clashing(Plugin):
+        roles = [RoleDef("actor", f"{mine}:CountingActor", "actor_rollout_ref")]
+
+    class Nothing(Plugin):
+        roles = [RoleDef("judge", "LogProbWorker", "roles.judge", replaces=True)]
+
+    plain = job_config(model, data, tmp_path / "c", "grpo")
+    table = role_table(plain, [Replacing])
+    assert [r.name for r in table].count("actor") == 1
+    assert next(r for r in table if r.name == "actor").worker_class().__name__ == "CountingActor"
+    with pytest.raises(ValueError, match=r"roles \['actor'\] are defined twice"):
+        role_table(plain, [Clashing])
+    with pytest.raises(ValueError, match=r"plug-in role 'judge' replaces a core role, but there is none"):
+        role_table(plain, [Nothing])

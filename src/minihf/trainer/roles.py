@@ -12,11 +12,15 @@ the roles' placement is ``controller.placement``.
 
 ``inputs`` / ``outputs`` rename batch keys on the way to and from the worker
 (``minihf.controller.Renamed``), so one worker class can serve two roles.
+
+The trained actor is open: ``actor_rollout_ref.worker`` names a recipe's subclass of
+``ActorRolloutRefWorker`` (to wrap ``update_actor``, add a method), and a plug-in's row with
+``replaces=True`` takes a core row's place (its class must subclass the core one's).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
 from minihf.config import section_of
@@ -38,6 +42,7 @@ class RoleDef:
     kwargs: Callable[[Any], dict] = lambda cfg: {}
     inputs: dict = field(default_factory=dict)   # worker key -> batch key
     outputs: dict = field(default_factory=dict)  # result key (or "prefix/") -> name in the step
+    replaces: bool = False             # a plug-in's row that takes the place of the core row of its name
 
     def config(self, cfg) -> Any:
         return section_of(cfg, self.section)
@@ -45,11 +50,16 @@ class RoleDef:
     def worker_class(self) -> type:
         from minihf.utils.imports import is_code_ref, load_ref
 
-        if is_code_ref(self.worker):
-            return load_ref(self.worker, "worker class")
         import minihf.workers
 
-        return getattr(minihf.workers, self.worker)
+        cls = load_ref(self.worker, "worker class") if is_code_ref(self.worker) else getattr(minihf.workers, self.worker)
+        core = next((r for r in CORE_ROLES if r.name == self.name), None)
+        if core is not None and core.worker != self.worker:  # a recipe's class in a core role's place
+            base = getattr(minihf.workers, core.worker)
+            if not (isinstance(cls, type) and issubclass(cls, base)):
+                raise ValueError(f"role {self.name!r}: worker {self.worker} must subclass minihf.workers."
+                                 f"{core.worker} (it is called as one)")
+        return cls
 
 
 CORE_ROLES = (
@@ -69,9 +79,20 @@ CORE_ROLES = (
 
 
 def role_table(cfg, plugin_classes=()) -> list[RoleDef]:
-    """The job's roles: the core ones, each plug-in's, then the config's own (``roles.<name>``:
-    built from its section, not trained), those enabled for ``cfg``."""
-    rows = list(CORE_ROLES) + [r for p in plugin_classes for r in p.roles]
+    """The job's roles: the core ones (the actor's class from ``actor_rollout_ref.worker``), each
+    plug-in's (a row with ``replaces`` takes the core row of its name's place), then the config's
+    own (``roles.<name>``: built from its section, not trained), those enabled for ``cfg``."""
+    actor_worker = cfg.actor_rollout_ref.worker
+    rows = [replace(r, worker=actor_worker) if r.name == "actor" else r for r in CORE_ROLES]
+    for r in (r for p in plugin_classes for r in p.roles):
+        at = [i for i, core in enumerate(rows) if core.name == r.name and r.replaces]
+        if r.replaces and not at:
+            raise ValueError(f"plug-in role {r.name!r} replaces a core role, but there is none of that name "
+                             f"(core roles: {[c.name for c in CORE_ROLES]})")
+        if at:
+            rows[at[0]] = r
+        else:
+            rows.append(r)
     rows += [RoleDef(name, section.worker, f"roles.{name}") for name, section in cfg.roles.items()]
     names = [r.name for r in rows]
     dup = sorted({n for n in names if names.count(n) > 1})

@@ -338,6 +338,20 @@ class ActorRolloutRefConfig:
     actor: ActorConfig = field(default_factory=ActorConfig)
     ref: RefConfig = field(default_factory=RefConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    # the actor role's worker class: minihf's, or a recipe's subclass of it (path/to/file.py:Class)
+    worker: str = "ActorRolloutRefWorker"
+
+    def __post_init__(self):
+        if self.worker != "ActorRolloutRefWorker":
+            from minihf.utils.imports import check_ref, is_code_ref
+
+            if not is_code_ref(self.worker):
+                raise ValueError(f"worker={self.worker!r}: name ActorRolloutRefWorker, or a subclass of it in a "
+                                 f"recipe file as path/to/file.py:Class")
+            try:
+                check_ref(self.worker, "worker class")
+            except (FileNotFoundError, AttributeError) as e:
+                raise ValueError(f"worker: {e}") from None
 
 
 @dataclass

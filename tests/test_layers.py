@@ -35,6 +35,7 @@ LAYERS = [
     ["data"],
     ["hub"],
     ["workers"],
+    ["roles"],
     ["planner"],
     ["trainer"],
     ["api", "launcher"],

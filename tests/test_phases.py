@@ -133,7 +133,7 @@ def test_hooks_add_wrap_replace_and_alongside(tiny_job, tmp_path):  # noqa: F811
 
 def test_role_table_names_are_unique():
     from minihf.trainer.ppo_job import PPOJobConfig
-    from minihf.trainer.roles import RoleDef, role_table
+    from minihf.roles import RoleDef, role_table
     from minihf.config import load_config
 
     clash = make_plugin(lambda self: [], roles=(RoleDef("critic", "CriticWorker", "critic"),))
@@ -260,7 +260,7 @@ class NotAnActor(CriticWorker):
 def test_a_recipe_names_the_actor_class_and_plugins_replace_core_rows(tiny_job, tmp_path):  # noqa: F811
     from minihf.trainer.phases import Plugin
     from minihf.trainer.ppo_job import ppo_roles
-    from minihf.trainer.roles import RoleDef, role_table
+    from minihf.roles import RoleDef, role_table
     from minihf.testing import spawn_ranks
     from test_ppo import _runs
 

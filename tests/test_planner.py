@@ -352,3 +352,42 @@ def test_start_up_memory_check_reads_the_configured_plan(tmp_path):
     cfg = load_config(PPOJobConfig, "grpo", [
         f"actor_rollout_ref.model.path={model}", "controller.placement={actor: {ranks: [0, 1]}, rollout: {ranks: [2]}}"])
     check_memory(cfg, 3, small)
+
+
+def test_a_recipe_role_is_planned_and_memory_checked(tmp_path):
+    """A recipe's ``roles.<name>`` (a teacher) is in the workload, the configured plan, the
+    estimate (a forward over the step's batch, counted as ``ref``: it is sent alongside the
+    reference) and the memory check, with its own keys, as the role table declares."""
+    from minihf.config import ConfigError, load_config
+    from minihf.hub import init_model
+    from minihf.planner import workload
+    from minihf.planner.startup import check_memory, configured_plan
+    from minihf.trainer.ppo_job import PPOJobConfig
+
+    model = init_model(tmp_path / "m", size="tiny", task="sort")
+    base = [f"actor_rollout_ref.model.path={model}", "controller.placement={actor: {ranks: [0, 1]}}"]
+    plain = load_config(PPOJobConfig, "grpo", base)
+    cfg = load_config(PPOJobConfig, "grpo", base + [
+        f"roles={{teacher: {{model: {{path: {model}}}, log_prob_micro_batch_size_per_gpu: 5}}}}",
+        "controller.placement={actor: {ranks: [0, 1]}, teacher: {ranks: [2]}}"])
+    w, w0 = workload(cfg), workload(plain)
+    assert [r.name for r in w.roles] == ["actor", "teacher"] and not w.role("teacher").trains
+    assert w.role("teacher").model == w.role("actor").model       # the same checkpoint, an LM head
+    plan = configured_plan(cfg, 3, w)
+    assert [(g.roles, g.first_rank, g.devices) for g in plan.groups] == [(("actor",), 0, 2), (("teacher",), 2, 1)]
+    assert dict(plan.micro_batches)["teacher"] == 5
+    e, e0 = estimate(w, plan, _a100()), estimate(w0, configured_plan(plain, 2, w0), _a100())
+    assert e.phases["ref"] > e0.phases["ref"] and len(e.peak_bytes) == 2
+    keys = plan_overrides(plan, 3, w)
+    assert keys["roles.teacher.log_prob_micro_batch_size_per_gpu"] == 5 and keys["controller.placement.teacher.ranks"] == [2]
+    # the teacher's group alone too large: a micro-batch of 4096 rows, on a device between the peaks
+    big = load_config(PPOJobConfig, "grpo", base + [
+        f"roles={{teacher: {{model: {{path: {model}}}, log_prob_micro_batch_size_per_gpu: 4096}}}}",
+        "controller.placement={actor: {ranks: [0, 1]}, teacher: {ranks: [2]}}"])
+    wb = workload(big)
+    peaks = estimate(wb, configured_plan(big, 3, wb), _a100()).peak_bytes
+    assert peaks[1] > 2 * peaks[0], peaks
+    with pytest.raises(ConfigError, match=r"for roles \['teacher'\] on 1 device\(s\) .*"
+                                          r"roles.teacher.log_prob_micro_batch_size_per_gpu \(now 4096\)"):
+        check_memory(big, 3, replace(_a100(), memory_bytes=(peaks[0] + peaks[1]) / 2))
+    check_memory(big, 3, replace(_a100(), memory_bytes=peaks[1] * 1.01))

@@ -170,7 +170,7 @@ def check_on(cfg, ranks: int) -> None:
     """``check_sizes`` as the trainer calls it: every trained role of the role table on
     ``ranks`` ranks."""
     from minihf.trainer.plugins import plugin_classes
-    from minihf.trainer.roles import role_table
+    from minihf.roles import role_table
 
     cfg.check_sizes({r.trains: ranks for r in role_table(cfg, plugin_classes(cfg)) if r.trains})
 

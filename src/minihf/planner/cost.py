@@ -253,7 +253,8 @@ def estimate(w: Workload, plan: Plan, profile: DeviceProfile) -> Estimate:
     b = profile.bytes_per_param
     actor_group = plan.group_of("actor")
     link = {g.roles: link_bandwidth(g, profile) for g in plan.groups}
-    trained = [r for r in ("actor", "critic", "cost_critic") if _has(w, r)]
+    kind = _kinds(w)
+    trained = [r.name for r in w.roles if r.trains]  # the actor first
     groups = [plan.group_of(r) for r in trained]
     overlap = len(groups) > 1 and len({g.first_rank for g in groups}) == len(groups)
     together = sum(g.devices for g in groups) if overlap else None  # ranks busy in an overlapped phase
@@ -271,10 +272,12 @@ def estimate(w: Workload, plan: Plan, profile: DeviceProfile) -> Estimate:
         return forward_seconds(role.model, w.forward_tokens, w.sequences, plan.micro(role_name), g.devices,
                                link[g.roles], seen(role_name, overlapped), units(role), role.sp)
 
-    phases["reward"] = sum(forward(r) for r in ("reward_model", "cost_model") if _has(w, r))
+    phases["reward"] = sum(forward(r) for r in kind["scores"])
     phases["old_log_prob"] = forward("actor") if w.recompute_old_log_prob else 0.0
-    ref = forward("actor", overlapped=True) if w.use_ref else 0.0
-    values = [forward(r, overlapped=True) for r in ("critic", "cost_critic") if _has(w, r)]
+    # the reference's forward and a recipe's roles' (sent alongside it), counted as "ref"
+    ref = (forward("actor", overlapped=True) if w.use_ref else 0.0) + sum(
+        forward(r, overlapped=True) for r in kind["log_probs"])
+    values = [forward(r, overlapped=True) for r in kind["values"]]
     updates = [update_seconds(w.role(r), plan.micro(r), w, plan.group_of(r).devices, link[plan.group_of(r).roles],
                               seen(r, overlapped=True)) for r in trained]
     phases["ref"], phases["values"] = ref, sum(values)
@@ -297,5 +300,12 @@ def estimate(w: Workload, plan: Plan, profile: DeviceProfile) -> Estimate:
     return Estimate(plan, phases, step, peaks, fits)
 
 
-def _has(w: Workload, name: str) -> bool:
-    return any(r.name == name for r in w.roles)
+def _kinds(w: Workload) -> dict[str, list[str]]:
+    """The workload's roles by what their forward is in a step (the role table's ``forward``,
+    ``minihf.roles``): ``policy``, ``values``, ``scores``, ``log_probs`` (a recipe's roles)."""
+    from minihf.roles import declared
+
+    out: dict[str, list[str]] = {"policy": [], "values": [], "scores": [], "log_probs": []}
+    for r in w.roles:
+        out[declared(r.name).forward].append(r.name)
+    return out

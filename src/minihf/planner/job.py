@@ -24,8 +24,6 @@ NAMED_SHAPES = {
     "llama-70b": dict(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
                       intermediate_size=28672),
 }
-ROLE_HEADS = {"actor": "lm", "critic": "value", "reward_model": "score", "cost_model": "score",
-              "cost_critic": "value"}
 
 
 @dataclass(frozen=True)
@@ -150,35 +148,31 @@ class Workload:
 def workload(cfg, models: dict[str, str] | None = None) -> Workload:
     """The workload of ``cfg`` (a ``PPOJobConfig``); ``models`` maps a role (or ``all``) to a
     model spec that replaces its ``model.path``."""
+    from minihf.config import section_of
+    from minihf.roles import planned_roles
+
+    rows = planned_roles(cfg)  # the role table's rows (minihf.roles): core, Safe-RLHF's, the recipe's
     models = dict(models or {})
-    unknown = sorted(set(models) - set(ROLE_HEADS) - {"all"})
+    unknown = sorted(set(models) - {r.name for r in rows} - {"all"})
     if unknown:
-        raise ValueError(f"--model {unknown[0]}=...: roles are {', '.join(['all', *ROLE_HEADS])}")
-    a, c, d = cfg.actor_rollout_ref, cfg.critic, cfg.data
+        raise ValueError(f"--model {unknown[0]}=...: roles are {', '.join(['all', *(r.name for r in rows)])}")
+    a, d = cfg.actor_rollout_ref, cfg.data
 
-    def shape(name: str, path: str) -> ModelShape:
-        return model_shape(models.get(name, models.get("all", path)), ROLE_HEADS[name])
-
-    def trained(name, section, fsdp, model_cfg):
-        spec = models.get(name, models.get("all", model_cfg.path))
-        lora = (lora_params(spec, ROLE_HEADS[name], model_cfg.lora_rank, model_cfg.target_modules,
-                            model_cfg.exclude_modules) if model_cfg.lora else None)
-        return Role(name, shape(name, model_cfg.path), True, section.ppo_epochs, section.ppo_mini_batch_size,
-                    fsdp.activation_checkpointing, fsdp.wrap_blocks,
+    def role(row) -> Role:
+        model_cfg = section_of(cfg, row.section).model
+        spec = models.get(row.name, models.get("all", model_cfg.path))
+        shape = model_shape(spec, row.head)
+        if not row.trains:
+            return Role(row.name, shape, False, token_budget=section_of(cfg, row.token_keys[0]) is not None)
+        section = section_of(cfg, row.trains)
+        lora = (lora_params(spec, row.head, model_cfg.lora_rank, model_cfg.target_modules,
+                            model_cfg.exclude_modules) if getattr(model_cfg, "lora", False) else None)
+        return Role(row.name, shape, True, section.ppo_epochs, section.ppo_mini_batch_size,
+                    section.fsdp.activation_checkpointing, section.fsdp.wrap_blocks,
                     section.max_tokens_per_micro_batch is not None, lora,
                     getattr(section, "logits_chunk_size", None), section.ulysses_sequence_parallel_size)
 
-    roles = [trained("actor", a.actor, a.actor.fsdp, a.model)]
-    if c.enable:
-        roles.append(trained("critic", c, c.fsdp, c.model))
-    if cfg.cost_critic.enable:
-        cc = cfg.cost_critic
-        roles.append(trained("cost_critic", cc, cc.fsdp, cc.model))
-    for name in ("reward_model", "cost_model"):
-        section = getattr(cfg, name)
-        if section.enable:
-            roles.append(Role(name, shape(name, section.model.path), False,
-                              token_budget=section.max_tokens_per_micro_batch is not None))
+    roles = [role(r) for r in rows]
     # the driver's own rule (and the log-prob check adds the pass too)
     old = cfg.old_log_prob_source == "recompute" or a.rollout.check_log_probs != "off"
     return Workload(d.train_batch_size, a.rollout.n, d.max_prompt_length, d.max_response_length,

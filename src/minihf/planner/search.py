@@ -177,21 +177,6 @@ def _fit_micro_batches(w: Workload, plan: Plan, profile: DeviceProfile) -> Estim
     return estimate(w, replace(plan, micro_batches=tuple(micro.items())), profile)
 
 
-MICRO_KEYS = {"actor": ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
-                        "actor_rollout_ref.actor.log_prob_micro_batch_size_per_gpu",
-                        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"],
-              "critic": ["critic.ppo_micro_batch_size_per_gpu", "critic.forward_micro_batch_size_per_gpu"],
-              "cost_critic": ["cost_critic.ppo_micro_batch_size_per_gpu",
-                              "cost_critic.forward_micro_batch_size_per_gpu"],
-              "reward_model": ["reward_model.micro_batch_size_per_gpu"],
-              "cost_model": ["cost_model.micro_batch_size_per_gpu"]}
-TOKEN_KEYS = {"actor": ["actor_rollout_ref.actor.max_tokens_per_micro_batch",
-                        "actor_rollout_ref.ref.max_tokens_per_micro_batch"],
-              "critic": ["critic.max_tokens_per_micro_batch"], "cost_critic": ["cost_critic.max_tokens_per_micro_batch"],
-              "reward_model": ["reward_model.max_tokens_per_micro_batch"],
-              "cost_model": ["cost_model.max_tokens_per_micro_batch"]}
-
-
 def plan_overrides(plan: Plan, devices: int, w: Workload | None = None) -> dict:
     """The plan as config keys ``train_ppo.py`` takes: placement, rollout TP, micro-batches
     (rows; or, for a role whose config cuts micro-batches by tokens, a token budget of
@@ -200,12 +185,14 @@ def plan_overrides(plan: Plan, devices: int, w: Workload | None = None) -> dict:
     for g in plan.groups:
         for role in g.roles:
             out[f"controller.placement.{role}.ranks"] = "all" if g.devices == devices else g.ranks
-    for role, m in plan.micro_batches:
+    from minihf.roles import declared
+
+    for role, m in plan.micro_batches:  # every key of the role's micro-batches (minihf.roles)
         if w is not None and w.role(role).token_budget:
-            for key in TOKEN_KEYS[role]:
+            for key in declared(role).token_keys:
                 out[key] = m * (w.prompt_len + w.response_len)
         else:
-            for key in MICRO_KEYS[role]:
+            for key in declared(role).micro_keys:
                 out[key] = m
     return out
 

@@ -17,12 +17,15 @@ from minihf.planner.cost import Group, Plan, estimate
 from minihf.planner.job import workload
 from minihf.planner.profiles import BUILTIN, DeviceProfile
 
-# the config keys of each role's micro-batch, rows or tokens (the first one its update's)
-MICRO = {"actor": ("actor_rollout_ref.actor", "ppo_micro_batch_size_per_gpu"),
-         "critic": ("critic", "ppo_micro_batch_size_per_gpu"),
-         "cost_critic": ("cost_critic", "ppo_micro_batch_size_per_gpu"),
-         "reward_model": ("reward_model", "micro_batch_size_per_gpu"),
-         "cost_model": ("cost_model", "micro_batch_size_per_gpu")}
+
+
+def _micro_keys(name: str) -> tuple[str, str]:
+    """The config keys of a role's micro-batch, in rows and as a token budget (its update's for
+    a trained role): the role table's first of each (``minihf.roles``)."""
+    from minihf.roles import declared
+
+    row = declared(name)
+    return row.micro_keys[0], row.token_keys[0]
 
 
 def configured_plan(cfg, world: int, w) -> Plan:
@@ -38,10 +41,9 @@ def configured_plan(cfg, world: int, w) -> Plan:
     micro = []
     tokens = w.prompt_len + w.response_len
     for name in names:
-        section, key = MICRO[name]
-        s = section_of(cfg, section)
-        budget = s.max_tokens_per_micro_batch
-        micro.append((name, max(1, budget // tokens) if budget is not None else getattr(s, key) or 1))
+        rows_key, budget_key = _micro_keys(name)
+        budget = section_of(cfg, budget_key)
+        micro.append((name, max(1, budget // tokens) if budget is not None else section_of(cfg, rows_key) or 1))
     return Plan(groups, cfg.actor_rollout_ref.rollout.tensor_model_parallel_size, tuple(micro))
 
 
@@ -75,10 +77,10 @@ def check_memory(cfg, world: int, profile: DeviceProfile) -> None:
     group = plan.groups[i]
     keys = []
     for r in group.roles:
-        section, key = MICRO[r]
-        budget = section_of(cfg, section).max_tokens_per_micro_batch
-        keys.append(f"{section}.max_tokens_per_micro_batch (now {budget})" if budget is not None
-                    else f"{section}.{key} (now {dict(plan.micro_batches)[r]})")
+        rows_key, budget_key = _micro_keys(r)
+        budget = section_of(cfg, budget_key)
+        keys.append(f"{budget_key} (now {budget})" if budget is not None
+                    else f"{rows_key} (now {dict(plan.micro_batches)[r]})")
     raise ConfigError(
         f"predicted peak memory {peak / 1e9:.1f} GB per device for roles {list(group.roles)} on "
         f"{group.devices} device(s) exceeds the {profile.memory_bytes / 1e9:.1f} GB of a {profile.name} "

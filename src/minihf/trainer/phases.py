@@ -32,7 +32,7 @@ plug-ins, in ``minihf.trainer.plugins``). It declares
   ``algorithm.plugins: [file.py:Class]``, runs unless it says otherwise);
 * ``Config``: a dataclass of its settings, read from ``algorithm.plugin_config.<name>``
   into ``self.config``;
-* ``roles``: ``RoleDef`` rows it adds to the job's role table (``minihf.trainer.roles``),
+* ``roles``: ``RoleDef`` rows it adds to the job's role table (``minihf.roles``),
   which builds, initialises, size-checks, saves and resumes them like the core roles;
 * ``hooks()``: what it does to the step, each a ``Hook`` from ``before(name, phase)``,
   ``after(name, phase)``, ``replace(name, phase)``, ``wrap(name, fn)`` (``fn(ctx, batch,

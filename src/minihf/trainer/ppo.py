@@ -20,7 +20,7 @@ timed as ``timing_s/<phase>``:
 The loop has no algorithm's name in it: what an algorithm adds is a plug-in
 (``minihf.trainer.plugins``: DAPO's dynamic sampling and overlong penalty, ReMax's
 baseline rollout, Safe-RLHF), and which roles run is the role table
-(``minihf.trainer.roles``).
+(``minihf.roles``).
 
 ``global_step`` travels in ``batch.meta``: it seeds the samples and the update shuffles,
 so the workers keep no counters. The fit, checkpoints and resume are ``RunLoop``'s
@@ -53,7 +53,7 @@ from minihf.trainer.ppo_config import PPOConfig
 from minihf.trainer.reward import RuleReward, load_reward
 from minihf.trainer.advantage import estimate_advantages
 from minihf.trainer.balance import balance_batch
-from minihf.trainer.roles import role_groups, role_table
+from minihf.roles import role_groups, role_table
 from minihf.trainer.staleness import RolloutQueue, WeightSync, busy_metrics
 from minihf.trainer.validation import validate
 from minihf.trainer.watch import RunWatch, SkipCounter

@@ -33,10 +33,10 @@ class PPOJobConfig(PPOConfig):
 
 
 def ppo_roles(cfg: PPOConfig) -> dict:
-    """The role table's roles for ``cfg`` (``minihf.trainer.roles``: the actor, and the
+    """The role table's roles for ``cfg`` (``minihf.roles``: the actor, and the
     critic, reward model and plug-ins' roles when enabled), placed by ``controller``."""
     from minihf.trainer.plugins import plugin_classes
-    from minihf.trainer.roles import role_table, worker_roles
+    from minihf.roles import role_table, worker_roles
 
     return worker_roles(role_table(cfg, plugin_classes(cfg)), cfg)
 

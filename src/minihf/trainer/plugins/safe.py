@@ -23,19 +23,13 @@ from minihf.algorithms import LagrangeMultiplier, combine_safe_advantages, compu
 from minihf.protocol import Batch
 from minihf.trainer.phases import Call, Phase, Plugin, StepContext, after, alongside, wrap
 from minihf.trainer.reward import RuleReward
-from minihf.trainer.roles import RoleDef
+from minihf.roles import SAFE_ROLES
 
 
 class SafeRLHF(Plugin):
     """Costs, the cost critic and the Lagrange multiplier."""
     name = "safe_rlhf"
-    roles = (
-        RoleDef("cost_critic", "CriticWorker", "cost_critic", lambda cfg: cfg.cost_critic.enable,
-                trains="cost_critic", checkpointed=True,
-                inputs={"values": "cost_values", "returns": "cost_returns"},
-                outputs={"values": "cost_values", "critic/": "cost_critic/"}),
-        RoleDef("cost_model", "RewardModelWorker", "cost_model", lambda cfg: cfg.cost_model.enable),
-    )
+    roles = SAFE_ROLES  # declared in minihf.roles, where the planner sees them too
 
     @classmethod
     def enabled(cls, cfg) -> bool:

@@ -1,4 +1,5 @@
-"""The RL job's role table: one row per role, read wherever roles are listed.
+"""The RL job's role table: one row per role, declared once, read wherever roles are listed
+(below both ``minihf.planner`` and ``minihf.trainer``).
 
 A ``RoleDef`` names the role, its worker class, the config section the worker is built
 from, when it is in the job, whether it trains (the section holding its
@@ -8,7 +9,13 @@ reference), the critic, the reward model and a standalone rollout; plug-ins add 
 critic and the cost model), and a recipe its own under ``roles.<name>`` (a worker class and
 its model, e.g. a distillation teacher). The table drives building the workers (``worker_roles``),
 ``init_model``, the batch-size checks, and checkpoint save and resume (``PPOTrainer``);
-the roles' placement is ``controller.placement``.
+the roles' placement is ``controller.placement``. The planner (``minihf plan`` and the start-up
+memory check) reads the same rows (``planned_roles``): a row's model ``head``, what its
+``forward`` is in a step (``policy``, ``values``, ``scores`` or ``log_probs``) and its
+micro-batch keys (``micro_keys`` in rows, ``token_keys`` as a token budget; the first of each
+sizes its planned micro-batch), so a recipe's ``roles.<name>`` is planned and memory-checked
+like the core roles. Safe-RLHF's rows are declared here (``SAFE_ROLES``), where the planner
+sees them; its plug-in (``minihf.trainer.plugins.safe``) adds them to the job.
 
 ``inputs`` / ``outputs`` rename batch keys on the way to and from the worker
 (``minihf.controller.Renamed``), so one worker class can serve two roles.
@@ -43,6 +50,12 @@ class RoleDef:
     inputs: dict = field(default_factory=dict)   # worker key -> batch key
     outputs: dict = field(default_factory=dict)  # result key (or "prefix/") -> name in the step
     replaces: bool = False             # a plug-in's row that takes the place of the core row of its name
+    # what the planner reads: the model's head, its forward in a step (policy | values |
+    # scores | log_probs | none), its micro-batch keys in rows and as a token budget
+    head: str = "lm"
+    forward: str = "log_probs"
+    micro_keys: tuple[str, ...] = ()
+    token_keys: tuple[str, ...] = ()
 
     def config(self, cfg) -> Any:
         return section_of(cfg, self.section)
@@ -62,6 +75,17 @@ class RoleDef:
         return cls
 
 
+def _critic_keys(section: str) -> dict:
+    return dict(head="value", forward="values",
+                micro_keys=(f"{section}.ppo_micro_batch_size_per_gpu", f"{section}.forward_micro_batch_size_per_gpu"),
+                token_keys=(f"{section}.max_tokens_per_micro_batch",))
+
+
+def _scorer_keys(section: str) -> dict:
+    return dict(head="score", forward="scores", micro_keys=(f"{section}.micro_batch_size_per_gpu",),
+                token_keys=(f"{section}.max_tokens_per_micro_batch",))
+
+
 CORE_ROLES = (
     RoleDef("actor", "ActorRolloutRefWorker", "actor_rollout_ref", trains="actor_rollout_ref.actor",
             checkpointed=True, kwargs=lambda cfg: {
@@ -69,13 +93,53 @@ CORE_ROLES = (
                 # a LoRA actor's reference is its own model with the adapters off
                 "reference": reference_source(cfg.actor_rollout_ref.model),
                 # a standalone rollout (controller.placement.rollout) generates instead
-                "generates": "rollout" not in cfg.controller.placement}),
+                "generates": "rollout" not in cfg.controller.placement},
+            forward="policy", micro_keys=("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+                                          "actor_rollout_ref.actor.log_prob_micro_batch_size_per_gpu",
+                                          "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"),
+            token_keys=("actor_rollout_ref.actor.max_tokens_per_micro_batch",
+                        "actor_rollout_ref.ref.max_tokens_per_micro_batch")),
     RoleDef("critic", "CriticWorker", "critic", lambda cfg: cfg.critic.enable, trains="critic",
-            checkpointed=True),
-    RoleDef("reward_model", "RewardModelWorker", "reward_model", lambda cfg: cfg.reward_model.enable),
-    # a standalone rollout: the engine on ranks of its own (controller.placement.rollout)
-    RoleDef("rollout", "RolloutWorker", "actor_rollout_ref", lambda cfg: "rollout" in cfg.controller.placement),
+            checkpointed=True, **_critic_keys("critic")),
+    RoleDef("reward_model", "RewardModelWorker", "reward_model", lambda cfg: cfg.reward_model.enable,
+            **_scorer_keys("reward_model")),
+    # a standalone rollout: the engine on ranks of its own (controller.placement.rollout); not planned
+    RoleDef("rollout", "RolloutWorker", "actor_rollout_ref", lambda cfg: "rollout" in cfg.controller.placement,
+            forward="none"),
 )
+
+# Safe-RLHF (algorithm.safe): the cost critic, a CriticWorker reading cost_values / cost_returns as
+# its values / returns and answering cost_values and cost_critic/*; the cost model, a reward model
+SAFE_ROLES = (
+    RoleDef("cost_critic", "CriticWorker", "cost_critic", lambda cfg: cfg.cost_critic.enable,
+            trains="cost_critic", checkpointed=True,
+            inputs={"values": "cost_values", "returns": "cost_returns"},
+            outputs={"values": "cost_values", "critic/": "cost_critic/"}, **_critic_keys("cost_critic")),
+    RoleDef("cost_model", "RewardModelWorker", "cost_model", lambda cfg: cfg.cost_model.enable,
+            **_scorer_keys("cost_model")),
+)
+DECLARED = CORE_ROLES + SAFE_ROLES  # the rows minihf knows by name (a recipe's roles.<name> is any other)
+
+
+def recipe_role(name: str, worker: str = "LogProbWorker") -> RoleDef:
+    """The row of a recipe's ``roles.<name>`` section: built from it, not trained; planned as a
+    frozen language model's forward over the step's batch (a ``LogProbWorker``'s)."""
+    section = f"roles.{name}"
+    return RoleDef(name, worker, section, micro_keys=(f"{section}.log_prob_micro_batch_size_per_gpu",),
+                   token_keys=(f"{section}.max_tokens_per_micro_batch",))
+
+
+def declared(name: str) -> RoleDef:
+    """The row minihf declares for ``name``, else a recipe role's (what the planner keys on)."""
+    return next((r for r in DECLARED if r.name == name), None) or recipe_role(name)
+
+
+def planned_roles(cfg) -> list[RoleDef]:
+    """The rows the planner models for ``cfg``: the enabled core and Safe-RLHF rows (its plug-in
+    runs with ``algorithm.safe``) and the recipe's ``roles.<name>``; not a standalone rollout."""
+    rows = [r for r in DECLARED if r.enabled(cfg)]
+    rows += [recipe_role(name, section.worker) for name, section in cfg.roles.items()]
+    return sorted((r for r in rows if r.forward != "none"), key=lambda r: not r.trains)  # trained first
 
 
 def role_table(cfg, plugin_classes=()) -> list[RoleDef]:
@@ -93,7 +157,7 @@ def role_table(cfg, plugin_classes=()) -> list[RoleDef]:
             rows[at[0]] = r
         else:
             rows.append(r)
-    rows += [RoleDef(name, section.worker, f"roles.{name}") for name, section in cfg.roles.items()]
+    rows += [recipe_role(name, section.worker) for name, section in cfg.roles.items()]
     names = [r.name for r in rows]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:

@@ -29,7 +29,8 @@ A plug-in is a ``Plugin`` subclass: the part of an algorithm outside the core lo
 plug-ins, in ``minihf.trainer.plugins``). It declares
 
 * ``enabled(cfg)`` (a classmethod): whether it runs for a config (a recipe's, named in
-  ``algorithm.plugins: [file.py:Class]``, runs unless it says otherwise);
+  ``algorithm.plugins: [file.py:Class]``, runs unless it says otherwise); ``check_config(cfg)``
+  (a classmethod) checks the config keys it owns when the config loads (the built-ins');
 * ``Config``: a dataclass of its settings, read from ``algorithm.plugin_config.<name>``
   into ``self.config``;
 * ``roles``: ``RoleDef`` rows it adds to the job's role table (``minihf.roles``),
@@ -132,6 +133,12 @@ class Plugin:
     @classmethod
     def enabled(cls, cfg) -> bool:
         return True
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        """Check (and fill) the job config's keys this plug-in owns, as the config loads; raise
+        ``ValueError`` naming the key. Run for the built-in plug-ins, enabled or not (a key
+        set without its switch is an error there)."""
 
     @classmethod
     def key(cls) -> str:

@@ -217,16 +217,6 @@ class PPOConfig:
             raise ValueError(f"actor_rollout_ref.rollout.prompt_length={r.prompt_length} is below "
                              f"data.max_prompt_length={d.max_prompt_length}; drop it (it follows "
                              "the data) or raise it")
-        o = self.reward_model.overlong_buffer
-        if o.enable and o.len > d.max_response_length:
-            raise ValueError(f"reward_model.overlong_buffer.len={o.len} exceeds "
-                             f"data.max_response_length={d.max_response_length}")
-        if d.gen_batch_size is not None and not self.algorithm.filter_groups.enable:
-            raise ValueError(f"data.gen_batch_size={d.gen_batch_size} sets the prompts per generation "
-                             "round of dynamic sampling; drop it, or set algorithm.filter_groups."
-                             "enable=true")
-        if self.algorithm.filter_groups.enable and self.actor_rollout_ref.rollout.n < 2:
-            raise ValueError("algorithm.filter_groups needs groups: set actor_rollout_ref.rollout.n >= 2")
         reads_values = "values" in self.adv_needs
         if self.critic.enable is None:
             self.critic.enable = reads_values
@@ -254,7 +244,10 @@ class PPOConfig:
         self._check_standalone_rollout()
         refuse_tp(self.controller.placement, "generation's tensor parallelism is actor_rollout_"
                   "ref.rollout.tensor_model_parallel_size; drop tp_size")
-        self._check_safe()
+        from minihf.trainer.plugins import BUILTIN_PLUGINS
+
+        for plugin in BUILTIN_PLUGINS:  # DAPO's and Safe-RLHF's keys are checked by their plug-ins
+            plugin.check_config(self)
 
     def _check_standalone_rollout(self) -> None:
         """``controller.placement.rollout``: the engine on ranks of its own, disjoint from the
@@ -285,28 +278,6 @@ class PPOConfig:
             raise ValueError(f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp} does not divide "
                              f"the {len(rollout)} rollout ranks {rollout} (controller.placement.rollout."
                              f"ranks); use one of {ok}")
-
-    def _check_safe(self) -> None:
-        safe = self.algorithm.safe.enable
-        if self.cost_critic.enable is None:
-            self.cost_critic.enable = safe
-        for key, on in (("cost_model.enable", self.cost_model.enable),
-                        ("cost_critic.enable", self.cost_critic.enable)):
-            if on and not safe:
-                raise ValueError(f"{key}=true needs algorithm.safe.enable=true")
-        if not safe:
-            return
-        if "values" not in self.adv_needs:
-            raise ValueError(f"algorithm.safe needs an estimator that reads values (a reward critic "
-                             f"beside the cost critic, e.g. adv_estimator=gae), not "
-                             f"{self.algorithm.adv_estimator!r}")
-        if not self.cost_critic.enable:
-            raise ValueError("algorithm.safe needs the cost critic; drop cost_critic.enable=false")
-        if self.cost_model.enable and not self.cost_model.model.path:
-            raise ValueError("cost_model.enable=true needs cost_model.model.path (a score-head "
-                             "model dir from `minihf rm` on cost pairs)")
-        if not self.cost_critic.model.path:
-            self.cost_critic.model.path = self.critic.model.path
 
     @property
     def adv_needs(self) -> frozenset[str]:

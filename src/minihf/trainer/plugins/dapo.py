@@ -87,6 +87,16 @@ class DynamicSampling(Plugin):
     def enabled(cls, cfg) -> bool:
         return cfg.algorithm.filter_groups.enable
 
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        d = cfg.data
+        if d.gen_batch_size is not None and not cfg.algorithm.filter_groups.enable:
+            raise ValueError(f"data.gen_batch_size={d.gen_batch_size} sets the prompts per generation "
+                             "round of dynamic sampling; drop it, or set algorithm.filter_groups."
+                             "enable=true")
+        if cfg.algorithm.filter_groups.enable and cfg.actor_rollout_ref.rollout.n < 2:
+            raise ValueError("algorithm.filter_groups needs groups: set actor_rollout_ref.rollout.n >= 2")
+
     def hooks(self):
         return [replace("rollout", Phase("rollout", self.rollout, timed=False))]
 
@@ -105,6 +115,12 @@ class OverlongPenalty(Plugin):
     @classmethod
     def enabled(cls, cfg) -> bool:
         return cfg.reward_model.overlong_buffer.enable
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        o, limit = cfg.reward_model.overlong_buffer, cfg.data.max_response_length
+        if o.enable and o.len > limit:
+            raise ValueError(f"reward_model.overlong_buffer.len={o.len} exceeds data.max_response_length={limit}")
 
     def hooks(self):
         return [wrap("reward", self.penalise)]

@@ -35,6 +35,31 @@ class SafeRLHF(Plugin):
     def enabled(cls, cfg) -> bool:
         return cfg.algorithm.safe.enable
 
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        """The cost critic runs with algorithm.safe (its model: the reward critic's by default);
+        the cost sections need the switch, and Safe-RLHF needs a critic-reading estimator."""
+        safe = cfg.algorithm.safe.enable
+        if cfg.cost_critic.enable is None:
+            cfg.cost_critic.enable = safe
+        for key, on in (("cost_model.enable", cfg.cost_model.enable),
+                        ("cost_critic.enable", cfg.cost_critic.enable)):
+            if on and not safe:
+                raise ValueError(f"{key}=true needs algorithm.safe.enable=true")
+        if not safe:
+            return
+        if "values" not in cfg.adv_needs:
+            raise ValueError(f"algorithm.safe needs an estimator that reads values (a reward critic "
+                             f"beside the cost critic, e.g. adv_estimator=gae), not "
+                             f"{cfg.algorithm.adv_estimator!r}")
+        if not cfg.cost_critic.enable:
+            raise ValueError("algorithm.safe needs the cost critic; drop cost_critic.enable=false")
+        if cfg.cost_model.enable and not cfg.cost_model.model.path:
+            raise ValueError("cost_model.enable=true needs cost_model.model.path (a score-head "
+                             "model dir from `minihf rm` on cost pairs)")
+        if not cfg.cost_critic.model.path:
+            cfg.cost_critic.model.path = cfg.critic.model.path
+
     def __init__(self, ctx: StepContext):
         from minihf.data import default_cost_fn, load_reward_fn
 

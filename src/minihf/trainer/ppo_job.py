@@ -61,9 +61,12 @@ def check_paths(cfg: PPOConfig) -> None:
     check_rollout_tp(cfg)
     check_lora(cfg)
     check_run_dir(run_dir(cfg.trainer), "trainer.default_local_dir")
-    for key, section in (("reward_model", cfg.reward_model), ("cost_model", cfg.cost_model)):
-        if section.enable and not Path(section.model.path or "", "config.json").is_file():
-            raise ConfigError(f"{key}.model.path={section.model.path!r} has no config.json (relative "
+    from minihf.roles import planned_roles
+
+    for row in planned_roles(cfg):  # the score models (reward, cost): the role table's "scores" rows
+        section = section_of(cfg, row.section)
+        if row.forward == "scores" and not Path(section.model.path or "", "config.json").is_file():
+            raise ConfigError(f"{row.section}.model.path={section.model.path!r} has no config.json (relative "
                               f"paths are from {Path.cwd()}); pass a score-head model dir (train one "
                               "with `minihf rm`)")
     for name, section in cfg.roles.items():
@@ -139,11 +142,12 @@ def check_lora(cfg: PPOConfig) -> None:
     from minihf.models.lora import apply_lora, module_names
     from minihf.workers.engine import adapter_state
 
-    for section, enabled, head in (("actor_rollout_ref", True, "lm"),
-                                   ("critic", cfg.critic.enable, "value"),
-                                   ("cost_critic", cfg.cost_critic.enable, "value")):
+    from minihf.roles import planned_roles
+
+    for row in (r for r in planned_roles(cfg) if r.trains):  # the trained roles of the role table
+        section, head = row.section, row.head
         m = section_of(cfg, section).model
-        if not enabled or not m.lora:
+        if not m.lora:
             continue
         key = f"{section}.model"
         path = m.lora_adapter_path

@@ -82,15 +82,19 @@ def _forward(rank, world):
             model = tiny(heads=heads, lora=lora)
             united, own = sp.gather_rows(mine)
             assert torch.equal(united["input_ids"], batch["input_ids"]) and own == slice(rank * 3, rank * 3 + 3)
-            kw = dict(share_prompt=share, logits_chunk=chunk, calc_entropy=True)
+            ids = torch.stack([batch["responses"], (batch["responses"] + 1) % model.args.vocab_size], -1)
+            kw = dict(share_prompt=share, logits_chunk=chunk, calc_entropy=True, ids=ids)  # an aux loss's ids too
+
+            def loss(o):
+                return (o["log_probs"] * batch["advantages"]).sum() + 0.1 * o["log_probs_at"].sum()
             got = forward_log_probs(model, batch, sp=sp, **kw)
-            (got["log_probs"] * batch["advantages"]).sum().backward()
+            loss(got).backward()
             grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
             for g in grads.values():
                 dist.all_reduce(g)  # what FSDP's reduce-scatter sums
             ref_model = tiny(heads=heads, lora=lora)
             ref = forward_log_probs(ref_model, batch, **kw)
-            (ref["log_probs"] * batch["advantages"]).sum().backward()
+            loss(ref).backward()
             lp64, scale = float64_log_probs(ref_model, batch, 1.0)
             mask = batch["response_mask"]
             out[(name, share, chunk, lora)] = {
@@ -98,6 +102,7 @@ def _forward(rank, world):
                 "sp": rounding_ratio(got["log_probs"], lp64, scale, mask),
                 "one": rounding_ratio(ref["log_probs"], lp64, scale, mask),
                 "entropy": (got["entropy"] - ref["entropy"]).abs().max().item(),
+                "at": (got["log_probs_at"] - ref["log_probs_at"]).abs().max().item(),
                 "grad": max((grads[n] - p.grad).abs().max().item() for n, p in ref_model.named_parameters()
                             if p.grad is not None),
                 "grad_scale": max(p.grad.abs().max().item() for p in ref_model.parameters() if p.grad is not None),
@@ -123,7 +128,7 @@ def test_sp_forward_and_gradients_match_one_process():
                 assert v < 1e-5, (key, v)
                 continue
             assert v["sp"] <= 1 and v["one"] <= 1, (key, v)  # both within fp32's rounding of float64
-            assert v["entropy"] < 1e-5, (key, v)  # the same rounding argument on logits ~1: 1e-5
+            assert v["entropy"] < 1e-5 and v["at"] < 1e-5, (key, v)  # the same rounding argument on logits ~1: 1e-5
             # one backward: the same dot-product rounding (K u <= 3.8e-6 relative), plus the two
             # ranks' partial sums added in another order (u each): 1e-5 of the largest gradient
             assert v["grad"] <= 1e-5 * v["grad_scale"], (key, v)

@@ -178,7 +178,7 @@ def test_dynamic_sampling_keeps_groups_that_differ(tiny, tmp_path):
     # prompt's ids followed by its response
     for i in range(len(batch)):
         ids = batch["input_ids"][i][batch["attention_mask"][i].bool()].tolist()
-        assert ids == trainer.train[int(index[i])]["input_ids"] + [7] * (i % 4 + 1)
+        assert ids == trainer.loader.dataset[int(index[i])]["input_ids"] + [7] * (i % 4 + 1)
     # gen_batch_size 8: one round finds the 4 odd prompts
     m = {}
     dynamic_rollout(at_step(trainer_for(tiny, tmp_path, **{"data.gen_batch_size": 8}), 1), m)

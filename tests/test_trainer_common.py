@@ -148,11 +148,12 @@ def test_metrics_log_cuts_a_torn_last_line_and_names_a_broken_one(tmp_path):
 def test_summary_says_when_only_one_validation_ran():
     from types import SimpleNamespace
 
-    from minihf.trainer.ppo import PPOTrainer
+    from minihf.trainer.record import RunRecord
 
     for vals, want in (([0.35], "validation score: 0.3500 (the only validation this run;"),
                        ([0.35, 0.5, 0.9], "validation score: 0.3500 (first) -> 0.9000 (last)")):
         lines = []
-        PPOTrainer.summary(SimpleNamespace(history=[{"val-core/mean": v} for v in vals],
-                                           phase_totals={"gen": 1.0}, groups={}, log=lines.append), 2.0)
+        RunRecord.close(SimpleNamespace(history=[{"val-core/mean": v} for v in vals], trackers=None,
+                                        console=SimpleNamespace(close=lambda: None),
+                                        phase_totals={"gen": 1.0}, log=lines.append), 2.0, {})
         assert lines[0].startswith(want) and lines[1] == "wall time 2.0s; by phase: gen 1.0s"

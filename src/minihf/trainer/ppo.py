@@ -42,8 +42,7 @@ from minihf.algorithms import AdaptiveKLController, FixedKLController, apply_kl_
 from minihf.config import section_of
 from minihf.multi_turn.loop import ENV_ROW_KEYS, multi_turn_metrics, tool_renderer
 from minihf.protocol import Batch
-from minihf.trainer.common import Log, MetricsLog, config_json, every, format_line, run_dir
-from minihf.trainer.loggers import Console, Trackers
+from minihf.trainer.common import Log, every, run_dir
 from minihf.trainer.loop import RunLoop
 from minihf.trainer.metrics import data_metrics, group_metrics, sample_rows, sent_bytes, throughput
 from minihf.trainer.old_log_prob import old_log_prob_phase
@@ -55,16 +54,10 @@ from minihf.trainer.advantage import estimate_advantages
 from minihf.trainer.balance import balance_batch
 from minihf.roles import role_groups, role_table
 from minihf.trainer.staleness import RolloutQueue, WeightSync, busy_metrics
+from minihf.trainer.record import RunRecord
 from minihf.trainer.validation import validate
-from minihf.trainer.watch import RunWatch, SkipCounter
 
 PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
-LINE_KEYS = {"step": "step", "critic/score/mean": "score", "val-core/mean": "val",
-             "actor/pg_loss": "pg_loss", "actor/ppo_kl": "ppo_kl", "actor/entropy": "entropy",
-             "actor/grad_norm": "grad_norm", "critic/vf_loss": "vf_loss",
-             "response_length/mean": "resp_len", "timing_s/step": "step_s"}  # key -> label
-
-
 class PPOTrainer(RunLoop):
     """The RL loop on rank 0 over ``groups`` (role name -> worker group: the role table's);
     ``RunLoop`` runs the fit, checkpoints and resume."""
@@ -76,7 +69,6 @@ class PPOTrainer(RunLoop):
         classes = plugin_classes(cfg)
         self.roles = [r for r in role_table(cfg, classes) if r.name in groups]
         self.groups = role_groups(self.roles, groups)
-        self.actor = self.groups["actor"]
         cfg.check_sizes({r.trains: self.groups[r.name].dp_size for r in self.roles if r.trains})
         d = cfg.data
         tok = load_tokenizer(cfg.actor_rollout_ref.model.path, padding_side="left")
@@ -88,45 +80,36 @@ class PPOTrainer(RunLoop):
         kw = dict(max_prompt_length=d.max_prompt_length, truncation=d.truncation,
                   apply_chat_template=d.apply_chat_template, prompt_key=d.prompt_key,
                   renderer=tool_renderer(tok, mt.tools) if mt.enable and mt.tools else None)
-        self.train = RLDataset(d.train_files, tok, **kw)
+        train = RLDataset(d.train_files, tok, **kw)
         self.val = RLDataset(d.val_files, tok, **kw) if d.val_files else None
-        if len(self.train) < d.train_batch_size:
+        if len(train) < d.train_batch_size:
             raise ValueError(f"data.train_batch_size={d.train_batch_size} exceeds the "
-                             f"{len(self.train)} training prompts in {d.train_files}")
-        self.loader = PromptLoader(self.train, d.gen_batch_size or d.train_batch_size,
+                             f"{len(train)} training prompts in {d.train_files}")
+        self.loader = PromptLoader(train, d.gen_batch_size or d.train_batch_size,
                                    shuffle=d.shuffle, seed=d.seed)
         t = cfg.trainer
         self.total_steps = len(self.loader) * t.total_epochs
         if t.total_training_steps is not None:
             self.total_steps = min(self.total_steps, t.total_training_steps)
         r = cfg.custom_reward_function
-        self.reward = RuleReward(load_reward(r.path, r.name), tok, r.skip_special_tokens,
-                                 r.timeout_s, r.on_timeout)
+        reward = RuleReward(load_reward(r.path, r.name), tok, r.skip_special_tokens,
+                            r.timeout_s, r.on_timeout)
         k = cfg.algorithm.kl_ctrl
         self.kl_ctrl = (AdaptiveKLController(k.kl_coef, k.target_kl, k.horizon)
                         if k.type == "adaptive" else FixedKLController(k.kl_coef))
         self.out = run_dir(t)
-        self.metrics_log = MetricsLog(self.out, "jsonl" in t.logger)
-        self.samples = MetricsLog(self.out, t.log_samples_freq > 0, "samples.jsonl")
-        self.trackers = None  # wandb / tensorboard, opened by fit
-        self.console = Console(self.total_steps, log, LINE_KEYS)
-        self.watch = RunWatch(d.max_response_length)
-        self.skips = SkipCounter(t.max_skipped_steps)
-        self.tokenizer = tok
+        self.records = RunRecord(cfg, self.out, self.total_steps, log)  # logs, console, watch, history
         trained = [self.groups[r.name] for r in self.roles if r.trains]
         ranks = [rank for g in trained for rank in g.ranks]
-        self.ctx = StepContext(cfg, self.groups, self.loader, tok, self.reward, log, self._rollout,
+        self.ctx = StepContext(cfg, self.groups, self.loader, tok, reward, log, self._rollout,
                                self._generate, self._score, self._timed,
                                overlap=len(trained) > 1 and len(ranks) == len(set(ranks)))
         self.plugins = [cls(self.ctx) for cls in classes]
         PluginStates(self.plugins).state_dict()  # state a checkpoint cannot hold: before any model loads
-        self.history: list[dict] = []
-        self.phase_totals: dict[str, float] = {}
         self.program = apply_hooks(self.phases(), self.plugins)
         # a standalone rollout (controller.placement.rollout) generates; it gets the
         # actor's weights when they changed since its last sync
-        self.rollout = self.groups.get("rollout")
-        self.sync = WeightSync(self.actor, self.rollout, self.phase_totals, cfg.actor_rollout_ref.model.lora)
+        self.sync = WeightSync(self.actor, self.rollout, self.records.phase_totals, cfg.actor_rollout_ref.model.lora)
         self._tls = threading.local()  # the context of a batch being made (RolloutQueue)
         # async_training.staleness: the rollout phase (plug-ins' included) runs ahead
         k = cfg.async_training.staleness
@@ -136,6 +119,15 @@ class PPOTrainer(RunLoop):
         if k:
             self.program["step"] = [self.queue.staged(p) if p is rollout else p
                                     for p in self.program["step"]]
+
+    @property
+    def actor(self):
+        return self.groups["actor"]
+
+    @property
+    def rollout(self):
+        """A standalone rollout's group (controller.placement.rollout), else None."""
+        return self.groups.get("rollout")
 
     # -- phases ---------------------------------------------------------------------------
     def phases(self) -> dict[str, list]:
@@ -178,7 +170,7 @@ class PPOTrainer(RunLoop):
         dt = time.perf_counter() - t0
         m = self.cur.metrics
         m[f"timing_s/{name}"] = m.get(f"timing_s/{name}", 0.0) + dt  # rounds add up
-        self.phase_totals[name] = self.phase_totals.get(name, 0.0) + dt
+        self.records.add_time(name, dt)
 
     def _generate(self, batch: Batch, meta: dict) -> tuple[Batch, dict]:
         """Prompts (+ uid, sample_index) through the actor; the result joined to ``batch``
@@ -247,7 +239,7 @@ class PPOTrainer(RunLoop):
         if rm is not None:
             batch.tensors["token_level_scores"] = rm.compute_rm_score(batch)["rm_scores"]  # [B, R], at the last token
         else:
-            batch.tensors["token_level_scores"], metrics, _ = self.reward(batch)
+            batch.tensors["token_level_scores"], metrics, _ = ctx.reward(batch)
             m.update(metrics)
         if "env_rewards" in batch.tensors:  # multi-turn: the environment's step rewards add
             batch.tensors["token_level_scores"] = batch["token_level_scores"] + batch["env_rewards"]
@@ -270,7 +262,7 @@ class PPOTrainer(RunLoop):
     def _samples_phase(self, ctx: StepContext, batch: Batch, m: dict) -> None:
         t = self.cfg.trainer
         if every(t.log_samples_freq, ctx.step, self.total_steps):
-            self.log_samples(ctx.step, sample_rows(batch, ctx.step, "train", self.reward, self.tokenizer,
+            self.log_samples(ctx.step, sample_rows(batch, ctx.step, "train", ctx.reward, ctx.tokenizer,
                                                    t.log_samples_n, stride=self.cfg.actor_rollout_ref.rollout.n))
 
     def _old_log_prob_phase(self, ctx: StepContext, batch: Batch, m: dict) -> None:
@@ -304,14 +296,14 @@ class PPOTrainer(RunLoop):
         m.update(data_metrics(batch))
         m.update(throughput(batch, m["timing_s/step"], len(self.actor.ranks)))
         m["perf/driver_sent_bytes"] = sum(sent_bytes(self.groups).values()) - sent  # commands to other ranks
-        self.skips.check(m)  # training/skipped_steps; too many in a row: stop
+        self.records.skips.check(m)  # training/skipped_steps; too many in a row: stop
         return m
 
     # -- validation -----------------------------------------------------------------------
     def validate(self, step: int) -> dict:
         m = validate(self, step)
         if m:
-            self.phase_totals["testing"] = self.phase_totals.get("testing", 0.0) + m["timing_s/testing"]
+            self.records.add_time("testing", m["timing_s/testing"])
         return m
 
     # -- the loop (minihf.trainer.loop) ---------------------------------------------------
@@ -319,7 +311,7 @@ class PPOTrainer(RunLoop):
         return {r.name: self.groups[r.name] for r in self.roles if r.checkpointed}
 
     def driver_state(self) -> dict:
-        return {"loader": self.loader, "kl_ctrl": self.kl_ctrl, "skipped_steps": self.skips,
+        return {"loader": self.loader, "kl_ctrl": self.kl_ctrl, "skipped_steps": self.records.skips,
                 "plugins": PluginStates(self.plugins)}
 
     def driver_files(self) -> dict:
@@ -332,10 +324,7 @@ class PPOTrainer(RunLoop):
 
     def resumed_at(self, step: int) -> None:
         super().resumed_at(step)
-        if step:
-            self.samples.resume_at(step)
-        else:
-            self.samples.start_fresh()
+        self.records.resumed_at(step)
 
     def validate_at(self, step: int) -> bool:
         return every(self.cfg.trainer.test_freq, step, self.total_steps)
@@ -357,43 +346,25 @@ class PPOTrainer(RunLoop):
         rows = self.cfg.data.train_batch_size * self.cfg.actor_rollout_ref.rollout.n
         return self.total_steps * (rows // section.ppo_mini_batch_size) * section.ppo_epochs
 
-    # -- the loop -------------------------------------------------------------------------
+    # -- the loop: what the run writes and says (RunRecord) -----------------------------
+    @property
+    def history(self) -> list[dict]:
+        return self.records.history
+
+    @property
+    def metrics_log(self):
+        return self.records.metrics_log
+
     def log_samples(self, step: int, rows: list[dict]) -> None:
-        self.samples.append(*rows)
-        if self.trackers is not None:
-            self.trackers.samples(rows, step)
+        self.records.log_samples(step, rows)
 
     def record(self, metrics: dict) -> None:
-        self.history.append(metrics)
-        self.metrics_log.append(metrics)
-        if self.trackers is not None:
-            self.trackers.log(metrics, metrics["step"])
-        for warning in self.watch.check(metrics):
-            self.console.message(f"warning: {warning}")
-        if "console" in self.cfg.trainer.logger:
-            self.console.step(metrics, format_line(metrics, LINE_KEYS))
+        self.records.record(metrics)
 
     def started(self, step: int) -> None:
-        t = self.cfg.trainer
-        self.trackers = Trackers(t.logger, self.out, t.project_name, t.experiment_name, config_json(self.cfg))
-        if t.val_before_train and step == 0 and self.val is not None:
+        self.records.open()
+        if self.cfg.trainer.val_before_train and step == 0 and self.val is not None:
             self.record({"step": 0, **self.validate(0)})
 
     def finished(self, wall_s: float) -> None:
-        self.console.close()
-        self.summary(wall_s)
-        self.trackers.close()
-
-    def summary(self, wall_s: float) -> None:
-        vals = [h["val-core/mean"] for h in self.history if "val-core/mean" in h]
-        if len(vals) == 1:  # e.g. trainer.test_freq=-1: no "last" to compare with
-            self.log(f"validation score: {vals[0]:.4f} (the only validation this run; "
-                     "trainer.test_freq sets how often it runs)")
-        elif vals:
-            self.log(f"validation score: {vals[0]:.4f} (first) -> {vals[-1]:.4f} (last)")
-        phases = ", ".join(f"{k} {v:.1f}s" for k, v in sorted(self.phase_totals.items(),
-                                                               key=lambda kv: -kv[1]))
-        self.log(f"wall time {wall_s:.1f}s" + (f"; by phase: {phases}" if phases else ""))
-        sent = sorted(sent_bytes(self.groups).items(), key=lambda kv: -kv[1])
-        if sent:
-            self.log("sent by the driver: " + ", ".join(f"{k} {v / 1e3:.0f} kB" for k, v in sent))
+        self.records.close(wall_s, sent_bytes(self.groups))

@@ -37,9 +37,9 @@ def validate(trainer, step: int) -> dict:
         batch = val.collate(list(range(start, min(len(val), start + size))))
         batch.non_tensors["uid"] = np.array([f"val{i}" for i in batch.non_tensors["index"]], dtype=object)
         out, _ = trainer.ctx.generate(batch, {"validate": True, "global_step": step})
-        scored = score_responses(trainer.reward, out, trainer.env_only)
+        scored = score_responses(trainer.ctx.reward, out, trainer.env_only)
         if start == 0 and cfg.trainer.log_samples_freq > 0:
-            trainer.log_samples(step, sample_rows(out, step, "val", trainer.reward, trainer.tokenizer,
+            trainer.log_samples(step, sample_rows(out, step, "val", trainer.ctx.reward, trainer.ctx.tokenizer,
                                                   cfg.trainer.log_samples_n, scores=[r.score for r in scored]))
         rows += scored
         figures["reward"] += [r.score for r in scored]

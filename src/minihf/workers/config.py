@@ -13,7 +13,7 @@ from typing import Literal, Optional, Union
 from minihf.algorithms.kl import KL_PENALTIES
 from minihf.workers.aux_loss import AuxLossConfig
 from minihf.workers.optim import OptimConfig
-from minihf.workers.section_checks import check_chunk, check_micro, check_ppo_update, check_sp
+from minihf.workers.section_checks import check_actor_worker, check_chunk, check_micro, check_ppo_update, check_sp
 
 
 @dataclass
@@ -342,16 +342,7 @@ class ActorRolloutRefConfig:
     worker: str = "ActorRolloutRefWorker"
 
     def __post_init__(self):
-        if self.worker != "ActorRolloutRefWorker":
-            from minihf.utils.imports import check_ref, is_code_ref
-
-            if not is_code_ref(self.worker):
-                raise ValueError(f"worker={self.worker!r}: name ActorRolloutRefWorker, or a subclass of it in a "
-                                 f"recipe file as path/to/file.py:Class")
-            try:
-                check_ref(self.worker, "worker class")
-            except (FileNotFoundError, AttributeError) as e:
-                raise ValueError(f"worker: {e}") from None
+        check_actor_worker(self.worker)
 
 
 @dataclass

@@ -43,3 +43,19 @@ def check_ppo_update(cfg) -> None:
     if cfg.loss_agg_mode not in LOSS_AGG_MODES:
         raise ValueError(f"loss_agg_mode={cfg.loss_agg_mode!r}; choose one of "
                          f"{list(LOSS_AGG_MODES)}")
+
+
+def check_actor_worker(worker: str) -> None:
+    """``actor_rollout_ref.worker``: minihf's class, or a recipe's ``file.py:Class`` that exists
+    (checked without importing the file; that it subclasses the actor's is checked when built)."""
+    if worker == "ActorRolloutRefWorker":
+        return
+    from minihf.utils.imports import check_ref, is_code_ref
+
+    if not is_code_ref(worker):
+        raise ValueError(f"worker={worker!r}: name ActorRolloutRefWorker, or a subclass of it in a "
+                         f"recipe file as path/to/file.py:Class")
+    try:
+        check_ref(worker, "worker class")
+    except (FileNotFoundError, AttributeError) as e:
+        raise ValueError(f"worker: {e}") from None

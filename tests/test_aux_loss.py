@@ -146,3 +146,12 @@ def test_the_driver_sends_what_the_losses_read(tmp_path):
     assert "probe_ids" not in group.compute_log_prob.spec.reads
     with pytest.raises(ControllerError, match=r"declare_reads names \['update_actr'\]"):
         WorkerGroup(RoleLayout("actor", (0,)), ActorRolloutRefWorker, None, reads={"update_actr": ("x",)})
+
+
+def test_a_key_the_job_does_not_have_is_named(tmp_path):
+    (tmp_path / "ref.py").write_text("def kl_to_ref(log_prob, ref_log_prob):\n    return (log_prob - ref_log_prob).sum()\n")
+    cfg, batch = _setup(tmp_path, micro=8, fn=f"{tmp_path}/ref.py:kl_to_ref", log_probs_at=None, reads=[])
+    actor = local_worker(ActorRolloutRefWorker, cfg)          # use_kl_loss=false: no ref_log_prob sent
+    batch |= actor.compute_log_prob(batch)
+    with pytest.raises(ValueError, match=r"aux_losses.probe .*: the update's batch has no \['ref_log_prob'\]"):
+        actor.update_actor(batch)

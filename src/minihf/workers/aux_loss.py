@@ -86,6 +86,7 @@ class AuxLoss:
             raise ValueError(f"{self.label}: name each input as a parameter (no *args/**kwargs): "
                              f"it receives only what it names")
         self.wants = [p.name for p in params]
+        self.required = {p.name for p in params if p.default is p.empty}
         available = set(PROVIDED) | set(batch_keys) | set(spec.reads)
         missing = [p.name for p in params if p.name not in available and p.default is p.empty]
         if "log_probs_at" in self.wants and not spec.log_probs_at:
@@ -100,6 +101,10 @@ class AuxLoss:
                  "loss_agg_mode": loss_agg_mode, "normalizer": normalizer}
         if self.spec.log_probs_at:
             given["log_probs_at"] = at[self.spec.log_probs_at]
+        absent = sorted(k for k in self.required if k not in given and k not in mb)
+        if absent:  # e.g. ref_log_prob in a job without a KL loss
+            raise ValueError(f"{self.label}: the update's batch has no {absent} in this job; it holds "
+                             f"{sorted(mb)} (add the key to reads, or give the parameter a default)")
         kwargs = {k: given[k] if k in given else mb[k] for k in self.wants if k in given or k in mb}
         result = self.fn(**kwargs)
         loss, stats = result if isinstance(result, tuple) and len(result) == 2 else (result, {})

@@ -155,3 +155,13 @@ def test_a_key_the_job_does_not_have_is_named(tmp_path):
     batch |= actor.compute_log_prob(batch)
     with pytest.raises(ValueError, match=r"aux_losses.probe .*: the update's batch has no \['ref_log_prob'\]"):
         actor.update_actor(batch)
+
+
+def test_a_read_key_no_phase_added_is_named(tmp_path):
+    cfg, batch = _setup(tmp_path, micro=8)
+    actor = local_worker(ActorRolloutRefWorker, cfg)
+    batch |= actor.compute_log_prob(batch)
+    del batch.tensors["probe_weight"]
+    with pytest.raises(ValueError, match=r"aux_losses.probe \(.*losses.py:pull_up\) reads batch key 'probe_weight', "
+                                         r"which the step's batch does not hold"):
+        actor.update_actor(batch)

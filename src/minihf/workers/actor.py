@@ -61,7 +61,8 @@ from minihf.parallel.fsdp import default_mixed_precision
 from minihf.protocol import Batch
 from minihf.rollout.llm import eos_ids_from_dir
 from minihf.workers.actor_checks import check_actor_sp, check_router_replay, reference_source, shard_ranks, sp_sizes
-from minihf.workers.aux_loss import add_aux_terms, aux_loss_reads, build_aux_losses, extra_stats, ids_for
+from minihf.workers.aux_loss import (add_aux_terms, aux_loss_reads, build_aux_losses, check_aux_reads, extra_stats,
+                                     ids_for)
 from minihf.workers.config import ActorRolloutRefConfig
 from minihf.workers.engine import build_fsdp_model, prefixed, run_micro_batches, sp_group, sp_layouts, tensors_of
 from minihf.workers.forward import forward_log_probs
@@ -329,7 +330,7 @@ class ActorRolloutRefWorker(Worker):
         routes = self._routes(batch, update=True)
         if routes == "replay":
             keys += ("routed_experts",)
-        keys += tuple(k for k in aux_loss_reads(a.aux_losses) if k not in keys)
+        keys += check_aux_reads(a.aux_losses, batch, keys)
         data = tensors_of(batch, keys, self.device)
         temperature = float(batch.meta.get("temperature", 1.0))
         stats = self.state.update(

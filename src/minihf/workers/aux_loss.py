@@ -72,6 +72,18 @@ def aux_loss_reads(losses: dict[str, AuxLossConfig]) -> tuple[str, ...]:
     return tuple(keys)
 
 
+def check_aux_reads(losses: dict[str, AuxLossConfig], batch, keys: tuple[str, ...]) -> tuple[str, ...]:
+    """The batch keys the losses read beyond ``keys``; one that ``batch`` lacks is named with
+    the loss that reads it (a teacher's output no phase put there)."""
+    for name, spec in losses.items():
+        for k in [*spec.reads, *([spec.log_probs_at] if spec.log_probs_at else [])]:
+            if k not in batch.tensors:
+                raise ValueError(f"actor_rollout_ref.actor.aux_losses.{name} ({spec.fn}) reads batch key {k!r}, "
+                                 f"which the step's batch does not hold ({sorted(batch.tensors)}); a phase or "
+                                 f"a role's call must add it before update_actor")
+    return tuple(k for k in aux_loss_reads(losses) if k not in keys)
+
+
 class AuxLoss:
     """One configured loss, loaded and checked on the worker (``init_model``)."""
 

@@ -32,7 +32,7 @@ MARKERS = ("<!-- bench_router_replay: begin -->", "<!-- bench_router_replay: end
 
 def rollout_batch(engine, prompts: list[list[int]], max_tokens: int, seed: int):
     """The engine's samples in verl's layout, with ``routed_experts`` and ``rollout_log_probs``."""
-    from minihf.hybrid.engine import build_output, with_prompts
+    from minihf.hybrid.rollout_output import build_output, with_prompts
     from minihf.protocol import Batch
     from minihf.rollout import SamplingParams
 

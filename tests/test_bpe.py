@@ -230,7 +230,7 @@ def bpe_job(tmp_path_factory, smollm2_tokenizer_dir):
 def test_prompts_eos_and_reward_text_with_bpe(bpe_job):
     from minihf.data import RLDataset, load_tokenizer
     from minihf.data.tasks import chat_arith
-    from minihf.hybrid.engine import build_output
+    from minihf.hybrid.rollout_output import build_output
     from minihf.protocol import Batch
     from minihf.rollout.llm import eos_ids_from_dir
     from minihf.trainer.reward import RuleReward

@@ -125,7 +125,7 @@ class ScriptedActor:
     dp_size, ranks = 1, [0]
 
     def generate_sequences(self, batch):
-        from minihf.hybrid.engine import build_output
+        from minihf.hybrid.rollout_output import build_output
         from minihf.protocol import Batch
 
         seqs = [SimpleNamespace(tokens=[7] * (int(i) + 1), logprobs=[-1.0] * (int(i) + 1))  # 7: a character

@@ -101,7 +101,7 @@ def test_multi_turn_routes_cover_observations(slots):
 
 
 def test_rollout_batch_places_routes_as_the_tokens():
-    from minihf.hybrid.engine import routes_tensor
+    from minihf.hybrid.rollout_output import routes_tensor
     from minihf.rollout.scheduler import Sequence
 
     a = Sequence(seq_id=0, prompt=[1, 2], max_tokens=4, tokens=[5, 6, 7])

@@ -8,7 +8,8 @@ weight sync from the actor's FSDP shards to a standalone rollout's TP shards, po
 point).
 """
 
-from minihf.hybrid.engine import HybridEngine, StandaloneEngine, build_output, collect_rollout
+from minihf.hybrid.engine import HybridEngine, StandaloneEngine
+from minihf.hybrid.rollout_output import build_output, collect_rollout
 from minihf.hybrid.plan import Bucket, TensorPlan, plan_reshard, traffic
 
 __all__ = ["Bucket", "HybridEngine", "StandaloneEngine", "TensorPlan", "build_output", "collect_rollout",

@@ -293,7 +293,7 @@ class EpisodeRunner:
 
 def multi_turn_metrics(batch) -> dict[str, float]:
     """``multi_turn/*`` and ``response_length/{assistant,observation}/mean`` of a generated
-    batch (``minihf.hybrid.engine.episode_outputs``'s columns)."""
+    batch (``minihf.hybrid.rollout_output.episode_outputs``'s columns)."""
     t = batch.tensors
     turns = t["multi_turn_turns"]
     attn = t["attention_mask"][:, -t["responses"].shape[1]:].float()

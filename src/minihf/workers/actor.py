@@ -287,8 +287,10 @@ class ActorRolloutRefWorker(Worker):
                      "ppo_kl": ppo_kl * share, "pg_clipfrac_lower": clipfrac_lower * share}
             for k, v in (extra_stats(own[0], f"policy loss {a.policy_loss.loss_mode}") if own else {}).items():
                 stats[k] = v.to(share.device) * share
-            loss = pg_loss + add_aux_terms(self.aux_losses, mb, out, stats, share=share,
-                                           loss_agg_mode=a.loss_agg_mode, normalizer=norm)
+            loss = pg_loss
+            if self.aux_losses:  # none: the policy loss alone, no extra op in the graph
+                loss = loss + add_aux_terms(self.aux_losses, mb, out, stats, share=share,
+                                            loss_agg_mode=a.loss_agg_mode, normalizer=norm)
             if a.entropy_coeff != 0:
                 entropy = agg_loss(out["entropy"], mask, a.loss_agg_mode, norm)
                 loss = loss - a.entropy_coeff * entropy

@@ -25,7 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = ["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "gspo",
-           "dapo", "ppo", "ppo_rm", "safe_rlhf", "distill", "gkd"]
+           "dapo", "ppo", "ppo_rm", "safe_rlhf", "distill", "gkd", "prime"]
 LAST = 10  # steps whose mean episode cost is reported for safe_rlhf
 
 

@@ -391,3 +391,53 @@ def test_a_recipe_role_is_planned_and_memory_checked(tmp_path):
                                           r"roles.teacher.log_prob_micro_batch_size_per_gpu \(now 4096\)"):
         check_memory(big, 3, replace(_a100(), memory_bytes=(peaks[0] + peaks[1]) / 2))
     check_memory(big, 3, replace(_a100(), memory_bytes=peaks[1] * 1.01))
+
+
+PLUGIN_ROLE = '''
+from minihf.roles import RoleDef
+from minihf.trainer.phases import Plugin
+
+
+class WithScorer(Plugin):
+    name = "scorer"
+    roles = (RoleDef("scorer", "RewardModelWorker", "reward_model", head="score", forward="scores",
+                     micro_keys=("reward_model.micro_batch_size_per_gpu",),
+                     token_keys=("reward_model.max_tokens_per_micro_batch",)),)
+
+    def hooks(self):
+        return []
+'''
+
+
+def test_a_plugins_role_and_a_trained_recipe_role_are_planned(tmp_path):
+    """A recipe plug-in's ``roles`` row is in the workload with its own keys and kind, and a
+    ``roles.<name>`` with ``train.enable`` is planned as trained (its optimizer, its update's
+    micro-batch keys first), so the start-up memory check counts both."""
+    from minihf.config import load_config
+    from minihf.hub import init_model
+    from minihf.planner import workload
+    from minihf.planner.startup import configured_plan
+    from minihf.trainer.ppo_job import PPOJobConfig
+
+    model = init_model(tmp_path / "m", size="tiny", task="sort")
+    (tmp_path / "mine.py").write_text(PLUGIN_ROLE)
+    base = [f"actor_rollout_ref.model.path={model}", f"reward_model.model.path={model}",
+            "reward_model.micro_batch_size_per_gpu=3"]
+    cfg = load_config(PPOJobConfig, "grpo", base + [f"algorithm.plugins=[{tmp_path}/mine.py:WithScorer]"])
+    w = workload(cfg)
+    assert [r.name for r in w.roles] == ["actor", "scorer"] and w.role("scorer").row_keys()[0] == "scores"
+    plan = configured_plan(cfg, 2, w)
+    assert dict(plan.micro_batches)["scorer"] == 3
+    w0 = workload(load_config(PPOJobConfig, "grpo", base))
+    e0 = estimate(w0, configured_plan(load_config(PPOJobConfig, "grpo", base), 2, w0), _a100())
+    assert estimate(w, plan, _a100()).phases["reward"] > e0.phases.get("reward", 0.0)
+    prm = load_config(PPOJobConfig, "prime", base + [f"roles.prm.model.path={model}",
+                                                     "roles.prm.train.ppo_micro_batch_size_per_gpu=2",
+                                                     "roles.prm.train.max_tokens_per_micro_batch=null"])
+    wp = workload(prm)
+    assert [r.name for r in wp.roles] == ["actor", "prm"] and wp.role("prm").trains
+    assert wp.role("prm").mini_batch == 64
+    assert dict(configured_plan(prm, 2, wp).micro_batches)["prm"] == 2
+    frozen = load_config(PPOJobConfig, "distill", base + [f"roles.teacher.model.path={model}"])
+    one = estimate(wp, configured_plan(prm, 2, wp), _a100()).peak_bytes[0]
+    assert one > estimate(workload(frozen), configured_plan(frozen, 2, workload(frozen)), _a100()).peak_bytes[0]

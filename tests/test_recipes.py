@@ -72,9 +72,10 @@ def test_every_rl_recipe_is_tested():
     rl = sorted(p.parent.name for p in RECIPES.glob("*/config.yaml")
                 if not p.parent.name.startswith(("sft", "rm_", "cm_")) and "smollm2" not in p.parent.name)
     # grpo, ppo: test_ppo.py; safe_rlhf, ppo_rm: test_safe.py; grpo_lora: test_lora_ppo.py;
-    # grpo_guess_number, grpo_tool_arith: test_multi_turn_ppo.py; grpo_moe: test_moe_parallel.py
+    # grpo_guess_number, grpo_tool_arith: test_multi_turn_ppo.py; grpo_moe: test_moe_parallel.py;
+    # prime: test_trained_role.py
     assert rl == sorted(ZOO + ["grpo", "ppo", "safe_rlhf", "ppo_rm", "grpo_lora", "grpo_guess_number",
-                               "grpo_tool_arith", "grpo_moe"])
+                               "grpo_tool_arith", "grpo_moe", "prime"])
 
 
 def test_zoo_recipes_run_two_steps(tiny, tmp_path):

@@ -7,7 +7,8 @@ from, when it is in the job, whether it trains (the section holding its
 whether it is checkpointed. ``CORE_ROLES`` are the actor (with the rollout engine and the
 reference), the critic, the reward model and a standalone rollout; plug-ins add theirs (Safe-RLHF: the cost
 critic and the cost model), and a recipe its own under ``roles.<name>`` (a worker class and
-its model, e.g. a distillation teacher). The table drives building the workers (``worker_roles``),
+its model, e.g. a distillation teacher; trained, checkpointed and resumed when its
+``train.enable`` says so, e.g. PRIME's process reward model). The table drives building the workers (``worker_roles``),
 ``init_model``, the batch-size checks, and checkpoint save and resume (``PPOTrainer``);
 the roles' placement is ``controller.placement``. The planner (``minihf plan`` and the start-up
 memory check) reads the same rows (``planned_roles``): a row's model ``head``, what its
@@ -72,6 +73,14 @@ class RoleDef:
             if not (isinstance(cls, type) and issubclass(cls, base)):
                 raise ValueError(f"role {self.name!r}: worker {self.worker} must subclass minihf.workers."
                                  f"{core.worker} (it is called as one)")
+        if self.section == f"roles.{self.name}":  # a recipe role trains exactly when its class can
+            trained = isinstance(cls, type) and issubclass(cls, minihf.workers.TrainedRoleWorker)
+            if self.trains and not trained:
+                raise ValueError(f"roles.{self.name}.train.enable is true, but its worker {self.worker} does not "
+                                 "train: subclass minihf.workers.TrainedRoleWorker, or set train.enable: false")
+            if trained and not self.trains:
+                raise ValueError(f"roles.{self.name}: worker {self.worker} is a TrainedRoleWorker; set "
+                                 f"roles.{self.name}.train.enable: true (with its optim and mini-batch keys)")
         return cls
 
 
@@ -121,34 +130,66 @@ SAFE_ROLES = (
 DECLARED = CORE_ROLES + SAFE_ROLES  # the rows minihf knows by name (a recipe's roles.<name> is any other)
 
 
-def recipe_role(name: str, worker: str = "LogProbWorker") -> RoleDef:
-    """The row of a recipe's ``roles.<name>`` section: built from it, not trained; planned as a
-    frozen language model's forward over the step's batch (a ``LogProbWorker``'s)."""
+def recipe_role(name: str, worker: str = "LogProbWorker", trains: bool = False) -> RoleDef:
+    """The row of a recipe's ``roles.<name>`` section, planned as a language model's forward
+    over the step's batch (a ``LogProbWorker``'s); with ``trains`` (its ``train.enable``) it
+    is also updated, checkpointed and resumed, its update's micro-batch keys first."""
     section = f"roles.{name}"
-    return RoleDef(name, worker, section, micro_keys=(f"{section}.log_prob_micro_batch_size_per_gpu",),
-                   token_keys=(f"{section}.max_tokens_per_micro_batch",))
+    micro, tokens = (f"{section}.log_prob_micro_batch_size_per_gpu",), (f"{section}.max_tokens_per_micro_batch",)
+    if trains:
+        micro = (f"{section}.train.ppo_micro_batch_size_per_gpu", *micro)
+        tokens = (f"{section}.train.max_tokens_per_micro_batch", *tokens)
+    return RoleDef(name, worker, section, trains=f"{section}.train" if trains else None, checkpointed=trains,
+                   micro_keys=micro, token_keys=tokens)
 
 
-def declared(name: str) -> RoleDef:
-    """The row minihf declares for ``name``, else a recipe role's (what the planner keys on)."""
-    return next((r for r in DECLARED if r.name == name), None) or recipe_role(name)
+def section_role(name: str, section) -> RoleDef:
+    """The row of the config's ``roles.<name>`` section."""
+    return recipe_role(name, section.worker, section.train.enable)
+
+
+def declared(name: str, trains: bool = False) -> RoleDef:
+    """The row minihf declares for ``name``, else a recipe role's (what the planner keys on;
+    ``trains``: the recipe role trains)."""
+    return next((r for r in DECLARED if r.name == name), None) or recipe_role(name, trains=trains)
+
+
+def recipe_plugins(cfg) -> list[type]:
+    """The classes of the recipe's plug-ins (``algorithm.plugins``, imported from their files)
+    that run for ``cfg``: what the planner reads their ``roles`` from (the trainer's
+    ``minihf.trainer.plugins.plugin_classes`` checks them further)."""
+    from minihf.config import ConfigError
+    from minihf.utils.imports import load_ref
+
+    out = []
+    for i, ref in enumerate(cfg.algorithm.plugins):
+        try:
+            cls = load_ref(ref, "plug-in class")
+        except (AttributeError, TypeError) as e:
+            raise ConfigError(f"algorithm.plugins[{i}]={ref!r}: {e}") from None
+        if getattr(cls, "enabled", lambda cfg: True)(cfg):
+            out.append(cls)
+    return out
 
 
 def planned_roles(cfg) -> list[RoleDef]:
-    """The rows the planner models for ``cfg``: the enabled core and Safe-RLHF rows (its plug-in
-    runs with ``algorithm.safe``) and the recipe's ``roles.<name>``; not a standalone rollout."""
-    rows = [r for r in DECLARED if r.enabled(cfg)]
-    rows += [recipe_role(name, section.worker) for name, section in cfg.roles.items()]
-    return sorted((r for r in rows if r.forward != "none"), key=lambda r: not r.trains)  # trained first
+    """The rows the planner models for ``cfg``: the job's role table (``role_table``: the core
+    rows, the recipe's plug-ins' and its ``roles.<name>``) and Safe-RLHF's (its plug-in runs
+    with ``algorithm.safe``); not a standalone rollout. Trained roles first."""
+    table, core = role_table(cfg, recipe_plugins(cfg)), {r.name for r in CORE_ROLES}
+    rows = ([r for r in table if r.name in core] + [r for r in SAFE_ROLES if r.enabled(cfg)]
+            + [r for r in table if r.name not in core])
+    return sorted((r for r in rows if r.forward != "none"), key=lambda r: not r.trains)
 
 
 def role_table(cfg, plugin_classes=()) -> list[RoleDef]:
     """The job's roles: the core ones (the actor's class from ``actor_rollout_ref.worker``), each
     plug-in's (a row with ``replaces`` takes the core row of its name's place), then the config's
-    own (``roles.<name>``: built from its section, not trained), those enabled for ``cfg``."""
+    own (``roles.<name>``: built from its section, trained when ``train.enable``), those
+    enabled for ``cfg``."""
     actor_worker = cfg.actor_rollout_ref.worker
     rows = [replace(r, worker=actor_worker) if r.name == "actor" else r for r in CORE_ROLES]
-    for r in (r for p in plugin_classes for r in p.roles):
+    for r in (r for p in plugin_classes for r in getattr(p, "roles", ())):
         at = [i for i, core in enumerate(rows) if core.name == r.name and r.replaces]
         if r.replaces and not at:
             raise ValueError(f"plug-in role {r.name!r} replaces a core role, but there is none of that name "
@@ -157,7 +198,7 @@ def role_table(cfg, plugin_classes=()) -> list[RoleDef]:
             rows[at[0]] = r
         else:
             rows.append(r)
-    rows += [recipe_role(name, section.worker) for name, section in cfg.roles.items()]
+    rows += [section_role(name, section) for name, section in cfg.roles.items()]
     names = [r.name for r in rows]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:

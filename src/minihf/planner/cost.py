@@ -303,9 +303,7 @@ def estimate(w: Workload, plan: Plan, profile: DeviceProfile) -> Estimate:
 def _kinds(w: Workload) -> dict[str, list[str]]:
     """The workload's roles by what their forward is in a step (the role table's ``forward``,
     ``minihf.roles``): ``policy``, ``values``, ``scores``, ``log_probs`` (a recipe's roles)."""
-    from minihf.roles import declared
-
     out: dict[str, list[str]] = {"policy": [], "values": [], "scores": [], "log_probs": []}
     for r in w.roles:
-        out[declared(r.name).forward].append(r.name)
+        out[r.row_keys()[0]].append(r.name)
     return out

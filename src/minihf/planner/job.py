@@ -112,6 +112,20 @@ class Role:
     lora_params: int | None = None       # LoRA: the adapters' parameters (the base is frozen); None: all train
     logits_chunk: int | None = None      # tokens whose logits exist at a time (actor.logits_chunk_size); None: all
     sp: int = 1                          # ranks that split each micro-batch's tokens (ulysses_sequence_parallel_size)
+    # the role table's row (minihf.roles): its forward in a step, its micro-batch keys in rows and
+    # as a token budget; empty: the row minihf declares for the name
+    forward: str = ""
+    micro_keys: tuple[str, ...] = ()
+    token_keys: tuple[str, ...] = ()
+
+    def row_keys(self) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
+        """``(forward, micro_keys, token_keys)`` of its role-table row."""
+        if self.micro_keys:
+            return self.forward, self.micro_keys, self.token_keys
+        from minihf.roles import declared
+
+        row = declared(self.name, self.trains)
+        return row.forward, row.micro_keys, row.token_keys
 
     @property
     def trained_params(self) -> int:
@@ -162,15 +176,18 @@ def workload(cfg, models: dict[str, str] | None = None) -> Workload:
         model_cfg = section_of(cfg, row.section).model
         spec = models.get(row.name, models.get("all", model_cfg.path))
         shape = model_shape(spec, row.head)
+        keys = dict(forward=row.forward, micro_keys=row.micro_keys, token_keys=row.token_keys)
         if not row.trains:
-            return Role(row.name, shape, False, token_budget=section_of(cfg, row.token_keys[0]) is not None)
+            return Role(row.name, shape, False, token_budget=section_of(cfg, row.token_keys[0]) is not None, **keys)
         section = section_of(cfg, row.trains)
         lora = (lora_params(spec, row.head, model_cfg.lora_rank, model_cfg.target_modules,
                             model_cfg.exclude_modules) if getattr(model_cfg, "lora", False) else None)
+        owner = section if hasattr(section, "fsdp") else section_of(cfg, row.section)  # a recipe role's train
         return Role(row.name, shape, True, section.ppo_epochs, section.ppo_mini_batch_size,
-                    section.fsdp.activation_checkpointing, section.fsdp.wrap_blocks,
+                    owner.fsdp.activation_checkpointing, owner.fsdp.wrap_blocks,
                     section.max_tokens_per_micro_batch is not None, lora,
-                    getattr(section, "logits_chunk_size", None), section.ulysses_sequence_parallel_size)
+                    getattr(owner, "logits_chunk_size", None), getattr(section, "ulysses_sequence_parallel_size", 1),
+                    **keys)
 
     roles = [role(r) for r in rows]
     # the driver's own rule (and the log-prob check adds the pass too)

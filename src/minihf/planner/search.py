@@ -188,11 +188,12 @@ def plan_overrides(plan: Plan, devices: int, w: Workload | None = None) -> dict:
     from minihf.roles import declared
 
     for role, m in plan.micro_batches:  # every key of the role's micro-batches (minihf.roles)
+        _, micro, tokens = w.role(role).row_keys() if w is not None else ("", declared(role).micro_keys, ())
         if w is not None and w.role(role).token_budget:
-            for key in declared(role).token_keys:
+            for key in tokens:
                 out[key] = m * (w.prompt_len + w.response_len)
         else:
-            for key in declared(role).micro_keys:
+            for key in micro:
                 out[key] = m
     return out
 

@@ -19,13 +19,11 @@ from minihf.planner.profiles import BUILTIN, DeviceProfile
 
 
 
-def _micro_keys(name: str) -> tuple[str, str]:
+def _micro_keys(role) -> tuple[str, str]:
     """The config keys of a role's micro-batch, in rows and as a token budget (its update's for
-    a trained role): the role table's first of each (``minihf.roles``)."""
-    from minihf.roles import declared
-
-    row = declared(name)
-    return row.micro_keys[0], row.token_keys[0]
+    a trained role): its role-table row's first of each (``minihf.roles``)."""
+    _, micro, tokens = role.row_keys()
+    return micro[0], tokens[0]
 
 
 def configured_plan(cfg, world: int, w) -> Plan:
@@ -41,7 +39,7 @@ def configured_plan(cfg, world: int, w) -> Plan:
     micro = []
     tokens = w.prompt_len + w.response_len
     for name in names:
-        rows_key, budget_key = _micro_keys(name)
+        rows_key, budget_key = _micro_keys(w.role(name))
         budget = section_of(cfg, budget_key)
         micro.append((name, max(1, budget // tokens) if budget is not None else section_of(cfg, rows_key) or 1))
     return Plan(groups, cfg.actor_rollout_ref.rollout.tensor_model_parallel_size, tuple(micro))
@@ -77,7 +75,7 @@ def check_memory(cfg, world: int, profile: DeviceProfile) -> None:
     group = plan.groups[i]
     keys = []
     for r in group.roles:
-        rows_key, budget_key = _micro_keys(r)
+        rows_key, budget_key = _micro_keys(w.role(r))
         budget = section_of(cfg, budget_key)
         keys.append(f"{budget_key} (now {budget})" if budget is not None
                     else f"{rows_key} (now {dict(plan.micro_batches)[r]})")

@@ -65,18 +65,14 @@ class PPOTrainer(RunLoop):
     def __init__(self, cfg: PPOConfig, groups: dict, log: Log = print):
         from minihf.data import PromptLoader, RLDataset, load_tokenizer
 
-        self.cfg, self.log = cfg, log
+        self.cfg = cfg
         classes = plugin_classes(cfg)
         self.roles = [r for r in role_table(cfg, classes) if r.name in groups]
         self.groups = role_groups(self.roles, groups)
         cfg.check_sizes({r.trains: self.groups[r.name].dp_size for r in self.roles if r.trains})
         d = cfg.data
         tok = load_tokenizer(cfg.actor_rollout_ref.model.path, padding_side="left")
-        mt = cfg.actor_rollout_ref.rollout.multi_turn
-        # multi-turn with tools: prompts carry the tool schemas as the rollout renders them;
-        # with an environment (and no reward function or model) its rewards are the score
-        self.env_only = bool(mt.enable and mt.environment and not cfg.custom_reward_function.path
-                             and "reward_model" not in groups)
+        mt = cfg.actor_rollout_ref.rollout.multi_turn  # with tools: prompts carry their schemas
         kw = dict(max_prompt_length=d.max_prompt_length, truncation=d.truncation,
                   apply_chat_template=d.apply_chat_template, prompt_key=d.prompt_key,
                   renderer=tool_renderer(tok, mt.tools) if mt.enable and mt.tools else None)
@@ -85,10 +81,9 @@ class PPOTrainer(RunLoop):
         if len(train) < d.train_batch_size:
             raise ValueError(f"data.train_batch_size={d.train_batch_size} exceeds the "
                              f"{len(train)} training prompts in {d.train_files}")
-        self.loader = PromptLoader(train, d.gen_batch_size or d.train_batch_size,
-                                   shuffle=d.shuffle, seed=d.seed)
+        loader = PromptLoader(train, d.gen_batch_size or d.train_batch_size, shuffle=d.shuffle, seed=d.seed)
         t = cfg.trainer
-        self.total_steps = len(self.loader) * t.total_epochs
+        self.total_steps = len(loader) * t.total_epochs
         if t.total_training_steps is not None:
             self.total_steps = min(self.total_steps, t.total_training_steps)
         r = cfg.custom_reward_function
@@ -101,7 +96,7 @@ class PPOTrainer(RunLoop):
         self.records = RunRecord(cfg, self.out, self.total_steps, log)  # logs, console, watch, history
         trained = [self.groups[r.name] for r in self.roles if r.trains]
         ranks = [rank for g in trained for rank in g.ranks]
-        self.ctx = StepContext(cfg, self.groups, self.loader, tok, reward, log, self._rollout,
+        self.ctx = StepContext(cfg, self.groups, loader, tok, reward, log, self._rollout,
                                self._generate, self._score, self._timed,
                                overlap=len(trained) > 1 and len(ranks) == len(set(ranks)))
         self.plugins = [cls(self.ctx) for cls in classes]
@@ -123,6 +118,21 @@ class PPOTrainer(RunLoop):
     @property
     def actor(self):
         return self.groups["actor"]
+
+    @property
+    def loader(self):
+        return self.ctx.loader
+
+    @property
+    def log(self) -> Log:
+        return self.ctx.log
+
+    @property
+    def env_only(self) -> bool:
+        """Multi-turn with an environment and no reward function or model: its rewards are the score."""
+        mt = self.cfg.actor_rollout_ref.rollout.multi_turn
+        return bool(mt.enable and mt.environment and not self.cfg.custom_reward_function.path
+                    and "reward_model" not in self.groups)
 
     @property
     def rollout(self):

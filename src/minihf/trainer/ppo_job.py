@@ -147,7 +147,7 @@ def check_lora(cfg: PPOConfig) -> None:
     for row in (r for r in planned_roles(cfg) if r.trains):  # the trained roles of the role table
         section, head = row.section, row.head
         m = section_of(cfg, section).model
-        if not m.lora:
+        if not getattr(m, "lora", False):  # a recipe role's model has no LoRA keys
             continue
         key = f"{section}.model"
         path = m.lora_adapter_path

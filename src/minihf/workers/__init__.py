@@ -1,7 +1,8 @@
 """minihf.workers: FSDP2 role workers driven by the single controller.
 
 ``ActorRolloutRefWorker`` (policy + its rollout engine + frozen reference),
-``CriticWorker``, ``RewardModelWorker``, ``LogProbWorker`` (a frozen LM's log-probs) and
+``CriticWorker``, ``RewardModelWorker``, ``LogProbWorker`` (a frozen LM's log-probs),
+``TrainedRoleWorker`` (the base of a recipe role that trains) and
 ``RolloutWorker`` (the rollout engine alone, on ranks of its own); their config sections live in ``config.py``.
 Shared mechanics: ``engine`` (meta build + sharded load, inference over micro-batches),
 ``train_state`` (``TrainState``: model + optimizer + schedule, update, save/load, used by
@@ -16,7 +17,7 @@ import importlib
 # Imported on first use, so that a config check (``minihf.workers.config``, which the
 # launcher's parent process reads) does not import the FSDP and engine stack.
 _HOMES = {"ActorRolloutRefWorker": "actor", "CriticWorker": "critic", "RewardModelWorker": "reward_model",
-          "LogProbWorker": "log_prob", "RolloutWorker": "rollout",
+          "LogProbWorker": "log_prob", "RolloutWorker": "rollout", "TrainedRoleWorker": "trained_role",
           **{name: "config" for name in ("ActorConfig", "ActorRolloutRefConfig", "CriticConfig", "FSDPConfig",
                                           "LogProbConfig", "ModelConfig", "PolicyLossConfig", "RefConfig", "RewardModelConfig",
                                           "RLModelConfig", "RolloutConfig", "TrainedModelConfig", "ValKwargs")}}

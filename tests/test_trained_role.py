@@ -107,3 +107,43 @@ def test_the_prm_loss_by_hand():
     ce = -(labels * torch.log(torch.sigmoid(logits)) + (1 - labels) * torch.log(1 - torch.sigmoid(logits)))
     assert loss.item() == pytest.approx(ce.mean().item(), rel=1e-6)        # fp32: a few ulp
     assert figures["acc"].item() == 0.5 and figures["logit"].item() == pytest.approx(0.375)
+
+
+def test_the_workers_own_checks():
+    """A subclass without ``loss``, a loss that is not a scalar, a batch without its keys: one
+    line each, naming the class (the worker's methods called in-process, no model built)."""
+    from minihf.controller.worker import create_worker
+    from minihf.protocol import Batch
+    from minihf.workers import TrainedRoleWorker
+
+    class NoLoss(TrainedRoleWorker):
+        pass
+
+    class Rows(TrainedRoleWorker):
+        update_keys = ("ref_log_prob",)
+
+        def loss(self, mb, log_prob, agg):
+            return log_prob.sum(-1)                                      # [b]: not a scalar
+
+    def make(cls):  # a worker as the controller makes it, with only its role known
+        return create_worker(cls, SimpleNamespace(layout=SimpleNamespace(role="prm")), (None,))
+
+    with pytest.raises(TypeError, match=r"NoLoss \(prm\) trains but defines no loss\(self, mb, log_prob, agg\)"):
+        make(NoLoss).init_model(1)
+    worker = make(Rows)
+    worker.model = worker.state = object()                               # as if built
+    worker.config = SimpleNamespace(train=SimpleNamespace())
+    with pytest.raises(ValueError, match=r"Rows \(prm\)\.update: the batch has no \['ref_log_prob'\]"):
+        worker.update(Batch({k: torch.zeros(2, 3) for k in ("input_ids", "attention_mask", "position_ids",
+                                                              "responses", "response_mask")}))
+    mask = torch.ones(2, 3)
+    worker.config = SimpleNamespace(model=SimpleNamespace(use_remove_padding=True), logits_chunk_size=None,
+                                    train=SimpleNamespace(loss_agg_mode="token-mean"))
+    import minihf.workers.trained_role as tr
+    real, tr.forward_log_probs = tr.forward_log_probs, lambda *a, **k: {"log_probs": torch.zeros(2, 3)}
+    try:
+        loss_fn = worker._loss_fn(1.0)(torch.tensor(6.0), torch.tensor(6.0))
+        with pytest.raises(TypeError, match=r"Rows.loss returned Tensor\(2,\); return a scalar tensor"):
+            loss_fn({"response_mask": mask})
+    finally:
+        tr.forward_log_probs = real

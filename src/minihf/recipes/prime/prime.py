@@ -23,10 +23,9 @@ against the task's score (in [0, 1]; a soft label for partial credit). Each step
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 import torch.nn.functional as F
 
-from minihf.algorithms import masked_mean
+from minihf.algorithms import compute_rloo_outcome_advantage, masked_mean
 from minihf.trainer.phases import Plugin, wrap
 from minihf.workers import TrainedRoleWorker
 
@@ -42,17 +41,6 @@ class ImplicitPRM(TrainedRoleWorker):
         ce = F.binary_cross_entropy_with_logits(logit, label, reduction="none")
         acc = ((logit > 0) == (label > 0.5)).float().mean()
         return agg(ce[:, None].expand_as(mask)), {"acc": acc, "logit": logit.mean()}
-
-
-def leave_one_out_mean(values: torch.Tensor, uids) -> torch.Tensor:
-    """Per row, the mean of ``values`` over the other rows of its prompt (0 alone)."""
-    out = torch.zeros_like(values)
-    for uid in set(uids):
-        rows = torch.as_tensor(np.flatnonzero(np.asarray(uids, dtype=object) == uid))
-        n = len(rows)
-        if n > 1:
-            out[rows] = (values[rows].sum() - values[rows]) / (n - 1)
-    return out
 
 
 @dataclass
@@ -93,8 +81,11 @@ class ImplicitProcessRewards(Plugin):
         inner(ctx, batch, metrics)                                          # the outcome advantage
         mask = batch["response_mask"].float()
         r = self.beta * (batch["prm_log_prob"] - batch["ref_log_prob"]) * mask
-        per_token = r.sum(-1) / mask.sum(-1).clamp(min=1)                   # [B]
-        b = leave_one_out_mean(per_token, list(batch.non_tensors["uid"]))
+        per_token = r.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)   # [B, 1]
+        # RLOO's advantage is x minus the mean of the prompt's other rows (x alone): b = x - A
+        loo, _ = compute_rloo_outcome_advantage(per_token, per_token.new_ones(per_token.shape),
+                                                np.asarray(batch.non_tensors["uid"], dtype=object))
+        b = (per_token - loo)[:, 0]
         centred = (r - b[:, None]) * mask
         returns = centred.flip(-1).cumsum(-1).flip(-1)                      # sum_{s >= t} (r_s - b)
         batch.tensors["advantages"] = batch["advantages"] + self.config.process_coef * returns * mask

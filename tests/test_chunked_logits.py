@@ -8,6 +8,11 @@ order), so the chunked and whole paths are each within it of float64. The gradie
 follows from it (``_grad_bounds``) and must hold for both paths.
 """
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -314,3 +319,46 @@ def test_forward_log_probs_at_ids_and_top_k(model_and_batch, packed):
         assert (out["log_probs_at"][~valid] == 0).all() and (out["top_k_ids"][~valid] == 0).all()
     for name in gw:
         torch.testing.assert_close(gc[name], gw[name], rtol=1e-10, atol=1e-10 * gw[name].abs().max().item())
+
+
+_PEAKS = r"""
+import sys
+from pathlib import Path
+import torch
+from minihf.algorithms.chunked_logits import chunked_log_probs
+
+def kb(key):
+    return next(int(l.split()[1]) for l in Path("/proc/self/status").read_text().splitlines() if l.startswith(key + ":"))
+
+def peak(fn):  # resident bytes above the start (VmHWM reset to VmRSS first)
+    base = kb("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")
+    fn()
+    return (kb("VmHWM") - base) * 1024
+
+torch.set_num_threads(1)
+c, m, h, v = 64, 256, 8, 1 << 18
+hid = torch.randn(m, h, requires_grad=True)
+w = torch.randn(v, h, requires_grad=True)
+y = torch.randint(0, v, (m,))
+out = {}
+fwd = peak(lambda: out.update(chunked_log_probs(hid, w, y, chunk=c, calc_entropy=True, entropy_grad=False)))
+bwd = peak(lambda: out["log_probs"].sum().backward())
+print(fwd / (c * v * 4), bwd / (c * v * 4))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="Linux's /proc memory counters")
+def test_a_chunk_holds_two_vocabulary_buffers_forward_and_one_backward():
+    """What a chunk costs, in ``[chunk, vocab]`` fp32 buffers (64 MiB each here, far above the
+    rest): the forward with the entropy holds two (the logits and their exponentials), the
+    backward without the entropy's gradient one, plus the head's weight gradient (1/8 of a
+    buffer, accumulated in place). Before: three and two plus a weight-sized temporary, which
+    made the chunk the peak of an SP rank's update (docs/training.md). Measured in a child
+    process with glibc mapping each large block on its own, so resident memory is bytes in use."""
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    out = subprocess.run([sys.executable, "-c", _PEAKS], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    fwd, bwd = map(float, out.stdout.split())
+    assert 1.5 < fwd < 2.5, fwd
+    assert 0.9 < bwd < 1.5 + 2 / 8, bwd  # the weight gradient, and its copy into w.grad at most

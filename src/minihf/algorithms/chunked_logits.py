@@ -47,13 +47,18 @@ class _ChunkedHead(torch.autograd.Function):
         log_probs = lse.new_empty(labels.shape)
         entropy = torch.empty_like(lse) if with_entropy else lse.new_zeros(0)
         for s in range(0, m, chunk):
+            # two [c, V] buffers at a time, z and e (logsumexp then softmax held three: at
+            # chunks of 1024 and a 49k vocabulary 192 MB each, the peak of an SP rank's update)
             z = _logits(hidden[s:s + chunk], weight, temperature)          # [c, V] fp32
-            row_lse = torch.logsumexp(z, dim=-1)
+            top = z.amax(-1, keepdim=True)                                 # [c, 1]
+            e = torch.sub(z, top).exp_()                                   # exp(z - max)
+            total = e.sum(-1)
+            row_lse = top[:, 0] + total.log()
             lse[s:s + chunk] = row_lse
             log_probs[s:s + chunk] = z.gather(-1, labels[s:s + chunk]) - row_lse[:, None]
-            if with_entropy:
-                p = torch.softmax(z, dim=-1)
-                entropy[s:s + chunk] = row_lse - p.mul_(z).sum(-1)
+            if with_entropy:  # H = lse - sum(softmax * z), softmax = e / total
+                entropy[s:s + chunk] = row_lse - e.mul_(z).sum(-1) / total
+            del z, e
         ctx.save_for_backward(hidden, weight, labels, lse, entropy)
         ctx.temperature, ctx.chunk, ctx.with_entropy = temperature, chunk, with_entropy
         ctx.set_materialize_grads(False)
@@ -77,10 +82,11 @@ class _ChunkedHead(torch.autograd.Function):
         grad_weight = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) if need_w else None
         for s in range(0, hidden.shape[0], chunk):
             h = hidden[s:s + chunk]
-            # in place from here on: two [c, V] buffers at a time (the backward of the LM head
-            # runs while the whole body's activations are still held, so they add to its peak)
+            # in place from here on: one [c, V] buffer at a time, two with the entropy's gradient
+            # (the backward of the LM head runs while the whole body's activations are still
+            # held, so they add to its peak)
             log_p = _logits(h, weight, t).sub_(lse[s:s + chunk, None])     # [c, V] fp32
-            p = log_p.exp()
+            p = log_p.exp() if grad_entropy is not None else log_p.exp_()  # log_p only for d H
             d_entropy = None  # d entropy / d z, times its gradient, in log_p's buffer
             if grad_entropy is not None:
                 d_entropy = log_p.add_(entropy[s:s + chunk, None]).mul_(p).mul_(grad_entropy[s:s + chunk, None])
@@ -97,8 +103,12 @@ class _ChunkedHead(torch.autograd.Function):
             g = g.to(weight.dtype)
             if need_h:
                 grad_hidden[s:s + chunk] = (g @ weight).to(hidden.dtype)
-            if need_w:
-                grad_weight += (g.T @ h).to(lse.dtype)
+            if need_w:  # in place where the dtypes allow: no [V, H] temporary
+                if g.dtype == h.dtype == grad_weight.dtype:
+                    grad_weight.addmm_(g.T, h)
+                else:
+                    grad_weight += (g.T @ h).to(lse.dtype)
+            del log_p, p, g, d_entropy  # before the next chunk's logits are made
         return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
                 None, None, None, None)
 

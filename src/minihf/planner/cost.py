@@ -175,10 +175,12 @@ def micro_batch_bytes(role: Role, micro: int, w: Workload, b: int, train: bool) 
     m = role.model
     tokens = math.ceil(micro * (w.prompt_len + w.response_len) / role.sp)  # this rank's (Ulysses: 1/sp)
     unit = _unit(m, role.wrap_blocks)
-    # value and score heads: one output; an LM head in chunks holds one chunk's logits at a time
-    logits = min(tokens, role.logits_chunk or tokens) * m.vocab * 12 if role.name == "actor" else 0
+    # value and score heads: one output. An LM head's logits, their log-softmax and gradient
+    # whole (3 fp32 buffers); in chunks, one chunk's logits and exponentials at a time (2)
+    per = 8 if role.logits_chunk else 12
+    logits = min(tokens, role.logits_chunk or tokens) * m.vocab * per if role.name == "actor" else 0
     if not train:
-        return 2 * unit * b + tokens * m.hidden * b * 4 + logits / 3
+        return 2 * unit * b + tokens * m.hidden * b * 4 + logits / per * 4
     per_layer = b * (8 * m.hidden + 3 * m.ffn)
     acts = (tokens * m.layers * b * m.hidden + tokens * per_layer if role.activation_checkpointing
             else tokens * m.layers * per_layer)

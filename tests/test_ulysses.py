@@ -20,7 +20,7 @@ from minihf.algorithms import agg_loss
 from minihf.models import ModelArgs, build_model, init_weights
 from minihf.models.lora import apply_lora, is_lora_param, module_names
 from minihf.parallel.fsdp import apply_fsdp, enable_activation_checkpointing, fsdp_mesh
-from minihf.parallel.ulysses import SeqParallel, head_split, seq_parallel
+from minihf.parallel.ulysses import SeqParallel, attention_groups, head_ranges, head_split, seq_parallel
 from minihf.testing import spawn_ranks
 from minihf.workers.forward import forward_log_probs, forward_values
 from minihf.workers.optim import OptimConfig
@@ -30,7 +30,10 @@ from logprob_reference import float64_log_probs, rounding_ratio
 
 ARGS = dict(arch="qwen2", vocab_size=48, hidden_size=32, num_hidden_layers=2, head_dim=8,
             intermediate_size=64, attention_bias=True, max_position_embeddings=64)
-HEADS = {"even": (4, 2), "uneven": (3, 1)}  # (query heads, KV heads): 2+2 / 1+1; 2+1 / KV repeated
+# (query heads, KV heads) over 2 ranks: 2+2 / 1+1; 2+1 / the one KV head to both; 3+3 / KV heads
+# 0,1 and 1,2 (the middle one to both), each rank's query heads 2+1 and 1+2 over its two: two
+# attention calls a rank (SmolLM2's 9/3 splits so)
+HEADS = {"even": (4, 2), "uneven": (3, 1), "grouped": (6, 3)}
 
 
 def tiny(head="lm", heads=(4, 2), seed=0, lora=False):
@@ -67,6 +70,13 @@ def rl_batch(prompts, n, p, r, seed=0, vocab=48):
 
 def test_head_split():
     assert head_split(9, 2) == [5, 4] and head_split(8, 4) == [2, 2, 2, 2] and head_split(3, 3) == [1, 1, 1]
+    # SmolLM2: query heads 0-4 read KV heads 0 (0-2) and 1 (3-4); 5-8 read 1 (5) and 2 (6-8)
+    assert head_ranges(9, 3, 2) == [(0, 5, 0, 2), (5, 9, 1, 3)]
+    assert attention_groups(0, 5, 3, 0) == [(0, 3, 0, 1), (3, 5, 1, 2)]
+    assert attention_groups(5, 9, 3, 1) == [(0, 1, 0, 1), (1, 4, 1, 2)]
+    # runs of equal length merge into one grouped call: 16/4 over 3 ranks, rank 0 heads 0-5
+    assert attention_groups(0, 6, 4, 0) == [(0, 4, 0, 1), (4, 6, 1, 2)]
+    assert attention_groups(0, 4, 2, 0) == [(0, 4, 0, 2)] and head_ranges(3, 1, 2) == [(0, 2, 0, 1), (2, 3, 0, 1)]
     with pytest.raises(ValueError, match="at most 9"):
         head_split(9, 16)
 

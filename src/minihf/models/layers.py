@@ -72,16 +72,33 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, hd]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        groups = None
         if meta is not None and meta.sp is not None:  # Ulysses: every token, this rank's heads
-            q, k, v = meta.sp.to_heads(q, k, v)
-        gqa = q.shape[1] != k.shape[1]
+            q, k, v, groups = meta.sp.to_heads(q, k, v)
         if kv_cache is not None:
             k, v, mask = kv_cache.update(self.layer_idx, k, v, positions)
             # (two batched matmuls instead: 2x faster attention at batch 128 on CPU, 1.05-1.07x
             # a whole RL generation, but their rounding flipped a greedy near-tie vs
             # transformers: 1/64 rows in bench_generate's 30M row, measured twice)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-        elif meta.cu_seqlens is not None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+        elif groups is not None:  # Ulysses, query heads uneven over the KV heads: a call per group
+            out = torch.cat([self._packed(q[:, a:b], k[:, c:d], v[:, c:d], meta) for a, b, c, d in groups], -1)
+        elif meta.cu_seqlens is not None or meta.segments is not None:
+            out = self._packed(q, k, v, meta)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.mask, is_causal=meta.is_causal,
+                                                 enable_gqa=q.shape[1] != k.shape[1])
+        if out.dim() == 4:                                                       # [B, h, T, hd]
+            out = out.transpose(1, 2).reshape(B, out.shape[2], -1)              # [B, T, h*hd]
+        if meta is not None and meta.sp is not None:  # back to this rank's tokens, every head
+            out = meta.sp.to_tokens(out, self.num_heads)
+        return self.o_proj(out)
+
+    def _packed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
+        """Causal attention within each sequence of a packed row: ``[1, heads, T, hd]`` (k, v:
+        ``kv`` heads, a divisor of ``heads``) -> ``[1, T, heads * hd]``."""
+        gqa = q.shape[1] != k.shape[1]
+        if meta.cu_seqlens is not None:
             q, k, v = (t[0].transpose(0, 1) for t in (q, k, v))                  # [T, h, hd]
             cu_k, max_k = meta.cu_seqlens, meta.max_seqlen
             if meta.kv_gather is not None:  # shared prefixes: each sequence's keys after its prefix's
@@ -89,25 +106,16 @@ class Attention(nn.Module):
                 cu_k, max_k = meta.cu_seqlens_k, meta.max_seqlen_k
             # causal with more keys than queries aligns bottom-right (flash-attn >= 2.1)
             out = flash_attn_varlen_func(q, k, v, meta.cu_seqlens, cu_k, meta.max_seqlen, max_k,
-                                         causal=True).transpose(0, 1)[None]   # [1, heads, T, hd]
-        elif meta.segments is not None:  # packed, no flash-attn: right-padded buckets
-            seg, hd = meta.segments, self.head_dim
-            tok = [t[0].transpose(0, 1) for t in (q, k, v)]                      # [T, h, hd]
-            outs = []
-            for idx, (S, L) in zip(seg.gather, seg.shapes):
-                qs, ks, vs = (t.index_select(0, idx).view(S, L, -1, hd).transpose(1, 2)
-                              for t in tok)                                      # [S, h, L, hd]
-                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)
-                outs.append(o.transpose(1, 2).reshape(S * L, -1))                # [S*L, h*hd]
-            out = torch.cat(outs).index_select(0, seg.back)[None]                # [1, T, h*hd]
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.mask,
-                                                 is_causal=meta.is_causal, enable_gqa=gqa)
-        if out.dim() == 4:                                                       # [B, h, T, hd]
-            out = out.transpose(1, 2).reshape(B, out.shape[2], -1)              # [B, T, h*hd]
-        if meta is not None and meta.sp is not None:  # back to this rank's tokens, every head
-            out = meta.sp.to_tokens(out, self.num_heads)
-        return self.o_proj(out)
+                                         causal=True)                            # [T, h, hd]
+            return out.reshape(1, out.shape[0], -1)
+        seg, hd = meta.segments, self.head_dim  # no flash-attn: right-padded buckets
+        tok = [t[0].transpose(0, 1) for t in (q, k, v)]                          # [T, h, hd]
+        outs = []
+        for idx, (S, L) in zip(seg.gather, seg.shapes):
+            qs, ks, vs = (t.index_select(0, idx).view(S, L, -1, hd).transpose(1, 2) for t in tok)  # [S, h, L, hd]
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)
+            outs.append(o.transpose(1, 2).reshape(S * L, -1))                    # [S*L, h*hd]
+        return torch.cat(outs).index_select(0, seg.back)[None]                  # [1, T, h*hd]
 
 
 class MLP(nn.Module):

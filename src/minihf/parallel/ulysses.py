@@ -6,10 +6,13 @@ row of ``N`` tokens (padded to a multiple of ``s``) is cut into ``s`` contiguous
 rank ``j`` runs the embedding, the norms, the projections and the MLPs on piece ``j`` alone,
 so a block's activations per rank are ``1/s`` of the sequence's. Attention needs every
 token: an all-to-all turns ``[N/s tokens, all heads]`` into ``[N tokens, heads/s]`` before it
-and back after it. Heads are split in contiguous ranges as evenly as the count allows
-(SmolLM2's 9 over 2 ranks: 5 and 4); where the KV heads do not split evenly with the query
-heads, each query head's KV head is sent with it (the keys and values repeated to one per
-query head, as verl repeats them when there are fewer KV heads than ranks).
+and back after it. Query heads are split in contiguous ranges as evenly as the count allows
+(SmolLM2's 9 over 2 ranks: 5 and 4), and each rank receives the KV heads its query heads
+read, no more (SmolLM2's 3 KV heads: 2 to each rank, the middle one to both; verl needs SP
+to divide the query heads, and to divide or be divided by the KV heads, which it repeats).
+Where a rank's query heads do not group evenly over its KV heads (SmolLM2's rank 0: 3 heads
+on the first, 2 on the second), :meth:`SeqParallel.to_heads` says so and attention runs once
+per even group (``minihf.models.layers.Attention``).
 
 The outputs a caller reads (log-probs at response tokens, values) are put back whole on
 every rank by :meth:`SeqParallel.whole`: each rank writes its tokens into a zero tensor and
@@ -37,6 +40,36 @@ def head_split(heads: int, size: int) -> list[int]:
         raise ValueError(f"{size} sequence-parallel ranks but {heads} attention heads: every rank "
                          f"needs at least one head; use at most {heads}")
     return [heads // size + (j < heads % size) for j in range(size)]
+
+
+def head_ranges(heads: int, kv_heads: int, size: int) -> list[tuple[int, int, int, int]]:
+    """Per rank ``(a, b, c, d)``: its query heads ``[a, b)`` (:func:`head_split`) and the KV
+    heads ``[c, d)`` they read (query head ``i`` reads KV head ``i // (heads / kv_heads)``)."""
+    group, out, a = heads // kv_heads, [], 0
+    for n in head_split(heads, size):
+        out.append((a, a + n, a // group, (a + n - 1) // group + 1))
+        a += n
+    return out
+
+
+def attention_groups(a: int, b: int, group: int, c: int) -> list[tuple[int, int, int, int]]:
+    """Query heads ``[a, b)`` reading KV heads from ``c`` on, ``group`` query heads per KV
+    head, cut into calls of grouped-query attention: ``(q_lo, q_hi, kv_lo, kv_hi)`` local to
+    the rank, each with the same number of query heads on each of its KV heads (runs of query
+    heads on one KV head, neighbouring runs of equal length merged)."""
+    runs, i = [], a
+    while i < b:
+        j = min(b, (i // group + 1) * group)
+        runs.append([i - a, j - a, i // group - c, i // group - c + 1])
+        i = j
+    calls = [runs[0]]
+    for r in runs[1:]:
+        last = calls[-1]
+        if r[1] - r[0] == (last[1] - last[0]) // (last[3] - last[2]):
+            last[1], last[3] = r[1], r[3]
+        else:
+            calls.append(r)
+    return [tuple(g) for g in calls]
 
 
 def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
@@ -121,22 +154,29 @@ class SeqParallel:
     # -- heads -----------------------------------------------------------------------------
     def to_heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """``[1, heads, n, hd]`` on each rank (its tokens, every head) -> ``[1, heads_j, N,
-        hd]`` (every token, its heads), for q and for k/v (repeated to one per query head
-        where the KV heads do not split as the query heads do)."""
+        hd]`` (every token, its query heads) for q and ``[1, kv_j, N, hd]`` for k and v (the
+        KV heads those read); and the groups attention runs over (:func:`attention_groups`:
+        None for one call)."""
         h, kv = q.shape[1], k.shape[1]
-        q_split = head_split(h, self.size)
-        if h % self.size or kv % self.size:
-            k, v = (t.repeat_interleave(h // kv, dim=1) for t in (k, v))
-            kv_split = q_split
-        else:
-            kv_split = [kv // self.size] * self.size
-        return (self._gather_tokens(q, q_split), self._gather_tokens(k, kv_split),
-                self._gather_tokens(v, kv_split))
+        ranges = head_ranges(h, kv, self.size)
+        q_ranges = [(a, b) for a, b, _, _ in ranges]
+        kv_ranges = [(c, d) for _, _, c, d in ranges]
+        a, b, c, _ = ranges[self.rank]
+        groups = attention_groups(a, b, h // kv, c)
+        return (self._gather_tokens(q, q_ranges), self._gather_tokens(k, kv_ranges),
+                self._gather_tokens(v, kv_ranges), groups if len(groups) > 1 else None)
 
-    def _gather_tokens(self, x: torch.Tensor, split: list[int]) -> torch.Tensor:
+    def _gather_tokens(self, x: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
+        """Every rank's tokens of the heads ``ranges[rank]`` (heads may go to several ranks)."""
         _, h, n, hd = x.shape
-        mine = split[self.rank]
-        out = _AllToAll.apply(x[0].reshape(h, n * hd), [mine] * self.size, split, self.group)
+        lo, hi = ranges[self.rank]
+        mine = hi - lo
+        flat = x[0].reshape(h, n * hd)
+        partition = ranges[0][0] == 0 and ranges[-1][1] == h and all(
+            ranges[j][1] == ranges[j + 1][0] for j in range(self.size - 1))
+        if not partition:  # a KV head read by two ranks' query heads is sent to both
+            flat = torch.cat([flat[u:w] for u, w in ranges])
+        out = _AllToAll.apply(flat, [mine] * self.size, [w - u for u, w in ranges], self.group)
         # [size * mine, n*hd], source rank major -> [mine, size * n, hd]
         return out.view(self.size, mine, n, hd).transpose(0, 1).reshape(1, mine, self.size * n, hd)
 

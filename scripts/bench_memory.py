@@ -8,9 +8,13 @@ from ``--model`` (the path a checkpoint takes), one sequence of a ``--prompt``-t
 a response of ``length`` tokens (random ids), packed as the actor packs it (padding-free).
 The update is what the actor runs on it: ``forward_log_probs`` (the entropy as a metric), the
 ``vanilla`` PPO clipped loss (advantages 1, old log-probs the detached new ones), the backward
-and AdamW's step. AdamW's state is allocated before the measurement (a zero step), so the
-figure is what the update itself adds: the peak resident memory during it (Linux ``VmHWM``,
-reset through ``/proc/self/clear_refs`` just before) minus the resident memory before it.
+and AdamW's step. AdamW's state and the gradients are allocated before the measurement (a zero
+step, the gradients kept and zeroed, the backward accumulating into them), so the figure is
+what the update's forward and backward add, its activations and temporaries: the peak
+resident memory during it (Linux ``VmHWM``, reset through ``/proc/self/clear_refs`` just
+before) minus the resident memory before it. (Gradients made during the backward would
+count as much of the model as had its gradient at the peak, a share that differs between
+settings; FSDP shards them in any case.)
 Each child runs with ``MALLOC_MMAP_THRESHOLD_=65536``: glibc then maps every block over 64 kB
 on its own and unmaps it when freed, so resident memory follows the bytes in use. With its
 default (adaptive) threshold, freed tensors stay resident and fragment, and the peak reads
@@ -19,8 +23,7 @@ tokens, measured 788 and 582 MB (both; SP=2 + both) by default against 453 and 3
 The settings: nothing; ``actor.logits_chunk_size`` (``--chunk`` tokens, never the whole
 ``[tokens, vocab]`` logits); ``actor.fsdp.activation_checkpointing`` (each block's
 activations recomputed in the backward); both; and on request ``torch.compile``
-(``actor.use_torch_compile``, after an untimed first update that compiles; the grads of
-that update are dropped); ``SP=2`` and ``SP=2 + both`` (Ulysses,
+(``actor.use_torch_compile``, after an untimed first update that compiles); ``SP=2`` and ``SP=2 + both`` (Ulysses,
 ``actor.ulysses_sequence_parallel_size=2``: two gloo ranks started by ``torch.distributed.run``,
 one thread each, each holding the whole model and running half the sequence's tokens; the
 gradients summed over the two as FSDP would, then AdamW; the figure is the larger rank's).
@@ -80,7 +83,7 @@ def child(args) -> dict:
     for p in model.parameters():  # AdamW's state, allocated by a step of zero gradients
         p.grad = torch.zeros_like(p)
     optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=False)  # the gradients stay allocated (the docstring)
     g = torch.Generator().manual_seed(0)
 
     def update(length: int) -> float:
@@ -96,7 +99,7 @@ def child(args) -> dict:
             for p in model.parameters():
                 dist.all_reduce(p.grad)
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=False)
         return float(loss)
 
     if compiled:  # compiling is not timed: a first update of another length (dynamic shapes)

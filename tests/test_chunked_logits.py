@@ -189,8 +189,11 @@ def test_the_planner_counts_one_chunk_of_logits():
     whole = micro_batch_bytes(actor, 1, w, 4, train=True)
     chunked = micro_batch_bytes(replace(actor, logits_chunk=1024), 1, w, 4, train=True)
     tokens = 64 + 4096
-    assert whole - chunked == (tokens - 1024) * 49152 * 12  # the logits' share, and only it
-    assert micro_batch_bytes(replace(actor, logits_chunk=10**6), 1, w, 4, train=True) == whole
+    # the logits' share, and only it: whole, the logits, their log-softmax and gradient (3 fp32
+    # buffers); in chunks, one chunk's logits and exponentials (2; the backward holds 1)
+    assert whole - chunked == tokens * 49152 * 12 - 1024 * 49152 * 8
+    one_chunk = micro_batch_bytes(replace(actor, logits_chunk=10**6), 1, w, 4, train=True)
+    assert whole - one_chunk == tokens * 49152 * 4  # a chunk as long as the response: 2 buffers
 
 
 def test_config_names_a_bad_chunk():

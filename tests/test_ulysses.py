@@ -71,12 +71,12 @@ def rl_batch(prompts, n, p, r, seed=0, vocab=48):
 def test_head_split():
     assert head_split(9, 2) == [5, 4] and head_split(8, 4) == [2, 2, 2, 2] and head_split(3, 3) == [1, 1, 1]
     # SmolLM2: query heads 0-4 read KV heads 0 (0-2) and 1 (3-4); 5-8 read 1 (5) and 2 (6-8)
-    assert head_ranges(9, 3, 2) == [(0, 5, 0, 2), (5, 9, 1, 3)]
-    assert attention_groups(0, 5, 3, 0) == [(0, 3, 0, 1), (3, 5, 1, 2)]
-    assert attention_groups(5, 9, 3, 1) == [(0, 1, 0, 1), (1, 4, 1, 2)]
+    assert head_ranges(9, 3, 2) == ((0, 5, 0, 2), (5, 9, 1, 3))
+    assert attention_groups(0, 5, 3, 0) == ((0, 3, 0, 1), (3, 5, 1, 2))
+    assert attention_groups(5, 9, 3, 1) == ((0, 1, 0, 1), (1, 4, 1, 2))
     # runs of equal length merge into one grouped call: 16/4 over 3 ranks, rank 0 heads 0-5
-    assert attention_groups(0, 6, 4, 0) == [(0, 4, 0, 1), (4, 6, 1, 2)]
-    assert attention_groups(0, 4, 2, 0) == [(0, 4, 0, 2)] and head_ranges(3, 1, 2) == [(0, 2, 0, 1), (2, 3, 0, 1)]
+    assert attention_groups(0, 6, 4, 0) == ((0, 4, 0, 1), (4, 6, 1, 2))
+    assert attention_groups(0, 4, 2, 0) == ((0, 4, 0, 2),) and head_ranges(3, 1, 2) == ((0, 2, 0, 1), (2, 3, 0, 1))
     with pytest.raises(ValueError, match="at most 9"):
         head_split(9, 16)
 

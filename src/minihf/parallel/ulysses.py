@@ -29,6 +29,8 @@ outputs. The driver, dispatch and collect are unchanged.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -42,17 +44,19 @@ def head_split(heads: int, size: int) -> list[int]:
     return [heads // size + (j < heads % size) for j in range(size)]
 
 
-def head_ranges(heads: int, kv_heads: int, size: int) -> list[tuple[int, int, int, int]]:
+@functools.cache  # pure in its ints, asked once per attention layer per forward
+def head_ranges(heads: int, kv_heads: int, size: int) -> tuple[tuple[int, int, int, int], ...]:
     """Per rank ``(a, b, c, d)``: its query heads ``[a, b)`` (:func:`head_split`) and the KV
     heads ``[c, d)`` they read (query head ``i`` reads KV head ``i // (heads / kv_heads)``)."""
     group, out, a = heads // kv_heads, [], 0
     for n in head_split(heads, size):
         out.append((a, a + n, a // group, (a + n - 1) // group + 1))
         a += n
-    return out
+    return tuple(out)
 
 
-def attention_groups(a: int, b: int, group: int, c: int) -> list[tuple[int, int, int, int]]:
+@functools.cache
+def attention_groups(a: int, b: int, group: int, c: int) -> tuple[tuple[int, int, int, int], ...]:
     """Query heads ``[a, b)`` reading KV heads from ``c`` on, ``group`` query heads per KV
     head, cut into calls of grouped-query attention: ``(q_lo, q_hi, kv_lo, kv_hi)`` local to
     the rank, each with the same number of query heads on each of its KV heads (runs of query
@@ -69,7 +73,7 @@ def attention_groups(a: int, b: int, group: int, c: int) -> list[tuple[int, int,
             last[1], last[3] = r[1], r[3]
         else:
             calls.append(r)
-    return [tuple(g) for g in calls]
+    return tuple(tuple(g) for g in calls)
 
 
 def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:

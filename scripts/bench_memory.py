@@ -27,6 +27,12 @@ activations recomputed in the backward); both; and on request ``torch.compile``
 ``actor.ulysses_sequence_parallel_size=2``: two gloo ranks started by ``torch.distributed.run``,
 one thread each, each holding the whole model and running half the sequence's tokens; the
 gradients summed over the two as FSDP would, then AdamW; the figure is the larger rank's).
+
+``--device cuda --dtype bfloat16`` runs the same update on a GPU (the GPU check's rows,
+``scripts/gpu_check.py``): the model, its gradients and AdamW's state in bf16 on the device,
+and the figure read by torch's allocator (``torch.cuda.max_memory_allocated`` above what was
+allocated before the update, its peak reset there) instead of Linux's counters; the SP
+settings there take one GPU per rank (NCCL) and are skipped with fewer GPUs.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ SETTINGS = {"nothing": (False, False, False, 1), "chunked logits": (True, False,
             "SP=2 + both": (True, True, False, 2)}
 DEFAULT_SETTINGS = ["nothing", "chunked logits", "activation checkpointing", "both", "SP=2", "SP=2 + both"]
 MARKERS = ("<!-- bench_memory: begin -->", "<!-- bench_memory: end -->")
+DTYPES = ("float32", "bfloat16")  # torch's names
 
 
 def _status_kb(key: str) -> int:
@@ -53,6 +60,34 @@ def _status_kb(key: str) -> int:
         if line.startswith(key + ":"):
             return int(line.split()[1])
     raise RuntimeError(f"no {key} in /proc/self/status")
+
+
+def memory_meter(device) -> tuple:
+    """``(start, peak_mb)`` for ``device``: ``start()`` resets the peak and returns the
+    baseline, ``peak_mb(base)`` the most in use since, above the baseline, in MB. On the CPU
+    the process's resident memory (``VmRSS``/``VmHWM``, reset through ``clear_refs``); on a
+    GPU torch's allocator, whose counters are exact."""
+    import torch
+
+    if device.type == "cuda":
+        def start() -> int:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            return torch.cuda.memory_allocated(device)
+
+        def peak_mb(base: int) -> float:
+            torch.cuda.synchronize(device)
+            return (torch.cuda.max_memory_allocated(device) - base) / 2**20
+        return start, peak_mb
+
+    def start() -> int:
+        base = _status_kb("VmRSS")
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+        return base
+
+    def peak_mb(base: int) -> float:
+        return (_status_kb("VmHWM") - base) / 1024
+    return start, peak_mb
 
 
 def child(args) -> dict:
@@ -69,12 +104,16 @@ def child(args) -> dict:
     from minihf.workers.optim import OptimConfig, build_optimizer
 
     chunked, checkpointed, compiled, sp_size = SETTINGS[args.setting]
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
     sp = None
     if sp_size > 1:
-        dist.init_process_group("gloo")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         sp = seq_parallel(dist.group.WORLD)
     torch.set_num_threads(max(1, args.threads // sp_size))
-    model = load_hf(args.model).train()
+    model = load_hf(args.model, dtype=getattr(torch, args.dtype), device=device).train()
     if checkpointed:
         enable_activation_checkpointing(model)
     if compiled:
@@ -87,9 +126,9 @@ def child(args) -> dict:
     g = torch.Generator().manual_seed(0)
 
     def update(length: int) -> float:
-        ids = torch.randint(0, model.args.vocab_size, (1, args.prompt + length), generator=g)
+        ids = torch.randint(0, model.args.vocab_size, (1, args.prompt + length), generator=g).to(device)
         mb = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
-              "position_ids": torch.arange(ids.shape[1])[None], "responses": ids[:, args.prompt:]}
+              "position_ids": torch.arange(ids.shape[1], device=device)[None], "responses": ids[:, args.prompt:]}
         out = forward_log_probs(model, mb, calc_entropy=True, entropy_grad=False,
                                 logits_chunk=args.chunk if chunked else None, sp=sp)
         mask = torch.ones_like(out["log_probs"])
@@ -104,14 +143,14 @@ def child(args) -> dict:
 
     if compiled:  # compiling is not timed: a first update of another length (dynamic shapes)
         update(max(1, args.length // 4))
-    base = _status_kb("VmRSS")
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+    start, read_peak = memory_meter(device)
+    base = start()
     t = time.perf_counter()
     loss = update(args.length)
+    peak_mb = read_peak(base)  # on a GPU it waits for the update's kernels first
     seconds = time.perf_counter() - t
-    peak_mb = (_status_kb("VmHWM") - base) / 1024
     if sp is not None:  # the larger rank's figures
-        both = torch.tensor([peak_mb, seconds], dtype=torch.float64)
+        both = torch.tensor([peak_mb, seconds], dtype=torch.float64, device=device)
         dist.all_reduce(both, op=dist.ReduceOp.MAX)
         peak_mb, seconds = both.tolist()
         dist.destroy_process_group()
@@ -120,17 +159,28 @@ def child(args) -> dict:
 
 def run_child(args, length: int, setting: str) -> dict:
     sp = SETTINGS[setting][3]
+    if args.device == "cuda" and sp > 1 and _cuda_count() < sp:
+        return {"error": f"needs {sp} GPUs"}
     launcher = ([sys.executable] if sp == 1 else
                 [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={sp}"])
     cmd = launcher + [__file__, "--child", setting, "--model", args.model, "--lengths", str(length),
-                      "--prompt", str(args.prompt), "--chunk", str(args.chunk), "--threads", str(args.threads)]
+                      "--prompt", str(args.prompt), "--chunk", str(args.chunk), "--threads", str(args.threads),
+                      "--device", args.device, "--dtype", args.dtype]
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}  # resident memory = bytes in use (docstring)
     if sp > 1:
         env["OMP_NUM_THREADS"] = "1"
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
+        if "OutOfMemoryError" in proc.stderr or "CUDA out of memory" in proc.stderr:
+            return {"error": "out of memory"}
         return {"error": (proc.stderr.strip().splitlines() or [f"rc={proc.returncode}"])[-1]}
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _cuda_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def write_docs(args, table: list[str]) -> None:
@@ -158,6 +208,10 @@ def main():
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--chunk", type=int, default=1024, help="actor.logits_chunk_size of the chunked settings")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="cuda: on a GPU, the peak read by torch's allocator (the docstring)")
+    ap.add_argument("--dtype", choices=DTYPES, default="float32",
+                    help="the model's, its gradients' and AdamW's dtype (bfloat16 on a GPU)")
     ap.add_argument("--settings", nargs="+", default=DEFAULT_SETTINGS, choices=list(SETTINGS),
                     help="also: 'torch.compile' (actor.use_torch_compile; its compiling is a first update, untimed)")
     ap.add_argument("--docs", action="store_true", help="write the table into docs/training.md")
@@ -169,8 +223,14 @@ def main():
         if os.environ.get("RANK", "0") == "0":
             print(json.dumps(result))
         return
-    if not Path("/proc/self/clear_refs").exists():
-        sys.exit("bench_memory reads Linux's /proc/self/status and clear_refs; this system has none")
+    if args.device == "cpu" and not Path("/proc/self/clear_refs").exists():
+        sys.exit("bench_memory reads Linux's /proc/self/status and clear_refs on the CPU; this system "
+                 "has none (on a GPU: --device cuda)")
+    if args.device == "cuda" and not _cuda_count():
+        sys.exit("bench_memory --device cuda: torch sees no CUDA GPU here; leave --device out for the CPU")
+    if args.docs and args.device != "cpu":
+        sys.exit("bench_memory --docs writes the CPU table of docs/training.md; the GPU rows come from "
+                 "scripts/gpu_check.py's report")
     table = ["| response tokens | " + " | ".join(args.settings) + " |", "|---" * (len(args.settings) + 1) + "|"]
     for length in args.lengths:
         cells = []

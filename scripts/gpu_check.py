@@ -18,14 +18,22 @@ after each (a check cut short by the machine's time limit still leaves what it f
 3. ``pytest -m gpu`` (``tests/test_gpu.py``: engine vs trainer log-probs in fp32 and bf16,
    SDPA flash vs math, packed vs padded, FSDP2 on NCCL, the in-place reshard gather, optimizer
    offload during generation) with its printed figures, within ``--tests-limit`` seconds;
-4. the main job on the GPU, one process (``scripts/train_ppo.py``): validation before and
+4. the memory of one actor update on the 0.5B shapes in bf16 at 4k, 16k and 32k response
+   tokens, with nothing, chunked logits, activation checkpointing and both
+   (``scripts/bench_memory.py --device cuda``: a process per row, torch's allocator's peak),
+   within ``--memory-limit`` seconds;
+5. the main job on the GPU, one process (``scripts/train_ppo.py``): validation before and
    after, wall time, within ``--main-job-limit`` seconds, and its step 100 under
    torch.profiler (``trainer.profile_steps``): the ops that take its time.
 
 The quickest section runs first, so that a window cut short still reports figures.
+``--sections`` picks some of 2-5 (the machine is always reported): a window whose calls are
+limited to 10 minutes runs ``gpu_check.sh OUT1 --sections bench tests`` and then
+``gpu_check.sh OUT2 --sections memory main-job``.
 
-``--dry-run`` runs sections 1 and 2 on the CPU with a tiny model in fp32, collects the GPU
-tests without running them and shows the main job's command without running it.
+``--dry-run`` runs sections 1, 2 and 4 on the CPU with a tiny model in fp32 (4 at one length,
+two settings, its peak read from Linux's counters), collects the GPU tests without running
+them and shows the main job's command without running it.
 """
 
 from __future__ import annotations
@@ -49,6 +57,9 @@ QWEN05 = dict(arch="qwen2", vocab_size=151936, hidden_size=896, num_hidden_layer
               intermediate_size=4864, attention_bias=True, tie_word_embeddings=True,
               max_position_embeddings=4096, rope_theta=1e6)
 PROFILED_STEP, PROFILE_ROWS = 100, 33  # the main job's step profiled; the table's lines in the report
+MEMORY_LENGTHS = (4096, 16384, 32768)  # response tokens; the settings below (one GPU: no SP rows)
+MEMORY_SETTINGS = ("nothing", "chunked logits", "activation checkpointing", "both")
+SECTIONS = ("bench", "tests", "memory", "main-job")
 TINY = dict(arch="qwen2", vocab_size=512, hidden_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
             attention_bias=True, tie_word_embeddings=True, max_position_embeddings=512)
@@ -164,6 +175,36 @@ def main_job(dry: bool, out: Path, limit_s: int) -> list[str]:
                   "ops by their own GPU time, the first rows; the Chrome trace stays on the machine):",
                   "", "```", *table.read_text().splitlines()[:PROFILE_ROWS], "```"]
     return lines
+
+
+def memory(device: torch.device, dry: bool, out: Path, limit_s: int) -> list[str]:
+    """One actor update's peak memory and time by response length and setting on the 0.5B
+    shapes in bf16 (Qwen2.5-0.5B's 32k context): ``scripts/bench_memory.py --device cuda`` on
+    the model saved as a checkpoint, a process per cell. The rows it printed stand if the
+    limit stops it."""
+    import tempfile
+
+    from minihf.models import ModelArgs, build_model, init_weights, save_hf
+
+    dtype = torch.float32 if dry else torch.bfloat16
+    shapes = TINY if dry else dict(QWEN05, max_position_embeddings=32768)
+    with tempfile.TemporaryDirectory() as tmp:  # not in OUTDIR: the report's folder travels back
+        with torch.device("cpu"):
+            save_hf(init_weights(build_model(ModelArgs(**shapes), "lm"), seed=0).to(dtype), tmp)
+        cmd = [sys.executable, str(ROOT / "scripts" / "bench_memory.py"), "--model", tmp, "--device", device.type,
+               "--dtype", str(dtype).removeprefix("torch."), "--chunk", "64" if dry else "1024",
+               "--lengths", *(["256"] if dry else map(str, MEMORY_LENGTHS)),
+               "--settings", *(("nothing", "both") if dry else MEMORY_SETTINGS)] + (["--threads", "1"] if dry else [])
+        rc, text = run_logged(cmd, ROOT, out / "bench_memory.log", limit_s, "--memory-limit")
+        cmd[3] = "MODEL"
+    rows = [line for line in text.splitlines() if " tokens  " in line]  # printed as each cell ends
+    if not rows:
+        raise RuntimeError(f"bench_memory exited {rc} with no row (log: bench_memory.log):\n{text[-2000:]}")
+    table = [line for line in text.splitlines() if line.startswith("|")]
+    return [f"`bench_memory.py {' '.join(cmd[2:])}` (exit {rc}; log: bench_memory.log): one update (forward, "
+            f"backward, AdamW) on one response, {dtype}; a peak is what the update adds to the parameters, "
+            "their gradients and AdamW's state:", "",
+            *(table if rc == 0 else ["```", *rows, "```"])]
 
 
 def peaks(device: torch.device, dtype: torch.dtype, dry: bool) -> dict[str, float]:
@@ -318,8 +359,11 @@ def main() -> None:
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny model, seconds")
     p.add_argument("--tests-limit", type=int, default=150, help="seconds for pytest -m gpu (71 s on an H200)")
     p.add_argument("--main-job-limit", type=int, default=360, help="seconds for the main job (it took 296 s on an H200)")
+    p.add_argument("--memory-limit", type=int, default=240, help="seconds for the memory rows (12 processes)")
+    p.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
+                   help="which sections run (the machine is always reported)")
     args = p.parse_args()
-    for name in ("tests_limit", "main_job_limit"):
+    for name in ("tests_limit", "main_job_limit", "memory_limit"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1 (seconds), got {getattr(args, name)}")
     out = Path(args.out).resolve()
@@ -329,11 +373,16 @@ def main() -> None:
     device = torch.device("cpu" if args.dry_run else "cuda")
     report = Report(out / "gpu_check.md", "minihf GPU check" + (" (dry run, CPU)" if args.dry_run else ""))
     report.section("Machine", lambda: machine(device))
-    # the quickest first: a window cut short by the machine's limit keeps what ran
-    report.section("A 0.5B model in bf16: prefill, training, decode against their bounds",
-                   lambda: benchmark(device, args.dry_run))
-    report.section("GPU tests (pytest -m gpu)", lambda: gpu_tests(args.dry_run, out, args.tests_limit))
-    report.section("The main job on one GPU", lambda: main_job(args.dry_run, out, args.main_job_limit))
+    sections = {  # the quickest first: a window cut short by the machine's limit keeps what ran
+        "bench": ("A 0.5B model in bf16: prefill, training, decode against their bounds",
+                  lambda: benchmark(device, args.dry_run)),
+        "tests": ("GPU tests (pytest -m gpu)", lambda: gpu_tests(args.dry_run, out, args.tests_limit)),
+        "memory": ("Memory of one actor update by response length (0.5B, bf16)",
+                   lambda: memory(device, args.dry_run, out, args.memory_limit)),
+        "main-job": ("The main job on one GPU", lambda: main_job(args.dry_run, out, args.main_job_limit))}
+    for name in SECTIONS:
+        if name in args.sections:
+            report.section(*sections[name])
     print(f"[gpu_check] wrote {report.path} ({report.failures} section(s) failed)")
     sys.exit(1 if report.failures else 0)
 

@@ -31,3 +31,27 @@ def test_one_update_per_setting(tmp_path):
     peaks = [float(line.split()[-4]) for line in rows]  # "... <peak> MB, <s> s"
     assert all(p > 0 for p in peaks) and peaks[1] < peaks[0] and peaks[2] < peaks[0], rows
     assert out.stdout.splitlines()[-1].startswith("| 2048 | ")
+
+
+def test_the_gpu_rows_refuse_what_the_machine_lacks(tmp_path, monkeypatch):
+    """``--device cuda`` (the GPU check's rows) on a machine without a GPU is one line naming
+    the fix; on a GPU machine an SP setting with fewer GPUs than ranks is a cell that says so
+    (NCCL takes one GPU per rank), and no process starts."""
+    import argparse
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_memory.py"), "--model", str(tmp_path),
+                          "--device", "cuda", "--dtype", "bfloat16"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "--device cuda: torch sees no CUDA GPU here" in out.stderr, out.stderr
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import bench_memory
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    monkeypatch.setattr(bench_memory, "_cuda_count", lambda: 1)
+    monkeypatch.setattr(bench_memory.subprocess, "run", lambda *a, **k: pytest.fail("a child started"))
+    args = argparse.Namespace(device="cuda")
+    assert bench_memory.run_child(args, 1024, "SP=2 + both") == {"error": "needs 2 GPUs"}

@@ -2,6 +2,7 @@
 section runs (the GPU tests collected, the main job's command shown, the benchmark on a tiny
 fp32 model) and the report says each one is ok; its limits keep a run cut short readable."""
 
+import re
 import subprocess
 from pathlib import Path
 
@@ -14,9 +15,11 @@ def test_gpu_check_dry_run(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = (tmp_path / "gpu_check.md").read_text()
     for section in ("## Machine", "## GPU tests (pytest -m gpu)", "## The main job on one GPU",
-                    "## A 0.5B model in bf16"):
+                    "## A 0.5B model in bf16", "## Memory of one actor update"):
         assert section in report, report
-    assert report.count("(ok, ") == 4 and "FAILED" not in report, report
+    assert report.count("(ok, ") == 5 and "FAILED" not in report, report
+    row = next(line for line in report.splitlines() if line.startswith("| 256 | "))  # bench_memory's table
+    assert re.fullmatch(r"\| 256 \| [0-9.]+ MB, [0-9.]+ s \| [0-9.]+ MB, [0-9.]+ s \|", row), row
     assert "7 tests collected" in report, report          # tests/test_gpu.py imports and collects
     for phase in ("prefill (forward)", "training (forward + backward)", "| 1 | minihf eager |", "| 1 | minihf fast |",
                   "| 4 | minihf eager |", "| 4 | minihf fast |", "| 4 | transformers static+compile |"):
@@ -58,7 +61,7 @@ def test_a_command_stopped_at_its_limit_keeps_what_it_printed(tmp_path):
 def test_gpu_check_refuses_a_limit_below_one_second(tmp_path):
     import sys
 
-    for option in ("--tests-limit", "--main-job-limit"):
+    for option in ("--tests-limit", "--main-job-limit", "--memory-limit"):
         proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--dry-run",
                                option, "0", str(tmp_path)], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2 and f"{option} must be >= 1 (seconds), got 0" in proc.stderr, proc.stderr
@@ -88,3 +91,14 @@ def test_the_main_job_section_reports_score_phases_and_the_profiled_step(tmp_pat
     text = "\n".join(lines)
     assert "validation score 0.3760 -> 0.9167" in text and "wall time 270.7s; by phase: x" in text, text
     assert f"row {gpu_check.PROFILE_ROWS - 1}" in text and f"row {gpu_check.PROFILE_ROWS}\n" not in text, text
+
+
+def test_gpu_check_runs_the_sections_asked(tmp_path):
+    """A window whose calls are limited runs the check in parts (``--sections``): the machine
+    and the sections named, in the usual order, and nothing else."""
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run", str(tmp_path), "--sections",
+                           "main-job", "tests"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = (tmp_path / "gpu_check.md").read_text()
+    heads = [line for line in report.splitlines() if line.startswith("## ")]
+    assert heads == ["## Machine", "## GPU tests (pytest -m gpu)", "## The main job on one GPU"], heads

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from minihf.cli import app
 from minihf.planner import DeviceProfile, Group, Plan, estimate, model_shape, plan_overrides, search
-from minihf.planner.cost import (forward_seconds, generation_seconds, micro_batch_bytes, resident_bytes,
+from minihf.planner.cost import (forward_seconds, generation_seconds, micro_batch_bytes, resident_bytes, sp_bytes,
                                  update_seconds)
 from minihf.planner.job import Role, Workload
 from minihf.planner.search import compositions, describe, groupings, set_partitions, tp_options
@@ -105,13 +105,22 @@ def test_forward_update_and_generation_formulas_by_hand():
 def test_sequence_parallel_memory_and_time_by_hand():
     m = _Shape(params=1000, layers=2, hidden=10, kv_dim=4, vocab=50, ffn=20)
     # Ulysses over the 2 ranks: one SP group runs all 8 micro-batches (8 rows / (2 / 2) / 1), each
-    # gathering 1000*2/2 bytes / 1e10 + 1e-8 s and sending 4 x 2 layers x (16/2 tokens x 10 x 2 bytes)
-    # x (1/2) = 640 bytes / 1e10 of all-to-alls: 8 x (1e-7 + 1e-8 + 6.4e-8) = 1.392e-6 s
-    assert forward_seconds(m, 128, 8, 1, 2, 1e10, PROFILE, sp=2) == pytest.approx(1.392e-6)
-    # the update: 8 micro-batches x (4e-7 + 9e-8 + 2 x 6.4e-8 forward and backward) = 4.944e-6 per
-    # epoch (more than the compute 3.84e-7), + 2 AdamW steps of 1.6e-7
+    # gathering 1000*2/2 bytes / 1e10 + 1e-8 s and sending all-to-alls: 4 query heads of 2 dims over
+    # 2 KV heads; rank 0 holds query heads 0-1 (KV head 0), rank 1 heads 2-3 (KV head 1); each
+    # sends the other its tokens' 2 query heads and 1 KV head's k and v, then gets back its 2
+    # heads' output for the other's tokens: (2 + 2 x 1 + 2) heads x 2 dims x 16/2 tokens x 2 layers
+    # x 2 bytes = 384 bytes / 1e10: 8 x (1e-7 + 1e-8 + 3.84e-8) = 1.1872e-6 s
+    assert forward_seconds(m, 128, 8, 1, 2, 1e10, PROFILE, sp=2) == pytest.approx(1.1872e-6)
+    # the update: 8 micro-batches x (4e-7 + 9e-8 + 2 x 3.84e-8 forward and backward) = 4.5344e-6
+    # per epoch (more than the compute 3.84e-7), + 2 AdamW steps of 1.6e-7
     role = Role("actor", m, True, epochs=2, mini_batch=4, sp=2)
-    assert update_seconds(role, 1, work([role]), 2, 1e10, PROFILE) == pytest.approx(2 * (4.944e-6 + 2 * 1.6e-7))
+    assert update_seconds(role, 1, work([role]), 2, 1e10, PROFILE) == pytest.approx(2 * (4.5344e-6 + 2 * 1.6e-7))
+    # SmolLM2's 9 query heads over 3 KV heads at SP=2: ranks of 5 (KV 0-1) and 4 (KV 1-2) query
+    # heads; either sends 13 heads a token per layer (5 + 2 x 2 + 4), not the 18 = 4 x 9 / 2 that
+    # KV heads as many as the query heads would cost
+    smol = _Shape(params=1000, layers=1, hidden=576, kv_dim=3 * 64, vocab=50, ffn=20)
+    smol.heads, smol.kv_heads = 9, 3
+    assert sp_bytes(smol, 10, 1, 1, 2, 4) == pytest.approx(13 * 64 * 5 * 4)
     # memory: a rank holds half a micro-batch's 16 tokens: activations 8 x 2 layers x 2 x (8*10 + 3*20)
     # bytes and the logits 8 x 50 x 12, beside two gathered units (the largest block) and fp32 grads
     one, two = (micro_batch_bytes(Role("actor", m, True, sp=s), 1, work([role]), 2, True) for s in (1, 2))

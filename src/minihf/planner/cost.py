@@ -54,8 +54,10 @@ unit and logits.
 Ulysses sequence parallelism (a role's ``ulysses_sequence_parallel_size`` ``s``): a rank
 holds ``1/s`` of a micro-batch's tokens, so its activations and logits are ``1/s``; it takes
 part in ``s`` times as many micro-batches (each gathering the FSDP units) and sends, per
-layer and micro-batch, ``4 (s-1)/s`` of its tokens' hidden states through all-to-alls (q,
-k, v, the attention output) in each forward and backward. Compute is unchanged.
+layer and micro-batch, its tokens' query heads and the KV heads the other ranks read, and the
+other ranks' tokens of its heads' attention output, through all-to-alls in each forward and
+backward (``4 (s-1)/s`` of the hidden size per token with as many KV heads as query heads;
+less with grouped-query attention). Compute is unchanged.
 """
 
 from __future__ import annotations
@@ -109,12 +111,22 @@ def units(role: Role) -> int:
 
 
 def sp_bytes(model: ModelShape, tokens: int, rows: int, micro: int, sp: int, b: float) -> float:
-    """Bytes one rank sends in a forward's all-to-alls over a micro-batch (Ulysses, ``sp``
-    ranks): q, k, v and the attention output of its tokens, all but a 1/sp share, per layer."""
+    """Bytes a rank sends in a forward's all-to-alls over a micro-batch (Ulysses, ``sp``
+    ranks), the rank that sends the most: per layer, its tokens' query heads and the KV heads
+    each other rank reads (:func:`minihf.parallel.ulysses.head_ranges`; a KV head may go to
+    two ranks), then the other ranks' tokens of its own heads' attention output."""
     if sp == 1:
         return 0.0
+    from minihf.parallel.ulysses import head_ranges
+
+    ranges = head_ranges(model.heads, model.kv_heads, sp)
+
+    def heads_sent(me: int) -> int:
+        others = sum((b1 - a1) + 2 * (d1 - c1) for j, (a1, b1, c1, d1) in enumerate(ranges) if j != me)
+        return others + (sp - 1) * (ranges[me][1] - ranges[me][0])
     per_rank = tokens / rows * micro / sp
-    return 4 * model.layers * per_rank * model.hidden * b * (sp - 1) / sp
+    head_dim = model.kv_dim // model.kv_heads
+    return model.layers * per_rank * head_dim * b * max(heads_sent(j) for j in range(sp))
 
 
 def forward_seconds(model: ModelShape, tokens: int, rows: int, micro: int, g: int, link: float,

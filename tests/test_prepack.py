@@ -3,9 +3,8 @@ fast path: which calls take them, that they never go stale, and the engine's out
 them against the eager path's.
 
 The thresholds (``PACK_MIN_NUMEL``) keep the tiny test models' weights on MKL, so these tests
-lower them to 0, and take the packed op as faster (``pack_pays``, timed per CPU, stubbed True):
-the same code then runs every decode linear of >= 2 rows through oneDNN's packed weights, the
-path SmolLM2-sized models take where packing pays.
+lower them to 0: the same code then runs every decode linear of >= 2 rows through oneDNN's
+packed weights, the path SmolLM2-sized models take by default.
 """
 
 import pytest
@@ -25,7 +24,6 @@ pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason
 @pytest.fixture
 def pack_all(monkeypatch):
     monkeypatch.setattr(lin, "PACK_MIN_NUMEL", 0)
-    monkeypatch.setattr(lin, "pack_pays", lambda *shape_stride_rows_threads: True)
 
 
 @pytest.fixture(scope="module")
@@ -77,52 +75,9 @@ def test_which_calls_take_the_packed_weight(monkeypatch, pack_all):
         lin.linear(x.requires_grad_(), w, b)                 # autograd: the training path
     assert len(calls) == 1
     monkeypatch.setattr(lin, "PACK_ONE_ROW_NUMEL", w.numel())  # one row through a weight this large
-    packed.refresh()
-    assert packed.packs == 1  # the copy kept, its one-row use now on
     with torch.no_grad(), packed:
         _close(lin.linear(x[0, :1], w, b), x[0, :1], w, b)
     assert len(calls) == 2
-
-
-def test_a_weight_is_packed_where_the_packed_op_measures_faster(monkeypatch):
-    """Which kernel wins depends on the CPU (MKL's AVX-512 path on Intel ties oneDNN's
-    packed one), so ``pack_pays`` times both per weight shape: packed only at most
-    PACK_MARGIN of MKL's time. A weight that pays at no row count is not packed, and its
-    calls stay F.linear's; one that pays at many rows and not at one is used at many only."""
-    monkeypatch.setattr(lin, "PACK_MIN_NUMEL", 0)
-    real, seen = lin.best_times, []
-
-    def timed(times):
-        def best_times(shape, stride, rows):
-            seen.append((shape, stride, rows))
-            return times[rows]
-        return best_times
-    lin.pack_pays.cache_clear()
-    try:
-        monkeypatch.setattr(lin, "best_times", timed({16: (1.0, 0.95), 1: (1.0, 0.5)}))  # a near tie
-        model = torch.nn.Sequential(lin.Linear(16, 8, bias=False))
-        packed = lin.PackedWeights(model)
-        packed.refresh()
-        assert packed.table == {} and packed.packs == 0 and seen == [((8, 16), (16, 1), 16)]
-        packed.refresh()
-        assert len(seen) == 1  # measured once per shape, layout and thread count
-        calls = _counting(monkeypatch)
-        with torch.no_grad(), packed:
-            model(torch.randn(4, 16))
-        assert calls == []
-        lin.pack_pays.cache_clear()
-        monkeypatch.setattr(lin, "best_times", timed({16: (1.0, 0.9), 1: (1.0, 0.95)}))
-        monkeypatch.setattr(lin, "PACK_ONE_ROW_NUMEL", 0)
-        packed.refresh()
-        assert packed.packs == 1 and packed.table[id(model[0].weight)][4:] == (True, False)
-        with torch.no_grad(), packed:
-            model(torch.randn(4, 16))
-            model(torch.randn(1, 16))
-        assert len(calls) == 1
-    finally:
-        lin.pack_pays.cache_clear()
-    mkl, onednn = real((64, 32), (1, 64), 4)  # the real timing: both kernels run
-    assert mkl > 0 and onednn > 0
 
 
 def test_refresh_repacks_only_what_changed(pack_all):

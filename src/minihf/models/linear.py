@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import functools
 import platform
-import time
 from pathlib import Path
 
 import torch
@@ -157,45 +156,12 @@ class Linear(nn.Linear):
 # except through a very large weight (the LM head: 9130 / 7406 us; 14503 us tied, i.e.
 # row-major), hence the thresholds. The layout is chosen for PACK_ROWS rows and serves any
 # row count (measured 8-64 rows within noise of a layout chosen for that count).
-# Which kernel wins depends on the CPU: on an Intel Xeon (MKL's own AVX-512 path) SmolLM2's
-# decode step took 62.6 ms on MKL and 63.4 ms packed at 16 rows, 138 and 149 ms at 64. So
-# a weight shape is packed only where :func:`pack_pays` measures it faster on this CPU.
 PACK_MIN_NUMEL = 1 << 19
 PACK_MIN_ROWS = 2
 PACK_ONE_ROW_NUMEL = 1 << 23
 PACK_ROWS = 16
-PACK_TRIALS = 5     # timed calls of each kernel in pack_pays; the fastest of each compared
-PACK_MARGIN = 0.9   # the packed kernel must take at most this share of MKL's time
 
 _active: PackedWeights | None = None  # the table `linear` reads, while one is entered
-
-
-def best_times(shape: tuple[int, int], stride: tuple[int, int], rows: int) -> tuple[float, float]:
-    """Seconds of ``F.linear`` (MKL) and of the packed oneDNN op for ``rows`` rows through a
-    random fp32 weight of ``shape`` and ``stride`` (the model's layout), the fastest of
-    :data:`PACK_TRIALS` calls each, alternated (the first oneDNN call compiles its kernel)."""
-    g = torch.Generator().manual_seed(0)
-    w = torch.empty_strided(shape, stride).copy_(torch.randn(shape, generator=g))
-    x = torch.randn(rows, shape[1], generator=g)
-    packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), PACK_ROWS)
-    best = [float("inf"), float("inf")]
-    with torch.no_grad():
-        for _ in range(PACK_TRIALS):
-            for i, run in enumerate((lambda: F.linear(x, w), lambda: _onednn_mm_t(x, packed))):
-                t = time.perf_counter()
-                run()
-                best[i] = min(best[i], time.perf_counter() - t)
-    return best[0], best[1]
-
-
-@functools.cache
-def pack_pays(shape: tuple[int, int], stride: tuple[int, int], rows: int, threads: int) -> bool:
-    """Whether a weight of ``shape`` and ``stride`` should be packed for ``rows``-row decode
-    calls on this CPU at ``threads`` threads: the packed op in at most :data:`PACK_MARGIN` of
-    MKL's time (:func:`best_times`; a near tie keeps MKL and saves the copy's memory). Timed
-    once per process and shape: SmolLM2's four shapes take ~0.1 s in all, its LM head most."""
-    mkl, packed = best_times(shape, stride, rows)
-    return packed <= PACK_MARGIN * mkl
 
 
 class PackedWeights:
@@ -206,15 +172,12 @@ class PackedWeights:
     (its storage or version counter moved: a weight load, a wake-up), so the copies never
     go stale; ``with packed:`` makes :func:`linear` use them for inputs of at least
     :data:`PACK_MIN_ROWS` rows, or of one row through a weight of at least
-    :data:`PACK_ONE_ROW_NUMEL` elements, each where :func:`pack_pays` (at
-    :data:`PACK_ROWS` rows, or one) finds the packed op faster on this CPU; a weight it finds
-    faster for neither is not packed. The copies cost the packed weights' bytes again while
-    they are held; :meth:`clear` drops them."""
+    :data:`PACK_ONE_ROW_NUMEL` elements. The copies cost the packed weights' bytes again
+    while they are held; :meth:`clear` drops them."""
 
     def __init__(self, model: nn.Module):
         self.model = model
-        # id -> (w, ptr, version, packed, used at >= PACK_MIN_ROWS rows, used at one row)
-        self.table: dict[int, tuple[torch.Tensor, int, int, torch.Tensor, bool, bool]] = {}
+        self.table: dict[int, tuple[torch.Tensor, int, int, torch.Tensor]] = {}  # id -> (w, ptr, version, packed)
         self.packs = 0  # weights packed so far (tests read it)
 
     @staticmethod
@@ -230,18 +193,12 @@ class PackedWeights:
                 w = getattr(module, "weight", None)
                 if isinstance(module, nn.Embedding) or not (isinstance(w, torch.Tensor) and self.packable(w)):
                     continue
-                layout = (tuple(w.shape), w.stride(), torch.get_num_threads())
-                many = pack_pays(layout[0], layout[1], PACK_ROWS, layout[2])
-                one = w.numel() >= PACK_ONE_ROW_NUMEL and pack_pays(layout[0], layout[1], 1, layout[2])
-                if not (many or one):
-                    continue
                 old = self.table.get(id(w))
                 key = (w.data_ptr(), w._version)
                 if old is not None and old[0] is w and old[1:3] == key:
-                    table[id(w)] = (*old[:4], many, one)  # the copy kept; the uses as measured now
+                    table[id(w)] = old
                 else:
-                    copy = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), PACK_ROWS)
-                    table[id(w)] = (w, *key, copy, many, one)
+                    table[id(w)] = (w, *key, torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), PACK_ROWS))
                     self.packs += 1
         self.table = table
 
@@ -252,7 +209,7 @@ class PackedWeights:
         entry = self.table.get(id(weight))
         if entry is None or entry[0] is not weight or rows < 1:
             return None
-        return entry[3] if (entry[4] if rows >= PACK_MIN_ROWS else entry[5]) else None
+        return entry[3] if rows >= PACK_MIN_ROWS or weight.numel() >= PACK_ONE_ROW_NUMEL else None
 
     def __enter__(self) -> PackedWeights:
         global _active

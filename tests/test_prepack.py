@@ -3,8 +3,9 @@ fast path: which calls take them, that they never go stale, and the engine's out
 them against the eager path's.
 
 The thresholds (``PACK_MIN_NUMEL``) keep the tiny test models' weights on MKL, so these tests
-lower them to 0: the same code then runs every decode linear of >= 2 rows through oneDNN's
-packed weights, the path SmolLM2-sized models take by default.
+lower them to 0 and pack on any CPU (``use_prepack``: AMD's only by default): the same code
+then runs every decode linear of >= 2 rows through oneDNN's packed weights, the path
+SmolLM2-sized models take by default on AMD CPUs.
 """
 
 import pytest
@@ -24,6 +25,7 @@ pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason
 @pytest.fixture
 def pack_all(monkeypatch):
     monkeypatch.setattr(lin, "PACK_MIN_NUMEL", 0)
+    monkeypatch.setattr(lin, "use_prepack", lambda: True)
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +80,21 @@ def test_which_calls_take_the_packed_weight(monkeypatch, pack_all):
     with torch.no_grad(), packed:
         _close(lin.linear(x[0, :1], w, b), x[0, :1], w, b)
     assert len(calls) == 2
+
+
+def test_only_amd_cpus_pack(monkeypatch):
+    """Packing pays on AMD CPUs (MKL's generic kernels there) and not on Intel's (MKL's AVX-512
+    kernels tie oneDNN's packed ones): decided by the CPU's vendor, the same in every process
+    of a job and its resume. Where it does not pay no weight is packed, however large."""
+    assert lin.prepack_preferred("AuthenticAMD")
+    assert not lin.prepack_preferred("GenuineIntel") and not lin.prepack_preferred("")
+    monkeypatch.setattr(lin, "PACK_MIN_NUMEL", 0)
+    model = torch.nn.Sequential(lin.Linear(16, 8))
+    for pays in (False, True):
+        monkeypatch.setattr(lin, "use_prepack", lambda: pays)
+        packed = lin.PackedWeights(model)
+        packed.refresh()
+        assert packed.packs == int(pays) and len(packed.table) == int(pays)
 
 
 def test_refresh_repacks_only_what_changed(pack_all):

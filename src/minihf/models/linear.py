@@ -156,12 +156,31 @@ class Linear(nn.Linear):
 # except through a very large weight (the LM head: 9130 / 7406 us; 14503 us tied, i.e.
 # row-major), hence the thresholds. The layout is chosen for PACK_ROWS rows and serves any
 # row count (measured 8-64 rows within noise of a layout chosen for that count).
+# Intel CPUs gain nothing (:func:`prepack_preferred`), so only AMD CPUs pack.
 PACK_MIN_NUMEL = 1 << 19
 PACK_MIN_ROWS = 2
 PACK_ONE_ROW_NUMEL = 1 << 23
 PACK_ROWS = 16
 
 _active: PackedWeights | None = None  # the table `linear` reads, while one is entered
+
+
+def prepack_preferred(vendor: str) -> bool:
+    """Whether the decode's large fp32 weights are worth packing for oneDNN on a CPU of
+    ``vendor``: on AMD's, where MKL runs generic kernels (SmolLM2's decode step 1.59x faster
+    at 16 rows on a Zen 2 EPYC), not on Intel's, where MKL's own AVX-512 kernels tie the packed
+    ones and the copies would cost the weights' memory again (an Intel Xeon, SmolLM2, ms a step
+    at 1 / 16 / 64 rows: 29.9 / 62.6 / 138.2 on MKL, 31.0 / 63.4 / 149.1 packed); nor on other
+    CPUs, where it was never measured. Decided by the CPU's name, not by timing the kernels at
+    start-up: a timed choice could differ between the processes of a job, or between a run and
+    its resume, and with it the rounding of every log-prob (resume is bitwise)."""
+    return vendor == "AuthenticAMD"
+
+
+@functools.cache
+def use_prepack() -> bool:
+    """:func:`prepack_preferred` for this machine's CPU (``/proc/cpuinfo``)."""
+    return prepack_preferred(cpu_fields().get("vendor_id", ""))
 
 
 class PackedWeights:
@@ -173,7 +192,8 @@ class PackedWeights:
     go stale; ``with packed:`` makes :func:`linear` use them for inputs of at least
     :data:`PACK_MIN_ROWS` rows, or of one row through a weight of at least
     :data:`PACK_ONE_ROW_NUMEL` elements. The copies cost the packed weights' bytes again
-    while they are held; :meth:`clear` drops them."""
+    while they are held; :meth:`clear` drops them. Only on CPUs where packing pays
+    (:func:`use_prepack`); elsewhere nothing is packed and every call is F.linear's."""
 
     def __init__(self, model: nn.Module):
         self.model = model
@@ -184,7 +204,7 @@ class PackedWeights:
     def packable(weight: torch.Tensor) -> bool:
         return (type(weight) in (torch.Tensor, nn.Parameter) and weight.device.type == "cpu"
                 and weight.dtype == torch.float32 and weight.dim() == 2
-                and weight.numel() >= PACK_MIN_NUMEL and torch.backends.mkldnn.is_available())
+                and weight.numel() >= PACK_MIN_NUMEL and torch.backends.mkldnn.is_available() and use_prepack())
 
     def refresh(self) -> None:
         table = {}

@@ -16,9 +16,9 @@ length, captured on first use and replayed; ``enforce_eager=True``, and on CPU, 
 eager step over exactly the rows and cache prefix at hand (on CPU the static step computes
 the bucket's padding for nothing, with no launches to save: docs/models.md#generation).
 On CPU ``enforce_eager=False`` runs that eager step with the large weights prepacked for
-oneDNN where they measure faster on the CPU (``minihf.models.linear.PackedWeights``: SmolLM2's
-decode ~1.7x faster at 16 rows on a Zen 2 EPYC; on an Intel Xeon MKL ties them, and nothing is
-packed).
+oneDNN on AMD CPUs (``minihf.models.linear.PackedWeights``: SmolLM2's decode ~1.7x faster at
+16 rows on a Zen 2 EPYC; on an Intel Xeon MKL ties the packed kernels, so Intel CPUs pack
+nothing).
 Not done yet: flash-attn's KV-cache kernel (the decode runs SDPA with a mask).
 
 The KV cache is allocated lazily, sized to the work at hand (``min(max_num_seqs, #sequences)``

@@ -31,8 +31,9 @@ gradients summed over the two as FSDP would, then AdamW; the figure is the large
 ``--device cuda --dtype bfloat16`` runs the same update on a GPU (the GPU check's rows,
 ``scripts/gpu_check.py``): the model, its gradients and AdamW's state in bf16 on the device,
 and the figure read by torch's allocator (``torch.cuda.max_memory_allocated`` above what was
-allocated before the update, its peak reset there) instead of Linux's counters; the SP
-settings there take one GPU per rank (NCCL) and are skipped with fewer GPUs.
+allocated before the update, its peak reset there) instead of Linux's counters, after a
+short untimed update (CUDA's start-up); the SP settings there take one GPU per rank (NCCL) and
+are skipped with fewer GPUs.
 """
 
 from __future__ import annotations
@@ -143,6 +144,8 @@ def child(args) -> dict:
 
     if compiled:  # compiling is not timed: a first update of another length (dynamic shapes)
         update(max(1, args.length // 4))
+    elif device.type == "cuda":  # nor CUDA's start-up (cuBLAS's handles, kernel choices): a short update
+        update(min(args.length, 256))
     start, read_peak = memory_meter(device)
     base = start()
     t = time.perf_counter()

@@ -28,8 +28,9 @@ after each (a check cut short by the machine's time limit still leaves what it f
 
 The quickest section runs first, so that a window cut short still reports figures.
 ``--sections`` picks some of 2-5 (the machine is always reported): a window whose calls are
-limited to 10 minutes runs ``gpu_check.sh OUT1 --sections bench tests`` and then
-``gpu_check.sh OUT2 --sections memory main-job``.
+limited to 10 minutes runs ``gpu_check.sh OUT1 --sections bench tests``, then
+``gpu_check.sh OUT2 --sections memory`` and ``gpu_check.sh OUT3 --sections main-job`` (the
+memory and main-job limits together fill 10 minutes).
 
 ``--dry-run`` runs sections 1, 2 and 4 on the CPU with a tiny model in fp32 (4 at one length,
 two settings, its peak read from Linux's counters), collects the GPU tests without running
@@ -41,8 +42,10 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib.util
+import os
 import platform
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -144,11 +147,16 @@ def gpu_tests(dry: bool, out: Path, limit_s: int) -> list[str]:
 
 def run_logged(cmd: list[str], cwd: Path, log: Path, limit_s: int, option: str) -> tuple[int | str, str]:
     """Run ``cmd`` with its output going to ``log`` as it runs (a run stopped at ``limit_s``
-    keeps what it printed); the exit status, or why there is none, and the output."""
+    keeps what it printed); the exit status, or why there is none, and the output. A run
+    stopped at its limit is stopped with every process it started (its own session), so none
+    holds the GPU into the next section."""
     with log.open("w") as f:
+        proc = subprocess.Popen(cmd, cwd=cwd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            rc = subprocess.run(cmd, cwd=cwd, stdout=f, stderr=subprocess.STDOUT, timeout=limit_s).returncode
+            rc = proc.wait(timeout=limit_s)
         except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
             rc = f"nothing (stopped at the {limit_s} s limit, {option})"
     return rc, log.read_text()
 
@@ -179,7 +187,7 @@ def main_job(dry: bool, out: Path, limit_s: int) -> list[str]:
 
 def memory(device: torch.device, dry: bool, out: Path, limit_s: int) -> list[str]:
     """One actor update's peak memory and time by response length and setting on the 0.5B
-    shapes in bf16 (Qwen2.5-0.5B's 32k context): ``scripts/bench_memory.py --device cuda`` on
+    shapes in bf16: ``scripts/bench_memory.py --device cuda`` on
     the model saved as a checkpoint, a process per cell. The rows it printed stand if the
     limit stops it."""
     import tempfile
@@ -187,7 +195,9 @@ def memory(device: torch.device, dry: bool, out: Path, limit_s: int) -> list[str
     from minihf.models import ModelArgs, build_model, init_weights, save_hf
 
     dtype = torch.float32 if dry else torch.bfloat16
-    shapes = TINY if dry else dict(QWEN05, max_position_embeddings=32768)
+    # positions up to the prompt (bench_memory's 64 tokens) + the longest response: on CUDA the
+    # RoPE table is built for max_position_embeddings and does not grow
+    shapes = TINY if dry else dict(QWEN05, max_position_embeddings=max(MEMORY_LENGTHS) + 64)
     with tempfile.TemporaryDirectory() as tmp:  # not in OUTDIR: the report's folder travels back
         with torch.device("cpu"):
             save_hf(init_weights(build_model(ModelArgs(**shapes), "lm"), seed=0).to(dtype), tmp)
@@ -377,7 +387,7 @@ def main() -> None:
         "bench": ("A 0.5B model in bf16: prefill, training, decode against their bounds",
                   lambda: benchmark(device, args.dry_run)),
         "tests": ("GPU tests (pytest -m gpu)", lambda: gpu_tests(args.dry_run, out, args.tests_limit)),
-        "memory": ("Memory of one actor update by response length (0.5B, bf16)",
+        "memory": ("Memory of one actor update by response length",
                    lambda: memory(device, args.dry_run, out, args.memory_limit)),
         "main-job": ("The main job on one GPU", lambda: main_job(args.dry_run, out, args.main_job_limit))}
     for name in SECTIONS:

@@ -4,6 +4,7 @@ fp32 model) and the report says each one is ok; its limits keep a run cut short 
 
 import re
 import subprocess
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,10 +51,19 @@ def test_a_command_stopped_at_its_limit_keeps_what_it_printed(tmp_path):
         from gpu_check import run_logged
     finally:
         sys.path.remove(str(ROOT / "scripts"))
-    code = "import time; print('step=1', flush=True); time.sleep(60)"
-    rc, text = run_logged([sys.executable, "-c", code], tmp_path, tmp_path / "x.log", 3, "--x-limit")
-    assert rc == "nothing (stopped at the 3 s limit, --x-limit)" and "step=1" in text, (rc, text)
+    # the command starts a child of its own (as bench_memory and the main job do): stopped too
+    code = ("import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', 'import time; "
+            "time.sleep(60)']); print('step=1', c.pid, flush=True); time.sleep(60)")
+    rc, text = run_logged([sys.executable, "-c", code], tmp_path, tmp_path / "x.log", 5, "--x-limit")
+    assert rc == "nothing (stopped at the 5 s limit, --x-limit)" and "step=1" in text, (rc, text)
     assert (tmp_path / "x.log").read_text() == text
+    child = int(text.split()[1])
+    for _ in range(50):  # killed at once; reaped by init (this test's process is not its parent)
+        if not Path(f"/proc/{child}").exists() or "State:\tZ" in Path(f"/proc/{child}/status").read_text():
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the command's child {child} outlived the limit")
     rc, text = run_logged([sys.executable, "-c", "print('done')"], tmp_path, tmp_path / "y.log", 30, "--y")
     assert rc == 0 and text == "done\n"
 

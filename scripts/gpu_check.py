@@ -18,19 +18,16 @@ after each (a check cut short by the machine's time limit still leaves what it f
 3. ``pytest -m gpu`` (``tests/test_gpu.py``: engine vs trainer log-probs in fp32 and bf16,
    SDPA flash vs math, packed vs padded, FSDP2 on NCCL, the in-place reshard gather, optimizer
    offload during generation) with its printed figures, within ``--tests-limit`` seconds;
-4. the memory of one actor update on the 0.5B shapes in bf16 at 4k, 16k and 32k response
-   tokens, with nothing, chunked logits, activation checkpointing and both
-   (``scripts/bench_memory.py --device cuda``: a process per row, torch's allocator's peak),
-   within ``--memory-limit`` seconds;
+4. one actor update's memory on the 0.5B shapes in bf16 at 4k, 16k and 32k response tokens
+   (``scripts/bench_memory.py --device cuda``), within ``--memory-limit`` seconds;
 5. the main job on the GPU, one process (``scripts/train_ppo.py``): validation before and
    after, wall time, within ``--main-job-limit`` seconds, and its step 100 under
    torch.profiler (``trainer.profile_steps``): the ops that take its time.
 
 The quickest section runs first, so that a window cut short still reports figures.
-``--sections`` picks some of 2-5 (the machine is always reported): a window whose calls are
-limited to 10 minutes runs ``gpu_check.sh OUT1 --sections bench tests``, then
-``gpu_check.sh OUT2 --sections memory`` and ``gpu_check.sh OUT3 --sections main-job`` (the
-memory and main-job limits together fill 10 minutes).
+``--sections`` picks some of 2-5 (the machine is always reported): with calls capped at 10
+minutes, ``--sections bench tests``, then ``memory``, then ``main-job`` (the memory and
+main-job limits together fill 10 minutes).
 
 ``--dry-run`` runs sections 1, 2 and 4 on the CPU with a tiny model in fp32 (4 at one length,
 two settings, its peak read from Linux's counters), collects the GPU tests without running

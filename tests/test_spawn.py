@@ -1,6 +1,8 @@
-"""The multi-process test harness itself: results come back, failures and hangs are reported;
-a job process skips the final GC pass at exit (``skip_final_gc``)."""
+"""The multi-process test harness itself: results come back, failures and hangs are reported,
+ranks see the caller's environment and output at the call (they fork from a server started
+earlier); a job process skips the final GC pass at exit (``skip_final_gc``)."""
 
+import os
 import subprocess
 import sys
 
@@ -26,6 +28,37 @@ def _raise_on_one(rank, world_size):
 
 def test_spawn_collects_results():
     assert spawn_ranks(_allreduce, 2) == [3.0, 3.0]
+
+
+def _report(rank, world_size):
+    print(f"rank {rank} says {os.environ.get('SPAWN_PROBE')}\n", end="", flush=True)  # one write:
+    print(f"rank {rank} to stderr\n", end="", file=sys.stderr, flush=True)  # the ranks' lines whole
+    return os.getppid()
+
+
+def test_ranks_see_the_callers_environment_and_output_at_the_call(monkeypatch, tmp_path):
+    """The fork server (Linux) starts at the first call, with the environment and stdout of
+    then: the second call's ranks still get the variable set after it, and print where the
+    caller's stdout and stderr point at the second call."""
+    first = spawn_ranks(_report, 2)
+    monkeypatch.setenv("SPAWN_PROBE", "hello")
+    saved = os.dup(1), os.dup(2)
+    files = [open(tmp_path / name, "w") for name in ("out", "err")]
+    try:
+        for f, fd in zip(files, (1, 2)):
+            os.dup2(f.fileno(), fd)
+        again = spawn_ranks(_report, 2)
+    finally:
+        for fd, old in zip((1, 2), saved):
+            os.dup2(old, fd)
+            os.close(old)
+        for f in files:
+            f.close()
+    out, err = ((tmp_path / name).read_text().splitlines() for name in ("out", "err"))
+    assert sorted(out) == ["rank 0 says hello", "rank 1 says hello"], out
+    assert sorted(err) == ["rank 0 to stderr", "rank 1 to stderr"], err
+    if sys.platform == "linux":  # both calls' ranks are children of the one fork server
+        assert len(set(first + again)) == 1 and first[0] != os.getpid()
 
 
 def test_spawn_reports_failing_rank_traceback():

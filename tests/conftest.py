@@ -23,8 +23,9 @@ def wide_terminal(monkeypatch):
 def pytest_xdist_auto_num_workers(config):
     """``-n auto``: one worker per usable core, at most MAX_WORKERS. A multi-process test
     mostly waits on its processes starting (importing torch, the rendezvous): on 2 cores one
-    worker kept them 61% busy, two 94% (15.3 -> 9.9 minutes, Intel Xeon). Many tests start
-    2-4 ranks of their own, so more workers would oversubscribe a large host. ``-n N`` or
+    worker kept them 61% busy, two 94% (15.3 -> 9.9 minutes on an Intel Xeon, before
+    spawn_ranks forked its ranks from a server; 13.8 -> 7.4 after). Many tests start 2-4 ranks
+    of their own, so more workers would oversubscribe a large host. ``-n N`` or
     PYTEST_XDIST_AUTO_NUM_WORKERS chooses another count."""
     if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
         return None  # xdist's own hook reads it

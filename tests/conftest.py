@@ -29,8 +29,9 @@ def pytest_xdist_auto_num_workers(config):
     PYTEST_XDIST_AUTO_NUM_WORKERS chooses another count."""
     if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
         return None  # xdist's own hook reads it
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(cores, MAX_WORKERS))
+    from minihf.utils.threads import usable_cores
+
+    return max(1, min(usable_cores().usable, MAX_WORKERS))  # the affinity, under a cgroup CPU quota
 
 
 @pytest.fixture(scope="session")

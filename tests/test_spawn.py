@@ -30,10 +30,13 @@ def test_spawn_collects_results():
     assert spawn_ranks(_allreduce, 2) == [3.0, 3.0]
 
 
+AT_IMPORT = os.environ.get("SPAWN_PROBE")  # what a rank read when it imported this module
+
+
 def _report(rank, world_size):
     print(f"rank {rank} says {os.environ.get('SPAWN_PROBE')}\n", end="", flush=True)  # one write:
     print(f"rank {rank} to stderr\n", end="", file=sys.stderr, flush=True)  # the ranks' lines whole
-    return os.getppid()
+    return os.getppid(), AT_IMPORT
 
 
 def test_ranks_see_the_callers_environment_and_output_at_the_call(monkeypatch, tmp_path):
@@ -57,8 +60,18 @@ def test_ranks_see_the_callers_environment_and_output_at_the_call(monkeypatch, t
     out, err = ((tmp_path / name).read_text().splitlines() for name in ("out", "err"))
     assert sorted(out) == ["rank 0 says hello", "rank 1 says hello"], out
     assert sorted(err) == ["rank 0 to stderr", "rank 1 to stderr"], err
+    assert [seen for _, seen in again] == ["hello", "hello"]  # at the import of fn's module too
     if sys.platform == "linux":  # both calls' ranks are children of the one fork server
-        assert len(set(first + again)) == 1 and first[0] != os.getpid()
+        parents = {parent for parent, _ in first + again}
+        assert len(parents) == 1 and os.getpid() not in parents
+
+
+def test_spawn_method_can_be_chosen_and_a_bad_one_is_named(monkeypatch):
+    monkeypatch.setenv("MINIHF_SPAWN_METHOD", "spawn")  # every rank a fresh child of this process
+    assert spawn_ranks(_report, 2) == [(os.getpid(), None)] * 2
+    monkeypatch.setenv("MINIHF_SPAWN_METHOD", "fork")
+    with pytest.raises(ValueError, match="MINIHF_SPAWN_METHOD='fork': use one of forkserver, spawn"):
+        spawn_ranks(_report, 2)
 
 
 def test_spawn_reports_failing_rank_traceback():

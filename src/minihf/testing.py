@@ -8,9 +8,12 @@ call instead of hanging CI; when one rank fails, the others are killed.
 Where the platform has it (Linux), the children fork from multiprocessing's fork server,
 which imported torch once when the first call started it: a later call's ranks start in
 about 0.1 s instead of the 1.5 s a fresh interpreter takes to import torch (the suite starts
-about 160 ranks this way). The server never runs torch ops, so no thread pool crosses the fork. A child
-takes the caller's environment variables and stdout/stderr as they are at the call, as a
-spawned one would.
+about 160 ranks this way). The server runs no torch ops before it forks. A rank gets the
+caller's environment, stdout and stderr as they are at the call, before ``fn``'s module is
+imported. What differs from a fresh interpreter: what torch and the interpreter read at
+their start (``PYTHONHASHSEED``, ``OMP_*``, ``TORCH_*``) is the server's, and every rank has
+the same string-hash seed, so a rank-dependent set order cannot show here.
+``MINIHF_SPAWN_METHOD=spawn`` starts each rank as a fresh interpreter instead.
 """
 
 from __future__ import annotations
@@ -32,40 +35,52 @@ class SpawnError(RuntimeError):
 
 
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp"]  # what every child imports
+METHODS = ("forkserver", "spawn")
 
 
 def _context():
-    if "forkserver" not in mp.get_all_start_methods():
+    method = os.environ.get("MINIHF_SPAWN_METHOD") or "forkserver"
+    if method not in METHODS:
+        raise ValueError(f"MINIHF_SPAWN_METHOD={method!r}: use one of {', '.join(METHODS)} (spawn: every rank a "
+                         "fresh interpreter, as before the fork server)")
+    if method == "spawn" or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)  # read once, when the first call starts the server
     return ctx
 
 
-class _CallersFd:
-    """The caller's stdout or stderr, sent with the child (as multiprocessing sends a pipe) and
-    put in place there: what a rank prints goes where the caller's own output goes now (a
-    test's capture), not where it went when the fork server started."""
-
-    def __init__(self, fd: int):
-        self.fd = fd
+class _Callers:
+    """The caller's environment, stdout and stderr, sent to a child as its first argument (the
+    fds as multiprocessing sends a pipe) and put in place as it is unpickled: before ``fn``'s
+    module is imported, a rank has what a spawned one would have had, not what the fork
+    server had when it started."""
 
     def __reduce__(self):
-        return _put_fd, (reduction.DupFd(self.fd), self.fd)
+        fds = [fd for fd in (1, 2) if _is_open(fd)]
+        return _put_in_place, (dict(os.environ), fds, [reduction.DupFd(fd) for fd in fds])
 
 
-def _put_fd(dup, fd: int) -> int:
-    received = dup.detach()
-    if received != fd:  # a spawned child receives the fd itself, at its number
-        os.dup2(received, fd)
-        os.close(received)
-    return fd
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
 
 
-def _child(fn, rank, world_size, port, backend, threads, pg_timeout_s, args, results, env, fds):
-    os.environ.clear()  # the caller's, not the fork server's (the environment it started with)
+def _put_in_place(env: dict, fds: list[int], dups: list) -> None:
+    os.environ.clear()
     os.environ.update(env)
-    del fds  # the caller's stdout and stderr, already at 1 and 2: unpickling put them there
+    for fd, dup in zip(fds, dups):
+        received = dup.detach()
+        if received != fd:  # a spawned child receives the fd itself, at its number
+            os.dup2(received, fd)
+            os.close(received)
+
+
+def _child(callers, fn, rank, world_size, port, backend, threads, pg_timeout_s, args, results):
+    del callers  # in place already: unpickled first (see _Callers)
     import torch
     import torch.distributed as dist
 
@@ -114,17 +129,20 @@ def spawn_ranks(
     procs = [
         ctx.Process(
             target=_child,
-            args=(fn, r, world_size, port, backend, threads, pg_timeout_s, args, results, dict(os.environ),
-                  [_CallersFd(1), _CallersFd(2)]),
+            args=(_Callers(), fn, r, world_size, port, backend, threads, pg_timeout_s, args, results),
             daemon=False,
         )
         for r in range(world_size)
     ]
-    for p in procs:
-        p.start()
     out: dict[int, Any] = {}
     deadline = time.monotonic() + timeout_s
     try:
+        for p in procs:
+            try:
+                p.start()
+            except Exception as e:  # the fork server could not start (or died): not a rank's failure
+                raise SpawnError(f"spawn_ranks: could not start rank {procs.index(p)} ({type(e).__name__}: {e}); "
+                                 "MINIHF_SPAWN_METHOD=spawn starts each rank as a fresh interpreter") from e
         while len(out) < world_size:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -150,6 +168,7 @@ def spawn_ranks(
                 raise SpawnError(f"rank {rank} of {world_size} failed:\n{payload}")
             out[rank] = payload
     finally:
+        procs = [p for p in procs if p.pid is not None]  # started
         for p in procs:
             p.join(timeout=10 if len(out) == world_size else 0.1)
         for p in procs:

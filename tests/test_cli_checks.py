@@ -35,9 +35,7 @@ CONTEXT = 64  # the tiny model's max_position_embeddings
 
 def run(*args):
     """``minihf ARGS`` in this process: (exit code, the output flattened to one line)."""
-    # wide: rich wraps an error box at the terminal's width, and a long temp path then splits a
-    # word of the message (seen with pytest's tmp dirs on a host whose paths are longer)
-    res = CliRunner(env={"COLUMNS": "400"}).invoke(app, [str(a) for a in args])
+    res = CliRunner().invoke(app, [str(a) for a in args])  # wide: conftest's wide_terminal
     flat = " ".join(res.output.replace("│", " ").replace("╭", " ").replace("╰", " ").split())
     if res.exception is not None and not isinstance(res.exception, SystemExit):
         flat += f" [raised {type(res.exception).__name__}: {res.exception}]"

@@ -44,8 +44,7 @@ BOMB = "\n".join([
 
 def cli(*args, timeout=60, **env):
     """``python -m minihf.cli ARGS``: (exit code, stdout, stderr); killed after ``timeout``."""
-    full = {**{k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}, "OMP_NUM_THREADS": "1",
-            "COLUMNS": "400", **env}
+    full = {**os.environ, "OMP_NUM_THREADS": "1", **env}  # COLUMNS: conftest's wide_terminal
     proc = subprocess.Popen([sys.executable, "-m", "minihf.cli", *map(str, args)], cwd=ROOT, env=full,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

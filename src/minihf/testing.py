@@ -137,11 +137,11 @@ def spawn_ranks(
     out: dict[int, Any] = {}
     deadline = time.monotonic() + timeout_s
     try:
-        for p in procs:
+        for r, p in enumerate(procs):
             try:
                 p.start()
             except Exception as e:  # the fork server could not start (or died): not a rank's failure
-                raise SpawnError(f"spawn_ranks: could not start rank {procs.index(p)} ({type(e).__name__}: {e}); "
+                raise SpawnError(f"spawn_ranks: could not start rank {r} ({type(e).__name__}: {e}); "
                                  "MINIHF_SPAWN_METHOD=spawn starts each rank as a fresh interpreter") from e
         while len(out) < world_size:
             remaining = deadline - time.monotonic()

@@ -163,12 +163,21 @@ def _dcp_load(state: dict, shard_dir: Path, group, **kw) -> None:
     if not (shard_dir / ".metadata").is_file():
         raise CorruptFileError(f"{shard_dir} has no .metadata file (the checkpoint was not written "
                                f"completely); {CKPT_FIX}")
+    reader, planner = SafeFileSystemReader(shard_dir), SafeLoadPlanner()
+    try:  # a crafted index is refused here, before DCP (whose versions differ in what they report)
+        reader.read_metadata()
+    except UnsafeCheckpointError:
+        raise
+    except Exception:  # a damaged index: dcp.load below reports it as such
+        pass
     try:
-        dcp.load(state, checkpoint_id=str(shard_dir), process_group=group,
-                 storage_reader=SafeFileSystemReader(shard_dir), planner=SafeLoadPlanner(), **kw)
+        dcp.load(state, checkpoint_id=str(shard_dir), process_group=group, storage_reader=reader,
+                 planner=planner, **kw)
     except UnsafeCheckpointError:
         raise
     except (Exception, CheckpointException) as exc:  # DCP wraps every rank's error in one (a BaseException)
+        if planner.refusal is not None:  # whatever DCP's version made of it
+            raise planner.refusal from None
         failures = getattr(exc, "failures", {}).values()
         interrupt = next((e for e, _ in failures if isinstance(e, (KeyboardInterrupt, SystemExit))), None)
         if interrupt is not None:  # Ctrl-C while loading: an interrupt, not a damaged file

@@ -17,7 +17,11 @@ stranger put in it. Three places in a minihf checkpoint are pickles:
 Chosen over a new pickle-free format: the checkpoints stay DCP's (resharding on load,
 written in parallel by every rank) and earlier checkpoints still load. The tensor shards
 themselves DCP already reads with ``weights_only=True``. A refused file raises
-:class:`UnsafeCheckpointError` naming the file and the global it asked for.
+:class:`UnsafeCheckpointError` naming the file and the global it asked for. The planner also
+keeps its refusal (``refusal``) for the caller to raise, and the caller reads ``.metadata``
+through the reader before DCP does: DCP's versions differ in what they make of an exception
+raised inside them (torch 2.11 drops the reader's and reports "metadata is None"; 2.13 logs
+its traceback and folds its text into an ``AssertionError``).
 """
 
 from __future__ import annotations
@@ -91,12 +95,15 @@ class SafeFileSystemReader(FileSystemReader):
 class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's load planner, loading byte items (non-tensor state) with ``weights_only=True``."""
 
+    refusal: UnsafeCheckpointError | None = None
+
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         try:
             obj = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as exc:
-            raise _refuse(f"the item {read_item.dest_index.fqn!r}", "a non-data object",
-                          str(exc).split("\n")[0]) from None
+            self.refusal = _refuse(f"the item {read_item.dest_index.fqn!r}", "a non-data object",
+                                   str(exc).split("\n")[0])
+            raise self.refusal from None
         # hand the parent the vetted object re-saved (plain data: its unpickle runs nothing),
         # so where it goes in the state dict stays DCP's business
         super().load_bytes(read_item, io.BytesIO(_dump(obj)))

@@ -5,6 +5,7 @@
 # between releases, and a GPU window is too short to find that out in.
 #   bash scripts/test_oldest.sh [VENV_DIR] [pytest options]   # VENV_DIR default: .venv-oldest
 #   PYTHON=python3.12 bash scripts/test_oldest.sh             # the GPU machine's Python
+#   PYTHON=python3.10 bash scripts/test_oldest.sh .venv-py310  # the oldest Python pyproject accepts
 # PyPI's x86_64 torch 2.11 is its CUDA build (about 3 GB with its NVIDIA libraries); it runs
 # on the CPU. A second run reuses VENV_DIR (pip installs nothing new).
 set -euo pipefail
@@ -13,9 +14,8 @@ venv=${1:-.venv-oldest}
 [ $# -gt 0 ] && shift
 python=${PYTHON:-python3}
 read -r torch_min tf_min < <("$python" -c '
-import re, tomllib
-deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
-low = {m[1]: m[2] for d in deps if (m := re.match(r"([A-Za-z0-9_.-]+)\s*>=\s*([0-9.]+)", d))}
+import re
+low = dict(re.findall(r"\"(torch|transformers)\s*>=\s*([0-9.]+)", open("pyproject.toml").read()))
 print(low["torch"], low["transformers"])')
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
 "$venv/bin/python" -m pip install -q "torch==$torch_min" "transformers==$tf_min"

@@ -2,16 +2,20 @@
 section runs (the GPU tests collected, the main job's command shown, the benchmark on a tiny
 fp32 model) and the report says each one is ok; its limits keep a run cut short readable."""
 
+import os
 import re
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# gpu_check.sh runs $PYTHON when set (else python3): the interpreter running these tests
+SH_ENV = dict(os.environ, PYTHON=sys.executable)
 
 
 def test_gpu_check_dry_run(tmp_path):
-    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run", str(tmp_path)],
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run", str(tmp_path)], env=SH_ENV,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = (tmp_path / "gpu_check.md").read_text()
@@ -29,7 +33,6 @@ def test_gpu_check_dry_run(tmp_path):
 
 
 def test_gpu_check_refuses_a_machine_without_cuda(tmp_path):
-    import sys
 
     import pytest
     import torch
@@ -44,7 +47,6 @@ def test_gpu_check_refuses_a_machine_without_cuda(tmp_path):
 def test_a_command_stopped_at_its_limit_keeps_what_it_printed(tmp_path):
     """The GPU window is short: a section cut off by its limit (pytest -m gpu, the main job)
     still reports the steps it printed, and says it was stopped rather than how it exited."""
-    import sys
 
     sys.path.insert(0, str(ROOT / "scripts"))
     try:
@@ -69,7 +71,6 @@ def test_a_command_stopped_at_its_limit_keeps_what_it_printed(tmp_path):
 
 
 def test_gpu_check_refuses_a_limit_below_one_second(tmp_path):
-    import sys
 
     for option in ("--tests-limit", "--main-job-limit", "--memory-limit"):
         proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--dry-run",
@@ -80,7 +81,6 @@ def test_gpu_check_refuses_a_limit_below_one_second(tmp_path):
 def test_the_main_job_section_reports_score_phases_and_the_profiled_step(tmp_path, monkeypatch):
     """What the main job's section makes of a finished job (the job itself stubbed): the
     validation scores, the phase line and the first rows of its profiled step's table."""
-    import sys
 
     sys.path.insert(0, str(ROOT / "scripts"))
     try:
@@ -107,7 +107,7 @@ def test_gpu_check_runs_the_sections_asked(tmp_path):
     """A window whose calls are limited runs the check in parts (``--sections``): the machine
     and the sections named, in the usual order, and nothing else."""
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run", str(tmp_path), "--sections",
-                           "main-job", "tests"], capture_output=True, text=True, timeout=120)
+                           "main-job", "tests"], env=SH_ENV, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = (tmp_path / "gpu_check.md").read_text()
     heads = [line for line in report.splitlines() if line.startswith("## ")]

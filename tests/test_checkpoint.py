@@ -119,6 +119,26 @@ class _Payload:
         return os.system, (f"touch {self.marker}",)
 
 
+def test_dcp_metadata_paths_pickled_by_any_python_load():
+    """DCP's ``.metadata`` holds paths: Python 3.13 pickles one as ``pathlib._local.PosixPath``,
+    earlier Pythons as ``pathlib.PosixPath``. Both load under the running Python (the first
+    was refused as not checkpoint data, so no checkpoint written under 3.13 could resume);
+    another class of those modules is still refused."""
+    import io
+    import pathlib
+
+    from minihf.utils.safe_load import UnsafeCheckpointError, _MetadataUnpickler
+
+    def pickled(module: str, name: str) -> bytes:  # protocol 2: GLOBAL, one str arg, REDUCE
+        return b"\x80\x02c" + f"{module}\n{name}\n".encode() + b"X\x04\x00\x00\x00/a/q\x85R."
+
+    for module in ("pathlib", "pathlib._local"):
+        loaded = _MetadataUnpickler(io.BytesIO(pickled(module, "PurePosixPath")), "m").load()
+        assert loaded == pathlib.PurePosixPath("/a/q") and type(loaded) is pathlib.PurePosixPath
+    with pytest.raises(UnsafeCheckpointError, match=r"it asks for pathlib\._local\.os"):
+        _MetadataUnpickler(io.BytesIO(pickled("pathlib._local", "os")), "m").load()
+
+
 def test_a_crafted_checkpoint_never_runs_code(tmp_path):
     """Every pickle of a checkpoint is replaced by one whose unpickling would write a marker
     file: each load path (resume, export; DCP's metadata, its byte items, extra/rank_N.pt)

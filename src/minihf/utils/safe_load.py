@@ -27,6 +27,7 @@ its traceback and folds its text into an ``AssertionError``).
 from __future__ import annotations
 
 import io
+import pathlib
 import pickle
 from pathlib import Path
 
@@ -50,9 +51,12 @@ NUMPY_ARRAY_GLOBALS = [_NUMPY_CORE.multiarray._reconstruct, np.ndarray, np.dtype
 
 _DCP_CLASSES = {name for name, obj in vars(dcp_metadata).items() if isinstance(obj, type)}
 _ALLOWED = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-            ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-            ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"),
-            ("pathlib", "PureWindowsPath"), ("pathlib", "Path")}
+            ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")}
+# DCP's metadata holds paths; Python 3.13 pickles them as ``pathlib._local.<name>`` (pathlib
+# became a package), earlier Pythons as ``pathlib.<name>``: either is read as ``pathlib.<name>``,
+# so a checkpoint written under one Python loads under the other
+_PATH_MODULES = ("pathlib", "pathlib._local")
+_PATH_CLASSES = ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath")
 
 
 def _refuse(path, what: str, why: object = None) -> UnsafeCheckpointError:
@@ -74,6 +78,8 @@ class _MetadataUnpickler(pickle.Unpickler):
         if (module == dcp_metadata.__name__ and name in _DCP_CLASSES) or (module, name) in _ALLOWED \
                 or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
             return super().find_class(module, name)
+        if module in _PATH_MODULES and name in _PATH_CLASSES:
+            return getattr(pathlib, name)
         raise _refuse(self.path, f"{module}.{name}")
 
 

@@ -142,6 +142,7 @@ def test_the_writable_tmp_is_private_and_capped():
 
 BYPASS = """import subprocess, sys
 sys.audit = lambda *args: None  # subprocess reads sys.audit by name: the hook never hears of it
+subprocess._USE_POSIX_SPAWN = False  # 3.13 would spawn by os.posix_spawn, audited in C: fork instead
 subprocess.Popen(['/bin/sh', '-c', 'sleep 60 # {marker}'], start_new_session=True)
 subprocess.run(['/bin/sh', '-c', 'touch {path}; echo $$ > /tmp/pid'])
 print('started')

@@ -43,15 +43,13 @@ def check_run_dir(path: Path, key: str) -> None:
     takes new entries is tried, not asked (``minihf.utils.files.cannot_create_in``: root
     passes ``os.access`` under ``/proc`` too)."""
     from minihf.config import ConfigError
-    from minihf.utils.files import cannot_create_in, nearest_existing
+    from minihf.utils.files import cannot_create_in, nearest_existing, resolve_links
 
     path = Path(path)
     shown = f"{key}={str(path)!r}"
-    try:  # a symlink loop: RuntimeError before Python 3.13, a link left unresolved after
-        resolved = path.resolve()
-        if any(p.is_symlink() for p in [resolved, *resolved.parents]):
-            raise RuntimeError(f"symlink loop at {resolved}")
-    except (RuntimeError, OSError) as exc:
+    try:
+        resolved = resolve_links(path)
+    except (RuntimeError, OSError) as exc:  # a symlink loop
         raise ConfigError(f"{shown}: {path} cannot be resolved ({exc}); fix the symlinks or "
                           "choose another run dir") from None
     if resolved == resolved.parent:

@@ -115,6 +115,16 @@ def cannot_create_in(directory: str | Path) -> str | None:
     return None
 
 
+def resolve_links(path: str | Path) -> Path:
+    """``Path(path).resolve()``, raising ``RuntimeError("Symlink loop at ...")`` for a loop on
+    every Python: before 3.13 ``resolve`` raised it (as "Symlink loop from ..."); from 3.13 it
+    returns the path with the looping link left in it."""
+    resolved = Path(path).resolve()
+    if any(p.is_symlink() for p in [resolved, *resolved.parents]):
+        raise RuntimeError(f"Symlink loop at {resolved}")
+    return resolved
+
+
 def nearest_existing(path: Path) -> Path:
     """``path`` or its nearest ancestor that exists."""
     for p in [path, *path.parents]:

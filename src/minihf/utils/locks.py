@@ -32,6 +32,8 @@ import sys
 import time
 from pathlib import Path
 
+from minihf.utils.files import resolve_links
+
 UNSUPPORTED = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 
 
@@ -50,8 +52,8 @@ def lock_path(path: str | Path) -> Path:
     the path first (``minihf.trainer.common.check_run_dir``); what slips through is still
     one line here, a ``LockFileError``."""
     try:
-        resolved = Path(path).resolve()
-    except (RuntimeError, OSError) as exc:  # a symlink loop: RuntimeError before Python 3.13
+        resolved = resolve_links(path)
+    except (RuntimeError, OSError) as exc:  # a symlink loop
         raise LockFileError(f"{path} cannot be resolved ({exc}); fix the symlinks or choose "
                             "another path") from None
     if resolved == resolved.parent:

@@ -116,9 +116,9 @@ def cannot_create_in(directory: str | Path) -> str | None:
 
 
 def resolve_links(path: str | Path) -> Path:
-    """``Path(path).resolve()``, raising ``RuntimeError("Symlink loop at ...")`` for a loop on
-    every Python: before 3.13 ``resolve`` raised it (as "Symlink loop from ..."); from 3.13 it
-    returns the path with the looping link left in it."""
+    """``Path(path).resolve()``, raising a ``RuntimeError`` that says "Symlink loop" for a
+    loop on every Python: before 3.13 ``resolve`` raises it itself ("Symlink loop from ...");
+    from 3.13 it returns the path with the looping link left in it, and this raises instead."""
     resolved = Path(path).resolve()
     if any(p.is_symlink() for p in [resolved, *resolved.parents]):
         raise RuntimeError(f"Symlink loop at {resolved}")

@@ -75,11 +75,13 @@ def make_groups(rank: int, world: int, layouts: dict[str, dict[str, RoleLayout]]
     """This rank's worker contexts (role group; DP and TP groups of every layout) and its
     driver links.
 
-    Every rank creates every multi-rank group (torch requires it), in one global order:
-    roles sorted by name (role group, then per layout by name: its TP groups, then its DP
-    groups), then the linked role pairs (``pairs``, over both roles' ranks), then the links
-    by peer. A DP or TP group of one rank is created by that rank alone; one spanning the
-    whole role is the role group.
+    Every rank creates every group (torch requires it), in one global order: roles sorted
+    by name (role group, then per layout by name: its TP groups, then its DP groups), then the
+    linked role pairs (``pairs``, over both roles' ranks), then the links by peer. Groups of
+    one rank too: made by that rank alone (``use_local_synchronization``), they advance
+    torch's group counter on that rank only from torch 2.14 on, so the ranks would name every
+    later group differently and wait on each other's store keys forever. A DP or TP group
+    spanning the whole role is the role group.
     """
     timeout = timedelta(seconds=timeout_s)
     created: list = []
@@ -91,16 +93,8 @@ def make_groups(rank: int, world: int, layouts: dict[str, dict[str, RoleLayout]]
             return group
         return None
 
-    def own_group() -> Any:  # a group of this rank alone: no other rank is involved
-        group = dist.new_group([rank], timeout=timeout, use_local_synchronization=True)
-        created.append(group)
-        return group
-
-    def pick(groups: list[tuple[int, ...]], size: int, role_group) -> Any:
-        """Create ``groups`` (if they are neither single ranks nor the whole role); return
-        this rank's."""
-        if size == 1:
-            return own_group() if role_group is not None else None
+    def pick(groups: list[tuple[int, ...]], role_group) -> Any:
+        """Create ``groups`` (unless one group is the whole role); return this rank's."""
         if len(groups) == 1:
             return role_group
         mine = None
@@ -114,8 +108,8 @@ def make_groups(rank: int, world: int, layouts: dict[str, dict[str, RoleLayout]]
         group = new_group(default.ranks)
         infos = {}
         for lname, layout in sorted(layouts[name].items()):
-            tp = pick(layout.tp_groups(), layout.tp_size, group)
-            dp = pick(layout.dp_groups(), layout.dp_size, group)
+            tp = pick(layout.tp_groups(), group)
+            dp = pick(layout.dp_groups(), group)
             if rank in layout.ranks:
                 i = layout.ranks.index(rank)
                 infos[lname] = ParallelInfo(layout, layout.dp_rank(i), layout.tp_rank(i), dp, tp)

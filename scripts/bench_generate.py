@@ -22,10 +22,12 @@ also compared with the weight-bandwidth limit (bytes of weights / measured copy 
 On CPU each row also says how hard both libraries push the machine: the model FLOPs of the
 run (matmuls and attention of the prefill and every decode step, the same count for both)
 divided by wall time, next to two rates measured in the same run at the same thread count:
-``mm peak`` (a large square fp32 ``torch.mm``, after each row) and ``linear`` (the model's own
+``mm peak`` (a large square matmul in the run's dtype, after each row) and ``linear`` (the model's own
 Linear layers at this batch size: the best its matmuls can do). ``ceiling`` = transformers'
 time / (FLOPs at the ``linear`` rate) is the speedup over transformers that minihf would
-reach if everything but the matmuls cost nothing; a goal above it is out of reach in fp32.
+reach if everything but the matmuls cost nothing; a goal above it is out of reach in that dtype.
+``--dtype bfloat16`` runs both libraries in bf16 (on a CPU it pays only where the CPU has bf16
+matmul units, such as Intel's AMX; the logits then come from a bf16 model, as on a GPU).
 """
 
 from __future__ import annotations
@@ -77,13 +79,13 @@ class Clock:
         self.wall, self.cpu = time.perf_counter() - self.wall, time.process_time() - self.cpu
 
 
-def mm_peak_gflops(n: int = 1024, repeats: int = 10) -> float:
-    """fp32 matmul peak of this machine at the current thread count: best of ``repeats``
-    products of two n x n matrices, by ``torch.mm`` (MKL) and by minihf's ``linear`` (oneDNN
-    where it is faster, ``minihf.models.linear``), whichever is faster."""
+def mm_peak_gflops(n: int = 1024, repeats: int = 10, dtype=torch.float32) -> float:
+    """The matmul peak of this machine in ``dtype`` at the current thread count: best of
+    ``repeats`` products of two n x n matrices, by ``torch.mm`` (MKL in fp32) and by minihf's
+    ``linear`` (oneDNN where it is faster, ``minihf.models.linear``), whichever is faster."""
     from minihf.models.linear import linear
 
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     best = float("inf")
     for mm in (torch.mm, lambda a, b: linear(a, b.t())):
         mm(a, b)
@@ -205,7 +207,7 @@ def bench_fixed(name, path, device, dtype, batches, prompt_len, new, repeats, vo
         if cpu:
             flops = generate_flops(eager.engine.model, batch, prompt_len, new)
             lin = linear_gflops(eager.engine.model, batch)
-            flop_vals = (f" {lin:>11.1f} {mm_peak_gflops():>7.1f}"
+            flop_vals = (f" {lin:>11.1f} {mm_peak_gflops(dtype=dtype):>7.1f}"
                          f" {best['hf best'] / (flops / lin / 1e9):>6.2f}x")
         print(f"{batch:>5} " + " ".join(f"{tok_s[p]:>17.0f}" for p in PATHS)
               + f" {tok_s['minihf fast'] / tok_s['minihf eager']:>9.2f}x"
@@ -326,10 +328,15 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                    help="both libraries' weights and activations (auto: bf16 on CUDA, fp32 on CPU; bf16 on a CPU "
+                         "pays only with bf16 matmul units, e.g. Intel AMX)")
     ap.add_argument("--no-varlen", action="store_true")
     ap.add_argument("--docs", action="store_true",
                     help="write the fixed-length rows into docs/performance.md (its 'Decode on CPU/GPU' section)")
     args = ap.parse_args()
+    if args.docs and args.dtype != "auto":
+        ap.error(f"--docs writes the tables of the default dtype; drop --dtype {args.dtype} or --docs")
     if args.quick:
         args.models, args.new_tokens, args.repeats = ["5M"], 32, 1
     elif args.models is None:
@@ -337,11 +344,11 @@ def main():
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = (torch.bfloat16 if device.type == "cuda" else torch.float32) if args.dtype == "auto" else getattr(torch, args.dtype)
     print(f"device {device}, dtype {dtype}, torch {torch.__version__}, threads {torch.get_num_threads()}")
     if device.type == "cpu":
         print("linear GF/s: the model's Linear layers alone at this batch (as transformers runs them); mm peak:\n"
-              "1024^3 fp32 matmul, same threads, measured after each row (a shared machine drifts); ceiling: the\n"
+              f"1024^3 {str(dtype).removeprefix('torch.')} matmul, same threads, measured after each row (a shared machine drifts); ceiling: the\n"
               "speedup over transformers' best path if only the matmuls took time, at the linear rate")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

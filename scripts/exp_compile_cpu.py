@@ -48,12 +48,12 @@ def rope_without_growth(self, positions, dtype):
 class CompiledSteps:
     """``StaticDecode._prepare`` for the compiled LLM: each bucket's step compiled, timed."""
 
-    def __init__(self, mode: str | None):
-        self.mode, self.compiles = mode, []
+    def __init__(self, mode: str | None, dtype: torch.dtype):
+        self.mode, self.dtype, self.compiles = mode, dtype, []
 
     def __call__(self, static, key, forward, cache):
         body = static._body(key, forward, cache)
-        forward.model.rope(torch.tensor([cache.max_len - 1]), torch.float32)  # rows for the whole cache
+        forward.model.rope(torch.tensor([cache.max_len - 1]), self.dtype)  # rows for the whole cache
         step = torch.compile(body, fullgraph=True, dynamic=False, **({"mode": self.mode} if self.mode else {}))
         t0 = time.perf_counter()
         step()  # the compile; it also writes the keys and values the step would (same inputs)
@@ -80,6 +80,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--mode", default=None, help="torch.compile's mode (default: its default)")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="weights and activations (bfloat16 pays only on CPUs with bf16 matmul units, e.g. AMX)")
     args = ap.parse_args()
     if args.model_dir is None and not args.tiny:
         ap.error("pass --model-dir DIR (a checkpoint) or --tiny")
@@ -93,9 +95,10 @@ def main() -> None:
 
 
 def run(path: str, args) -> None:
-    steps = CompiledSteps(args.mode)
+    dtype = getattr(torch, args.dtype)
+    steps = CompiledSteps(args.mode, dtype)
     rope_module.RopeTable.__call__ = rope_without_growth
-    llms = {name: LLM(path, dtype=torch.float32, device="cpu", max_num_seqs=args.batch, decode=mode)
+    llms = {name: LLM(path, dtype=dtype, device="cpu", max_num_seqs=args.batch, decode=mode)
             for name, mode in (("eager", "eager"), ("static", "static"), ("compiled", "static"))}
     vocab = llms["eager"].engine.model.args.vocab_size
     g = torch.Generator().manual_seed(0)
@@ -125,7 +128,7 @@ def run(path: str, args) -> None:
         for name in llms:
             s, outs[name] = generate(name)
             best[name] = min(best[name], s)
-    print(f"batch {args.batch}, prompt {args.prompt_len}, {args.new_tokens} new tokens, {torch.get_num_threads()} "
+    print(f"{args.dtype}, batch {args.batch}, prompt {args.prompt_len}, {args.new_tokens} new tokens, {torch.get_num_threads()} "
           f"threads, best of {args.repeats}; compiles in the timed rounds: {len(steps.compiles) - warm}")
     print(f"{'path':9s} {'s':>7s} {'ms/token':>9s} {'vs eager':>9s} {'differ':>7s} {'max |dlogp|':>11s}")
     ref = outs["eager"]

@@ -27,6 +27,16 @@ def test_the_compiled_step_runs_and_agrees_with_eager():
         assert cells[4] == "0" and float(cells[5]) < 1e-4, (name, out.stdout)
 
 
+def test_the_bf16_step_compiles_once_per_bucket():
+    """``--dtype bfloat16``: the RoPE rows are built in bf16 before the compile, so the timed
+    rounds compile nothing. Tokens are not compared: bf16 rounds a logit of the tiny model by
+    up to ~0.03, a third of its top-two gap, so another summation order may flip a token."""
+    out = subprocess.run([sys.executable, SCRIPT, "--tiny", "--batch", "2", "--new-tokens", "4", "--repeats", "1",
+                          "--dtype", "bfloat16"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "bfloat16, batch 2," in out.stdout and "compiles in the timed rounds: 0" in out.stdout, out.stdout
+
+
 def test_bad_sizes_are_refused_in_one_line():
     for args, says in ((["--tiny", "--batch", "0"], "--batch must be at least 1, got 0"),
                        (["--batch", "2"], "pass --model-dir DIR (a checkpoint) or --tiny")):

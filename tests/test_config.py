@@ -1,5 +1,6 @@
 """Tests for minihf.config: layering, type checks, error messages, placement resolution."""
 
+import re
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
@@ -160,6 +161,20 @@ def test_type_errors():
         load_config(RootConfig, None, ["actor.optim.lr.x=3"])
     with pytest.raises(ConfigError, match=r"extra\.k: expected int"):
         load_config(RootConfig, None, ["extra.k=v"])
+
+
+def test_non_finite_floats_are_refused_naming_the_key():
+    """NaN and infinity are never a float key's value (a NaN clip disables clipping, an
+    infinite eps stops training, silently); "no limit" is null. A YAML .nan/.inf, or a
+    literal past a float's range, in a key, an optional key, a list and a mapping."""
+    says = "expected a finite number, got {} (a YAML .nan or .inf"
+    for override, key, shown in (("actor.optim.lr=.nan", "actor.optim.lr", "nan"),
+                                 ("actor.clip=.inf", "actor.clip", "inf"),
+                                 ("actor.optim.betas=[0.9, -.inf]", "actor.optim.betas[1]", "-inf"),
+                                 ("critic_optim.lr=1e400", "critic_optim.lr", "inf")):
+        with pytest.raises(ConfigError, match=re.escape(f"{key}: {says.format(shown)}")):
+            load_config(RootConfig, None, [override])
+    assert load_config(RootConfig, None, ["actor.clip=1e300"]).actor.clip == 1e300
 
 
 def test_literal_errors():

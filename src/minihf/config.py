@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import types
 import typing
@@ -94,6 +95,8 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         if len(options) == 1 and (dataclasses.is_dataclass(options[0])
                                   or typing.get_origin(options[0]) is not None):
             return _coerce(value, options[0], path)  # the section's own error is more precise
+        if float in options and isinstance(value, float) and not math.isfinite(value):
+            return _coerce(value, float, path)  # the float's own error: not finite
         for arg in options:
             try:
                 return _coerce(value, arg, path)
@@ -125,6 +128,9 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         return {_coerce(k, kt, f"{path}.{k}"): _coerce(v, vt, f"{path}.{k}")
                 for k, v in value.items()}
     if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not math.isfinite(value):  # every float key is finite; "no limit" is null
+            raise ConfigError(f"{path}: expected a finite number, got {value!r} (a YAML .nan or .inf, or a "
+                              "number too large for a float); where a key allows no limit, null means that")
         return float(value)
     if tp is str and isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)  # `run_name=2024` means the string

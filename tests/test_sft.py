@@ -5,9 +5,12 @@ import json
 import shutil
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
+import pytest
 import torch
 
+from minihf.config import ConfigError, load_config
 from minihf.controller import run
 from minihf.workers.optim import OptimConfig
 from minihf.trainer.sft import SFTConfig, SFTDataConfig, SFTDriver, SFTTrainerConfig, sft_roles
@@ -166,3 +169,16 @@ def test_sft_cli_names_missing_model_and_data(tmp_path):
     out = run(f"model.path={model}", f"data.train_files={tmp_path / 'x.parquet'}")
     assert "data.train_files" in out and "x.parquet" in out
     assert "unknownkey'data.trian_files'" in run("data.trian_files=a")
+
+
+def test_the_schedule_keys_mean_what_rl_and_verl_mean():
+    """``test_freq`` / ``save_freq`` of 0 or -1 (verl's SFT default, and the RL recipes'):
+    only at the end; N: every N steps and at the end. ``log_freq`` below 1 is refused at load
+    (it was accepted and then divided by)."""
+    for freq, want in ((-1, [7]), (0, [7]), (3, [3, 6, 7])):
+        driver = SimpleNamespace(cfg=SimpleNamespace(trainer=SFTTrainerConfig(test_freq=freq, save_freq=freq)),
+                                 total_steps=7)
+        assert [s for s in range(1, 8) if SFTDriver.validate_at(driver, s)] == want
+        assert [s for s in range(1, 8) if SFTDriver.save_at(driver, s)] == want
+    with pytest.raises(ConfigError, match=r"trainer.log_freq=0 must be >= 1"):
+        load_config(SFTConfig, None, ["trainer.log_freq=0"])

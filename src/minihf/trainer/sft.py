@@ -48,8 +48,8 @@ class SFTDataConfig:
 class SFTTrainerConfig:
     total_epochs: int = 1                # passes over the training data
     total_training_steps: Optional[int] = None  # stop early after this many steps
-    test_freq: int = 0                   # validate every N steps (0: only at the end)
-    save_freq: int = 0                   # checkpoint every N steps (0: only at the end)
+    test_freq: int = 0                   # validate every N steps and at the end (0 or -1: only at the end)
+    save_freq: int = 0                   # checkpoint every N steps and at the end (0 or -1: only at the end)
     project_name: str = "minihf"         # run grouping name
     experiment_name: str = "sft"         # run name
     # run dir (checkpoints, config.yaml, metrics.jsonl, hf/ export); null:
@@ -62,6 +62,8 @@ class SFTTrainerConfig:
 
     def __post_init__(self):
         check_run_length(self.total_epochs, self.total_training_steps)
+        if self.log_freq < 1:
+            raise ValueError(f"trainer.log_freq={self.log_freq} must be >= 1 (a line every N steps)")
 
 
 @dataclass
@@ -155,11 +157,11 @@ class SFTDriver(RunLoop):
 
     def validate_at(self, step: int) -> bool:
         t = self.cfg.trainer
-        return bool(t.test_freq and step % t.test_freq == 0) or step == self.total_steps
+        return (t.test_freq > 0 and step % t.test_freq == 0) or step == self.total_steps
 
     def save_at(self, step: int) -> bool:
         t = self.cfg.trainer
-        return bool(t.save_freq and step % t.save_freq == 0) or step == self.total_steps
+        return (t.save_freq > 0 and step % t.save_freq == 0) or step == self.total_steps
 
     def train_step(self, step: int) -> dict:
         t0 = time.perf_counter()

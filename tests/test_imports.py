@@ -86,3 +86,29 @@ def test_loading_a_config_runs_no_recipe_code(tmp_path):
     with pytest.raises(ConfigError, match=r"algo.py, line 1: .*def broken\(:; fix the file"):
         load_config(PPOJobConfig, "grpo", [f"algorithm.adv_estimator={algo}:broken"])
     assert not marker.exists()
+
+
+def test_a_reward_functions_file_and_name_are_checked_at_load(tmp_path):
+    """``custom_reward_function`` / ``custom_cost_function``: a name the file does not bind, or
+    a file that does not parse, is one config error at load (it surfaced after the warm start
+    and the workers had started); a file binding names in ways the syntax tree cannot list
+    fully (a star import) or inside a top-level ``try``/``if`` is accepted."""
+    from minihf.trainer.ppo_config import PPOConfig
+
+    (tmp_path / "reward.py").write_text("def compute_score(*a):\n    return 0.0\n")
+    (tmp_path / "broken.py").write_text("def compute_score(*a)\n    return 0.0\n")
+    (tmp_path / "star.py").write_text("from math import *\n")
+    (tmp_path / "guarded.py").write_text("try:\n    import numpy\nexcept ImportError:\n    numpy = None\n"
+                                         "if numpy is None:\n    def compute_cost(*a):\n        return 0.0\n"
+                                         "else:\n    compute_cost = None\n")
+    with pytest.raises(ConfigError, match=r"custom_reward_function: name='nope': .*reward.py has no function 'nope'; "
+                                          r"names defined there: \['compute_score'\]; set name to the function"):
+        load_config(PPOConfig, None, [f"custom_reward_function.path={tmp_path}/reward.py",
+                                      "custom_reward_function.name=nope"])
+    with pytest.raises(ConfigError, match=r"custom_cost_function: name='compute_cost': .*reward.py has no function"):
+        load_config(PPOConfig, None, [f"custom_cost_function.path={tmp_path}/reward.py"])
+    with pytest.raises(ConfigError, match=r"custom_reward_function: .*broken.py, line 1: expected ':'"):
+        load_config(PPOConfig, None, [f"custom_reward_function.path={tmp_path}/broken.py"])
+    for ok in ([f"custom_reward_function.path={tmp_path}/reward.py"], [f"custom_reward_function.path={tmp_path}/star.py"],
+               [f"custom_cost_function.path={tmp_path}/guarded.py"]):
+        load_config(PPOConfig, None, ok)

@@ -69,6 +69,13 @@ class CustomRewardConfig:
         if self.path and not Path(self.path).is_file():
             raise ValueError(f"path={self.path!r} does not exist (relative to {Path.cwd()}); "
                              "name a .py file with the reward function")
+        if self.path:  # its syntax and the name, before any model loads (nothing runs)
+            from minihf.utils.imports import check_ref
+
+            try:
+                check_ref(f"{self.path}:{self.name}", "function")
+            except AttributeError as e:
+                raise ValueError(f"name={self.name!r}: {e}; set name to the function to call") from None
 
 
 @dataclass

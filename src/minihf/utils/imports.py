@@ -86,17 +86,29 @@ def load_ref(ref: str, what: str = "function"):
     return load_object(path, name, what)
 
 
-def _bound_names(tree: ast.Module) -> set[str]:
-    """Names a module binds at top level: defs, classes, assignments and imports."""
+def _bound_names(body: list[ast.stmt]) -> set[str] | None:
+    """Names a module binds at top level: defs, classes, assignments and imports, also inside
+    top-level ``if``/``try``/``with`` blocks (an optional import with a fallback); None where a
+    star import makes the set unknowable."""
     names: set[str] = set()
-    for node in tree.body:
+    for node in body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             names.add(node.name)
         elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            if any(a.name == "*" for a in node.names):
+                return None
             names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, (ast.If, ast.Try, ast.With)):
+            blocks = [node.body, getattr(node, "orelse", []), getattr(node, "finalbody", [])]
+            blocks += [h.body for h in getattr(node, "handlers", [])]
+            for block in blocks:
+                inner = _bound_names(block)
+                if inner is None:
+                    return None
+                names |= inner
     return names
 
 
@@ -114,8 +126,8 @@ def check_ref(ref: str, what: str = "function") -> None:
     except SyntaxError as e:
         line = f": {e.text.strip()}" if e.text else ""
         raise ValueError(f"{path}, line {e.lineno}: {e.msg}{line}; fix the file") from None
-    names = _bound_names(tree)
-    if name not in names:
+    names = _bound_names(tree.body)
+    if names is not None and name not in names:
         found = sorted(n for n in names if not n.startswith("_"))
         raise AttributeError(f"{path} has no {what} {name!r}; names defined there: {found}")
 

@@ -2,6 +2,7 @@
 an uninterrupted one, the HF export loads in transformers with the same logits."""
 
 import json
+import re
 import shutil
 import time
 from pathlib import Path
@@ -182,3 +183,30 @@ def test_the_schedule_keys_mean_what_rl_and_verl_mean():
         assert [s for s in range(1, 8) if SFTDriver.save_at(driver, s)] == want
     with pytest.raises(ConfigError, match=r"trainer.log_freq=0 must be >= 1"):
         load_config(SFTConfig, None, ["trainer.log_freq=0"])
+
+
+def test_data_sizes_and_the_context_are_checked_at_load(tmp_path):
+    """SFT and RM ``data``: a micro-batch, token budget or length below 1 is refused at load
+    (they were accepted and failed inside the first step without the key, or, for
+    ``max_length=0`` with left truncation, kept whole sequences); a ``max_length`` past the
+    model's context is refused before any process group, naming both."""
+    from minihf.hub import init_model
+    from minihf.trainer.rm import RMConfig
+    from minihf.trainer.sft import check_paths
+
+    for cls in (SFTConfig, RMConfig):
+        for override, says in (("data.micro_batch_size_per_gpu=0", "data: micro-batch size 0 must be >= 1"),
+                               ("data.max_tokens_per_micro_batch=0", "data: max_tokens_per_micro_batch=0 must be >= 1"),
+                               ("data.max_length=0", "data: max_length=0 must be >= 1")):
+            with pytest.raises(ConfigError, match=re.escape(says)):
+                load_config(cls, None, [override])
+    model = init_model(tmp_path / "m", size="tiny", task="digits", max_position_embeddings=64)
+    (tmp_path / "train.jsonl").write_text('{"prompt": "1", "response": "2"}\n')
+    base = [f"model.path={model}", f"data.train_files={tmp_path}/train.jsonl",
+            f"trainer.default_local_dir={tmp_path}/run"]
+    check_paths(load_config(SFTConfig, None, base + ["data.max_length=64"]))
+    for cls in (SFTConfig, RMConfig):
+        with pytest.raises(ConfigError, match=re.escape("data.max_length=65 exceeds the model's context, "
+                                                        f"max_position_embeddings=64 (model.path={model}); "
+                                                        "set data.max_length to at most 64")):
+            check_paths(load_config(cls, None, base + ["data.max_length=65"]))

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
 from minihf.controller.config import ControllerConfig, refuse_tp
-from minihf.trainer.sft import SFTDriver, SFTTrainerConfig, check_paths, padded
+from minihf.trainer.sft import SFTDriver, SFTTrainerConfig, check_data_sizes, check_paths, padded
 from minihf.workers.config import FSDPConfig, ModelConfig
 from minihf.workers.optim import OptimConfig
 
@@ -35,9 +35,7 @@ class RMDataConfig:
     seed: int = 0                        # seed of the pair order
 
     def __post_init__(self):
-        if self.train_batch_size < 1 or self.val_batch_size < 1:
-            raise ValueError(f"train_batch_size={self.train_batch_size} and val_batch_size="
-                             f"{self.val_batch_size} must be >= 1")
+        check_data_sizes(self)
 
 
 @dataclass

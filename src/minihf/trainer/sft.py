@@ -21,6 +21,7 @@ from minihf.trainer.common import MetricsLog, check_run_dir, check_run_length, r
 from minihf.trainer.loop import RunLoop
 from minihf.workers.optim import OptimConfig
 from minihf.workers.config import FSDPConfig, ModelConfig
+from minihf.workers.section_checks import check_micro
 
 @dataclass
 class SFTDataConfig:
@@ -39,9 +40,18 @@ class SFTDataConfig:
     tools: list[str] = field(default_factory=list)  # tools the prompts offer (file.py:name or a built-in), as rollout.multi_turn.tools renders them
 
     def __post_init__(self):
-        if self.train_batch_size < 1 or self.val_batch_size < 1:
-            raise ValueError(f"train_batch_size={self.train_batch_size} and val_batch_size="
-                             f"{self.val_batch_size} must be >= 1")
+        check_data_sizes(self)
+
+
+def check_data_sizes(data) -> None:
+    """The sizes an SFT or RM ``data`` section shares: batches, the length, the micro-batches
+    (as the RL sections check theirs), so a bad one fails at load, not in the first step."""
+    if data.train_batch_size < 1 or data.val_batch_size < 1:
+        raise ValueError(f"train_batch_size={data.train_batch_size} and val_batch_size="
+                         f"{data.val_batch_size} must be >= 1")
+    if data.max_length < 1:
+        raise ValueError(f"max_length={data.max_length} must be >= 1 (tokens per example)")
+    check_micro(data.micro_batch_size_per_gpu, data.max_tokens_per_micro_batch)
 
 
 @dataclass
@@ -212,7 +222,8 @@ def sft_roles(cfg: SFTConfig) -> dict:
 
 
 def check_paths(cfg: SFTConfig) -> None:
-    """Fail before any process group exists if the model dir or a data file is missing."""
+    """Fail before any process group exists if the model dir or a data file is missing, or
+    if ``data.max_length`` is past the model's context."""
     from minihf.config import ConfigError
 
     model = Path(cfg.model.path)
@@ -221,6 +232,14 @@ def check_paths(cfg: SFTConfig) -> None:
             "does not exist" if not model.exists() else "has no config.json")
         raise ConfigError(f"model.path={cfg.model.path!r} {what} (relative paths are from {Path.cwd()}); "
                           "pass an HF checkpoint dir (make one offline with `minihf init-model DIR --task digits`)")
+    from minihf.models import load_args
+    from minihf.trainer.common import context_error
+
+    limit = load_args(model).max_position_embeddings
+    message = context_error(f"data.max_length={cfg.data.max_length}", cfg.data.max_length, limit,
+                            f"model.path={cfg.model.path}", f"set data.max_length to at most {limit}")
+    if message:  # past it the positions have no trained rotary angles
+        raise ConfigError(message)
     for key in ("train_files", "val_files"):
         files = getattr(cfg.data, key)
         for f in [files] if isinstance(files, str) else (files or []):

@@ -107,6 +107,27 @@ def test_aliases_that_do_not_explode_still_load_and_loops_are_refused(tmp_path):
         load_config(PPOJobConfig, bad)
 
 
+def test_a_key_twice_in_one_mapping_is_refused_naming_both_lines(tmp_path):
+    """PyYAML keeps the last of two equal keys: a second ``data:`` appended to a recipe threw
+    the first away without a word. Now one line naming the key and both lines; a merge key's
+    keys may still be overridden, and equal keys in different mappings are not duplicates."""
+    from minihf.config import ConfigError, load_config, parse_value
+    from minihf.trainer.ppo_job import PPOJobConfig
+    from minihf.utils.yaml_load import load_yaml
+
+    recipe = tmp_path / "twice.yaml"
+    recipe.write_text("base: grpo\ndata:\n  train_batch_size: 8\ntrainer:\n  total_training_steps: 2\n"
+                      "data:\n  max_response_length: 16\n")
+    code, out, err = cli("config", "show", recipe)
+    assert code != 0 and (f"recipe {recipe}: the key 'data' appears twice in one mapping (lines 2 and 6); YAML "
+                          "would keep only the second, so merge the two") in out + err, out + err
+    with pytest.raises(ConfigError, match=r"the key 'lr' appears twice in one mapping \(lines 1 and 1\)"):
+        parse_value("{lr: 1, lr: 2}")
+    assert load_yaml("a: &a {x: 1, y: 1}\nb:\n  <<: *a\n  x: 2\nc: [{k: 1}, {k: 2}]\n", "ok.yaml") == {
+        "a": {"x": 1, "y": 1}, "b": {"x": 2, "y": 1}, "c": [{"k": 1}, {"k": 2}]}
+    assert load_config(PPOJobConfig, "safe_rlhf").cost_critic is not None  # a shipped recipe with aliases
+
+
 # ---------------------------------------------------------------------------- launcher
 
 

@@ -1,6 +1,6 @@
 """Reading the YAML users write (recipes, ``key=value`` overrides, planner profiles): one loader.
 
-``load_yaml`` is PyYAML's safe loader (plain data: no Python objects, no code) with two
+``load_yaml`` is PyYAML's safe loader (plain data: no Python objects, no code) with these
 changes, and every YAML minihf reads from a user goes through it:
 
 * ``1e-6`` / ``3E5`` read as floats, as YAML 1.2 reads them (PyYAML's YAML 1.1 reads
@@ -19,7 +19,8 @@ changes, and every YAML minihf reads from a user goes through it:
 * the text may not be longer than ``MAX_BYTES``. PyYAML parses in pure Python (~15 us a
   byte here), so the node count above comes only after the whole parse: a 4.5 MB recipe
   took over a minute to refuse. A file's size is known before it is read, and one over
-  the bound is refused at once; minihf's recipes and profiles are a few KB.
+  the bound is refused at once; minihf's recipes and profiles are a few KB;
+* a key may appear once in a mapping (PyYAML keeps the last of two silently).
 
 Errors are ``YAMLInputError`` (a ``ValueError``), one line naming the file (or the value)
 and what to change, never PyYAML's multi-line report.
@@ -90,6 +91,33 @@ def expanded_size(root: yaml.Node, cap: int = MAX_NODES) -> int:
     return size(root)
 
 
+def duplicate_key(root: yaml.Node) -> tuple[str, int, int] | None:
+    """The first key that appears twice in one mapping of ``root`` (PyYAML keeps the last and
+    drops the first without a word: a second ``data:`` section appended to a recipe replaced
+    the first), with the lines of both; None when there is none. A merge key (``<<``) is not a
+    duplicate of the keys it brings in: overriding those is what it is for."""
+    seen_nodes: set[int] = set()
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen_nodes or not isinstance(node, (yaml.SequenceNode, yaml.MappingNode)):
+            continue
+        seen_nodes.add(id(node))
+        if isinstance(node, yaml.SequenceNode):
+            stack.extend(node.value)
+            continue
+        first: dict[tuple[str, str], int] = {}
+        for key, value in node.value:
+            stack.append(value)
+            if not isinstance(key, yaml.ScalarNode) or key.tag == "tag:yaml.org,2002:merge":
+                continue
+            line = key.start_mark.line + 1
+            if (key.tag, key.value) in first:
+                return key.value, first[(key.tag, key.value)], line
+            first[(key.tag, key.value)] = line
+    return None
+
+
 def load_yaml(text: str, where: str) -> Any:
     """The data of YAML ``text``; ``where`` names it in errors (e.g. ``recipe /path/x.yaml``)."""
     if len(text) > MAX_BYTES:
@@ -110,6 +138,11 @@ def load_yaml(text: str, where: str) -> Any:
                 f"{where}: its aliases (*name) expand to more than {MAX_NODES:,} values (a config has a few "
                 "hundred; aliases nested in aliases multiply, the \"billion laughs\" pattern); write the "
                 "values out, or use each alias once", "aliases expand to too many values")
+        twice = duplicate_key(node)
+        if twice:
+            key, a, b = twice
+            raise YAMLInputError(f"{where}: the key {key!r} appears twice in one mapping (lines {a} and {b}); "
+                                 "YAML would keep only the second, so merge the two", f"duplicate key {key!r}")
         return loader.construct_document(node)
     except yaml.YAMLError as e:
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]

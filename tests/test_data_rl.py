@@ -107,6 +107,25 @@ def test_missing_and_unsupported_files(tmp_path):
         RLDataset(tmp_path / "x.parquet", TOK)
 
 
+def test_text_that_is_not_utf8_and_empty_prompts_name_the_file(tmp_path):
+    """A file that is not UTF-8 names the file and the line (the decoder's own offset is into
+    a chunk of the file); a byte-order mark is fine. A prompt empty once tokenised is refused
+    naming the row (the engine refused it later, at the first generation, without the row)."""
+    good = b'{"data_source": "d", "prompt": "1"}\n'
+    for suffix in ("jsonl", "json"):
+        path = tmp_path / f"latin.{suffix}"
+        path.write_bytes(good * 3000 + b'{"data_source": "d", "prompt": "1\xff"}\n')
+        with pytest.raises(DataFileError, match=rf"data file {path} is not UTF-8 text \(line 3001, byte 34: "
+                                                r"invalid start byte\); save it as UTF-8"):
+            RLDataset(path, TOK)
+        path.write_bytes(b"\xef\xbb\xbf" + good * 2)
+        assert len(RLDataset(path, TOK)) == 2
+    path = write_rows([row("1"), {**row(""), "prompt": ""}], tmp_path / "empty.jsonl")
+    assert RLDataset(path, TOK).input_ids[1]  # the chat template's tokens
+    with pytest.raises(DataFileError, match=rf"data file {path}, row 1: the prompt is empty once tokenised"):
+        RLDataset(path, TOK, apply_chat_template=False)
+
+
 def test_several_files_concatenate(tmp_path):
     a = write_rows(ROWS[:2], tmp_path / "a.parquet")
     b = write_rows([row("5+5=", source="other")], tmp_path / "b.jsonl")

@@ -35,18 +35,12 @@ def read_rows(path: str | Path) -> list[dict]:
             rows = (pq.read_table(path) if path.is_dir() else pq.ParquetFile(path).read()).to_pylist()
         except Exception as exc:  # pyarrow raises several types for corrupt files
             raise DataFileError(f"data file {path} is not a readable parquet file: {exc}") from exc
-    elif suffix == ".jsonl":
-        rows = _read_jsonl(path)
-    elif suffix == ".json":
-        text = path.read_text()
+    elif suffix in (".jsonl", ".json"):
         try:
-            data = json.loads(text) if text.strip() else []
-        except json.JSONDecodeError:
-            rows = _read_jsonl(path)  # many ".json" files are really JSON lines
-        else:
-            if not isinstance(data, list):
-                raise DataFileError(f"data file {path}: a .json file must hold a list of row objects, got {type(data).__name__}")
-            rows = data
+            rows = _read_json(path) if suffix == ".json" else _read_jsonl(path)
+        except UnicodeDecodeError:  # JSON is UTF-8 (a byte-order mark allowed)
+            raise DataFileError(f"data file {path} is not UTF-8 text ({_first_non_utf8(path)}); "
+                                "save it as UTF-8") from None
     else:
         raise DataFileError(f"data file {path}: unsupported suffix {suffix!r}; use one of {', '.join(SUFFIXES)}")
     if not rows:
@@ -57,9 +51,32 @@ def read_rows(path: str | Path) -> list[dict]:
     return rows
 
 
+def _first_non_utf8(path: Path) -> str:
+    """Where a file stops being UTF-8: its line and byte column (the decoder's own offset is
+    into a chunk, not the file)."""
+    with open(path, "rb") as f:
+        for line_no, line in enumerate(f, start=1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                return f"line {line_no}, byte {exc.start + 1}: {exc.reason}"
+    return "a multi-byte character cut at the end"
+
+
+def _read_json(path: Path) -> list:
+    text = path.read_text(encoding="utf-8-sig")
+    try:
+        data = json.loads(text) if text.strip() else []
+    except json.JSONDecodeError:
+        return _read_jsonl(path)  # many ".json" files are really JSON lines
+    if not isinstance(data, list):
+        raise DataFileError(f"data file {path}: a .json file must hold a list of row objects, got {type(data).__name__}")
+    return data
+
+
 def _read_jsonl(path: Path) -> list[dict]:
     rows = []
-    with open(path) as f:
+    with open(path, encoding="utf-8-sig") as f:
         for line_no, line in enumerate(f, start=1):
             if not line.strip():
                 continue

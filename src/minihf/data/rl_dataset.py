@@ -146,6 +146,9 @@ class RLDataset:
         self.input_ids: list[list[int]] = []
         self.records: list[dict] = []
         for where, msgs, rec, ids in zip(wheres, messages, records, all_ids):
+            if not len(ids):  # the engine needs a token to start from
+                raise DataFileError(f"{where}: the prompt is empty once tokenised (generation needs a "
+                                    "token to start from); give the row a prompt, or drop it")
             ids = fit_length(list(ids), max_prompt_length, truncation, where, "max_prompt_length")
             if ids is None:
                 continue

@@ -99,6 +99,26 @@ def test_same_seed_same_tokens_regardless_of_batch():
     assert other.tolist() != full.tolist()
 
 
+def test_a_row_draws_the_same_token_whatever_its_batch_mates_truncate():
+    """The same seed gives the same token beside rows that use top-k / top-p as beside rows
+    that do not: the draw is made in vocabulary order in both cases (it was made in sorted
+    order as soon as any row truncated, so a plain row's token changed with its batch-mates)."""
+    torch.manual_seed(0)
+    logits = torch.randn(64, 500)
+    plain = SamplingParams(temperature=1.0, seed=1)
+    keys = [sequence_key(i, 0) for i in range(64)]
+    steps = torch.arange(64)
+    alone, alone_logp = sample(logits, RowParams.build([plain] * 64, keys, "cpu"), steps)
+    for mate in (SamplingParams(top_k=10), SamplingParams(top_p=0.5), SamplingParams(top_k=500, top_p=0.9)):
+        mixed = [plain if i % 2 else mate for i in range(64)]
+        tok, logp = sample(logits, RowParams.build(mixed, keys, "cpu"), steps)
+        assert tok[1::2].tolist() == alone[1::2].tolist(), mate
+        assert torch.equal(logp[1::2], alone_logp[1::2])
+        kept = logits[0::2].argsort(-1, descending=True)[:, :10]  # top-k 10 draws among the 10 largest
+        if mate.top_k == 10:
+            assert all(t in row for t, row in zip(tok[0::2].tolist(), kept.tolist()))
+
+
 def test_uniforms_look_uniform():
     u = uniforms(torch.full((1,), sequence_key(7, 0)), torch.arange(50000))
     assert 0 <= u.min() and u.max() < 1

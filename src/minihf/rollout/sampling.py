@@ -163,21 +163,21 @@ def sample(logits: torch.Tensor, rows: RowParams, steps: torch.Tensor) -> tuple[
         return greedy_tok, logp.gather(1, greedy_tok[:, None]).squeeze(1)
     logp = torch.log_softmax(_scaled(logits, rows), dim=-1)  # [B, V]
     u = uniforms(rows.keys, steps)  # [B] float64
+    probs = logp.exp()
     if rows.truncate:
-        sorted_logp, order = logp.sort(dim=-1, descending=True, stable=True)  # [B, V]
-        probs = sorted_logp.exp()
+        # the kept set is found in sorted order, and the draw is made in vocabulary order: a
+        # row that truncates nothing then draws from exactly the probabilities it would draw
+        # from in a batch where no row truncates (the same seed, the same token)
+        sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)  # [B, V]
         vocab = logits.shape[-1]
         k = torch.where(rows.top_k > 0, rows.top_k.clamp(max=vocab), torch.full_like(rows.top_k, vocab))
         ranks = torch.arange(vocab, device=logits.device)
-        probs = probs * (ranks[None, :] < k[:, None])
-        before = probs.cumsum(-1) - probs  # mass strictly before each sorted token
-        keep = before < rows.top_p[:, None] * probs.sum(-1, keepdim=True)
-        probs = probs * keep
-    else:
-        probs, order = logp.exp(), None
-    idx = inverse_cdf(probs, u)
-    tok = order.gather(1, idx[:, None]).squeeze(1) if order is not None else idx
-    tok = torch.where(rows.temperature > 0, tok, greedy_tok)
+        top = sorted_probs * (ranks[None, :] < k[:, None])
+        before = top.cumsum(-1) - top  # mass strictly before each sorted token
+        keep = (ranks[None, :] < k[:, None]) & ((before < rows.top_p[:, None] * top.sum(-1, keepdim=True))
+                                                | (rows.top_p[:, None] >= 1.0))
+        probs = probs * torch.zeros_like(keep).scatter_(1, order, keep)
+    tok = torch.where(rows.temperature > 0, inverse_cdf(probs, u), greedy_tok)
     return tok, logp.gather(1, tok[:, None]).squeeze(1)
 
 

@@ -1,6 +1,8 @@
 """Rollout engine vs references: transformers greedy generate, the training forward's
 log-probs, each request run alone (continuous batching), fixed seeds."""
 
+import re
+
 import pytest
 import torch
 
@@ -102,7 +104,7 @@ def test_logprobs_match_training_forward(tiny_dirs):
                          ids=["greedy", "sampled"])
 def test_batch_invariance(tiny_dirs, sp):
     """A request's tokens and log-probs do not depend on what shares its decode batch: alone
-    vs among 1, 7 and 64 other requests (other prompts, lengths and seeds), the tokens are
+    vs among 1, 7 and 64 other requests (other prompts, lengths, seeds, top-k), the tokens are
     identical and the log-probs within the rounding bound of each other (the batch changes
     the GEMM shapes, so the summation order, not the result beyond rounding)."""
     path, _ = tiny_dirs["llama"]
@@ -116,8 +118,8 @@ def test_batch_invariance(tiny_dirs, sp):
     for others in (1, 7, 64):
         lens = torch.randint(1, 20, (others,), generator=g).tolist()
         batch = [torch.randint(1, 100, (n,), generator=g).tolist() for n in lens]
-        params = [SamplingParams(temperature=1.0, max_tokens=int(m), seed=100 + i)
-                  for i, m in enumerate(torch.randint(1, 16, (others,), generator=g))]
+        params = [SamplingParams(temperature=1.0, max_tokens=int(m), seed=100 + i, top_k=20 if i % 2 else -1)
+                  for i, m in enumerate(torch.randint(1, 16, (others,), generator=g))]  # some truncate
         at = others // 2
         outs = llm.generate(batch[:at] + [prompt] + batch[at:], params[:at] + [sp] + params[at:])
         got = outs[at].outputs[0]
@@ -225,6 +227,24 @@ def test_out_of_vocab_prompt_is_rejected(tiny_dirs):
             llm.generate([prompt], SamplingParams(max_tokens=2))
     out = llm.generate([torch.tensor([1, 2, 3])], SamplingParams(max_tokens=2))  # a tensor still works
     assert len(out[0].outputs[0].token_ids) == 2
+
+
+def test_bad_engine_sizes_and_a_dtype_that_would_be_ignored_are_refused(tiny_dirs):
+    """``LLM``'s sizes are ints >= 1 (or None where a default exists): a 0 was read as unset,
+    a negative ``max_num_batched_tokens`` with chunked prefill hung, a negative
+    ``max_num_seqs`` failed inside torch. A ``dtype`` other than an in-memory model's was
+    ignored; now it is refused."""
+    path = str(tiny_dirs["llama"][0])
+    for kw, says in ((dict(max_num_batched_tokens=-1, enable_chunked_prefill=True), "max_num_batched_tokens=-1 must"),
+                     (dict(max_num_batched_tokens=0), "max_num_batched_tokens=0 must be an int >= 1, or None"),
+                     (dict(max_model_len=0), "max_model_len=0 must be an int >= 1, or None for the default"),
+                     (dict(max_num_seqs=-1), "max_num_seqs=-1 must be an int >= 1")):
+        with pytest.raises(ValueError, match=re.escape(says)):
+            LLM(path, **kw)
+    model = load_hf(path)
+    with pytest.raises(ValueError, match=r"dtype=torch.bfloat16 but the model passed in is torch.float32; convert"):
+        LLM(model, dtype=torch.bfloat16)
+    assert LLM(model, dtype=torch.float32).generate([[1, 2]], SamplingParams(max_tokens=2))
 
 
 def test_memory_budget_and_free(tiny_dirs):

@@ -65,6 +65,18 @@ class TurnHandler(Protocol):
 SEQ_STRIDE = 1_000_003  # seq_id = prompt index * SEQ_STRIDE + sample index
 
 
+def check_sizes(**sizes: int | None) -> None:
+    """Each size an int >= 1; ``max_num_seqs`` required, the others None for the default
+    (the model's context, no cap). A 0 read as "unset" and a negative hung or failed inside
+    torch; ``RolloutConfig`` checks the same keys for the trainer's engine."""
+    for name, value in sizes.items():
+        if value is None and name != "max_num_seqs":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            unset = "" if name == "max_num_seqs" else ", or None for the default"
+            raise ValueError(f"{name}={value!r} must be an int >= 1{unset}")
+
+
 class Engine:
     """Runs generation for one model (possibly TP-sharded) with a slot KV cache.
 
@@ -85,6 +97,8 @@ class Engine:
                  cpu_column_major: bool = True, enforce_eager: bool = False,
                  cudagraph_capture_sizes: list[int] | None = None, decode: str | None = None,
                  enable_chunked_prefill: bool = False, record_routes: bool = False):
+        check_sizes(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                    max_num_batched_tokens=max_num_batched_tokens)
         if decode is None:  # tests and benchmarks name the decode mode; users say enforce_eager
             target = torch.device(device) if device is not None else next(model.parameters()).device
             decode = "graph" if target.type == "cuda" and not enforce_eager else "eager"

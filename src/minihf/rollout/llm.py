@@ -108,6 +108,11 @@ class LLM:
                 device = f"cuda:{torch.cuda.current_device()}"
             else:
                 device = "cuda" if torch.cuda.is_available() else "cpu"
+        if dtype is not None and not isinstance(model, (str, Path)):
+            have = next(model.parameters()).dtype
+            if have != dtype:  # it was ignored: dtype applies to a model this class loads
+                raise ValueError(f"dtype={dtype} but the model passed in is {have}; convert it first "
+                                 f"(model.to({dtype})), or pass its checkpoint dir to load it in {dtype}")
         if dtype is None:
             dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
         if isinstance(model, (str, Path)):

@@ -90,8 +90,10 @@ def test_a_run_dir_that_cannot_be_resolved_or_created_is_one_line(root, tmp_path
     # through `minihf sft`: one line, exit 2, before any job starts
     base = ["sft", "sft_digits", f"model.path={root / 'm'}", f"data.train_files={root / 'data' / 'train.parquet'}",
             f"data.val_files={root / 'data' / 'test.parquet'}", "data.train_batch_size=8",
-            "trainer.total_training_steps=1"]
+            "trainer.total_training_steps=1", f"data.max_length={CONTEXT}"]  # the recipe's 128 is past the context
     refused(*run(*base, f"{key}={tmp_path / 'loopA'}"), "cannot be resolved", "Symlink loop")
+    refused(*run(*base[:-1], f"{key}={tmp_path / 'new'}"),
+            f"data.max_length=128 exceeds the model's context, max_position_embeddings={CONTEXT}")
     refused(*run(*base, f"{key}=/proc/minihf_run"), "making an entry in /proc fails")
 
 

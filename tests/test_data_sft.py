@@ -81,3 +81,30 @@ def test_task_files_train_on_reference_answers(tmp_path):
     for i, r in enumerate(rows):
         learned = [t for t, m in zip(ds[i]["input_ids"], ds[i]["loss_mask"]) if m]
         assert learned == _ids(r["extra_info"]["answer"]) + [TOK.eos_token_id]
+
+
+def test_characters_outside_the_vocabulary_are_refused_naming_the_row(tmp_path):
+    """A character tokenizer encodes an unknown character as ``<unk>``: RL prompts, SFT
+    examples and RM pairs holding one were trained on silently (an SFT response of four
+    ``<unk>``); now the row is named, and ``allow_unk`` lets it through."""
+    from minihf.data.rl_dataset import RLDataset
+    from minihf.data.sft_dataset import PairDataset
+
+    rl = write_rows([{"data_source": "d", "prompt": "1+2="}, {"data_source": "d", "prompt": "What is 1+2?"}],
+                    tmp_path / "rl.jsonl")
+    with pytest.raises(DataFileError, match=rf"{rl}, row 1: the prompt has characters outside the model's vocabulary: "
+                                            r"\[' ', '\?', 'W', 'a', 'h', 'i', 's', 't'\] \(they would all become '<unk>'\)"):
+        RLDataset(rl, TOK)
+    assert len(RLDataset(rl, TOK, allow_unk=True)) == 2
+    sft = write_rows([{"prompt": "1+2=", "response": "3"}, {"prompt": "1+2=", "response": "three"}],
+                     tmp_path / "sft.jsonl")
+    with pytest.raises(DataFileError, match=rf"{sft}, row 1: the example has characters outside .*\['e', 'h', 'r', 't'\]"):
+        SFTDataset(sft, TOK)
+    assert TOK.unk_token_id in SFTDataset(sft, TOK, allow_unk=True).input_ids[1]
+    pairs = write_rows([{"prompt": "1+2=", "chosen": "3", "rejected": "4"},
+                        {"prompt": "1+2=", "chosen": "3", "rejected": "4?"}], tmp_path / "pairs.jsonl")
+    with pytest.raises(DataFileError, match=rf"{pairs}, row 1 \(rejected\): the pair has characters outside .*\['\?'\]"):
+        PairDataset(pairs, TOK)
+    assert len(PairDataset(pairs, TOK, allow_unk=True)) == 2
+    spelled = write_rows([{"prompt": "1+<unk>=", "response": "3"}], tmp_path / "spelled.jsonl")
+    assert len(SFTDataset(spelled, TOK)) == 1  # the text asks for the unknown token itself

@@ -116,17 +116,29 @@ def left_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> dict[str, torch.Tens
     return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
 
 
+def refuse_unknown_chars(tok, texts, what: str) -> None:
+    """A data file's characters that would all become the unknown token are an error naming
+    the row (:func:`minihf.data.tokenizer.unknown_chars_error`), not silently trained on."""
+    from minihf.data.tokenizer import unknown_chars_error
+
+    message = unknown_chars_error(tok, texts, what, "remove them, use a model whose tokenizer has them, or let them through "
+                                  "(data.allow_unk=true in training)")
+    if message:
+        raise DataFileError(message)
+
+
 class RLDataset:
     """Prompts of one or more verl-format files, tokenised and length-checked at build time.
 
     ``truncation``: ``error`` (raise naming the row), ``left``/``right`` (keep the last/first
     ``max_prompt_length`` tokens) or ``filter`` (drop long rows; ``num_filtered`` says how
-    many, and it is logged).
+    many, and it is logged). ``allow_unk``: keep prompts with characters the tokenizer can
+    only encode as its unknown token (refused by default, naming the row).
     """
 
     def __init__(self, files: str | Path | Sequence[str | Path], tokenizer, max_prompt_length: int = 512,
                  truncation: str = "error", apply_chat_template: bool = True, prompt_key: str = "prompt",
-                 renderer=None):
+                 renderer=None, allow_unk: bool = False):
         check_truncation(truncation)
         self.tokenizer, self.max_prompt_length, self.truncation = tokenizer, max_prompt_length, truncation
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -142,6 +154,9 @@ class RLDataset:
             messages.append(to_messages(row[prompt_key], where))
             records.append(self._record(row, where))
         wheres = [f"data file {path}, row {i}" for path, i, _ in entries]
+        if not allow_unk:
+            refuse_unknown_chars(tokenizer, [(w, m["content"]) for w, msgs in zip(wheres, messages) for m in msgs],
+                                 "prompt")
         all_ids = render_prompts(tokenizer, messages, apply_chat_template, wheres, renderer)
         self.input_ids: list[list[int]] = []
         self.records: list[dict] = []

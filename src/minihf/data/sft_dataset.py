@@ -17,7 +17,7 @@ from typing import Sequence
 import torch
 
 from minihf.data.files import DataFileError, describe, read_many
-from minihf.data.rl_dataset import check_truncation, fit_length, to_messages
+from minihf.data.rl_dataset import check_truncation, fit_length, refuse_unknown_chars, to_messages
 from minihf.protocol import Batch
 
 logger = logging.getLogger(__name__)
@@ -65,11 +65,13 @@ class SFTDataset:
     ``filter`` (drop the row; counted in ``num_filtered``). Rows whose truncated form has no
     response token left are an error in every mode. ``response_key`` may be a dotted path
     into a dict column: ``"extra_info.answer"`` trains on the reference answers that
-    ``minihf make-data`` writes, straight from the RL files.
+    ``minihf make-data`` writes, straight from the RL files. ``allow_unk``: keep rows with
+    characters the tokenizer can only encode as its unknown token (refused by default).
     """
 
     def __init__(self, files: str | Path | Sequence[str | Path], tokenizer, max_length: int = 1024,
-                 truncation: str = "error", response_key: str = "response", renderer=None):
+                 truncation: str = "error", response_key: str = "response", renderer=None,
+                 allow_unk: bool = False):
         check_truncation(truncation)
         self.response_key = response_key
         if tokenizer.chat_template is None:
@@ -78,9 +80,12 @@ class SFTDataset:
         self.input_ids: list[list[int]] = []
         self.loss_mask: list[list[int]] = []
         entries = read_many(files)
-        for path, i, row in entries:
-            where = f"data file {path}, row {i}"
-            ids, mask = tokenize_conversation(tokenizer, self._messages(row, where), where, renderer)
+        chats = [(f"data file {path}, row {i}", self._messages(row, f"data file {path}, row {i}"))
+                 for path, i, row in entries]
+        if not allow_unk:
+            refuse_unknown_chars(tokenizer, [(where, m["content"]) for where, msgs in chats for m in msgs], "example")
+        for where, messages in chats:
+            ids, mask = tokenize_conversation(tokenizer, messages, where, renderer)
             kept = fit_length(list(zip(ids, mask)), max_length, truncation, where, "max_length")
             if kept is None:
                 continue
@@ -142,7 +147,7 @@ class PairDataset:
     SIDES = ("chosen", "rejected")
 
     def __init__(self, files: str | Path | Sequence[str | Path], tokenizer, max_length: int = 1024,
-                 truncation: str = "error"):
+                 truncation: str = "error", allow_unk: bool = False):
         check_truncation(truncation)
         if tokenizer.chat_template is None:
             raise ValueError("PairDataset needs a tokenizer with a chat_template (see minihf.data.tokenizer)")
@@ -150,6 +155,7 @@ class PairDataset:
         self.ids: dict[str, list[list[int]]] = {side: [] for side in self.SIDES}
         self.signs: dict[str, list[int]] = {side: [] for side in self.SIDES}
         entries = read_many(files)
+        texts: list[tuple[str, str]] = []  # checked for unknown characters once, at the end
         for path, i, row in entries:
             where = f"data file {path}, row {i}"
             missing = [c for c in ("prompt",) + self.SIDES if c not in row]
@@ -162,6 +168,8 @@ class PairDataset:
             for side in self.SIDES:
                 if not isinstance(row[side], str):
                     raise DataFileError(f"{where}, column {side!r}: expected a string, got {describe(row[side])}")
+            texts += [(where, m["content"]) for m in prompt] + [(f"{where} ({s})", row[s]) for s in self.SIDES]
+            for side in self.SIDES:
                 ids, _ = tokenize_conversation(tokenizer, prompt + [{"role": "assistant", "content": row[side]}],
                                                where)
                 sides[side] = fit_length(ids, max_length, truncation, f"{where} ({side})", "max_length")
@@ -171,6 +179,8 @@ class PairDataset:
             for side in self.SIDES:
                 self.ids[side].append(sides[side])
                 self.signs[side].append(signs[side])
+        if not allow_unk:
+            refuse_unknown_chars(tokenizer, texts, "pair")
         self.num_filtered = len(entries) - len(self.ids["chosen"])
         if self.num_filtered:
             logger.warning("PairDataset: filtered out %d of %d pairs longer than max_length=%d",

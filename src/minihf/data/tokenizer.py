@@ -344,3 +344,19 @@ def chars_outside_vocab(tok, chars) -> set[str]:
     if unk is None:
         return set()
     return {c for c in set(chars) if unk in tok(c, add_special_tokens=False)["input_ids"]}
+
+
+def unknown_chars_error(tok, texts, what: str, fix: str) -> str | None:
+    """The message for the first ``(where, text)`` of ``texts`` (each a ``what``: a prompt,
+    an example) holding characters ``tok`` can only encode as its unknown token (a character
+    tokenizer's; byte-level BPE has none), naming them and ``fix``; None when every text
+    encodes. A text that holds the unknown
+    token's own string is let through (it asks for that token)."""
+    texts = list(texts)
+    unknown = chars_outside_vocab(tok, {c for _, text in texts for c in text})
+    for where, text in texts if unknown else []:
+        bad = sorted(unknown & set(text)) if not (tok.unk_token and tok.unk_token in text) else []
+        if bad:
+            return (f"{where}: the {what} has characters outside the model's vocabulary: {bad} (they would "
+                    f"all become {tok.unk_token!r}); {fix}")
+    return None

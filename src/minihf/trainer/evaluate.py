@@ -111,7 +111,7 @@ def _evaluate(model_dir: Path, files, cfg: EvalConfig, model_name: str | None = 
     tok = load_tokenizer(model_dir)
     try:
         ds = RLDataset(files, tok, max_prompt_length=cfg.max_prompt_length,
-                       apply_chat_template=cfg.apply_chat_template)
+                       apply_chat_template=cfg.apply_chat_template, allow_unk=True)  # check_prompts: eval's wording
     except ValueError as exc:
         raise _template_error(exc, model_dir, model_name) from None
     wheres = [f"data file {path}, row {i}" for path, i, _ in read_many(files)]  # eval filters no row
@@ -153,17 +153,14 @@ def check_prompts(ds, wheres: Sequence[str], tok, cfg: EvalConfig) -> None:
     vocabulary (they would all be scored as the unknown token; ``minihf generate`` refuses
     them too; ``allow_unk`` lets them through) and, scored by the built-in rewards, a row
     with no ground truth (no ``reward_model`` column, or ``ground_truth: null``)."""
-    from minihf.data.tokenizer import chars_outside_vocab
+    from minihf.data.tokenizer import unknown_chars_error
 
-    unknown: set[str] = set()
-    if not cfg.allow_unk:
-        unknown = chars_outside_vocab(tok, {c for rec in ds.records for m in rec["raw_prompt"] for c in m["content"]})
+    message = None if cfg.allow_unk else unknown_chars_error(
+        tok, [(where, "".join(m["content"] for m in rec["raw_prompt"])) for where, rec in zip(wheres, ds.records)],
+        "prompt", "remove them, or pass --allow-unk")
+    if message:
+        raise ValueError(message)
     for where, rec in zip(wheres, ds.records):
-        text = "".join(m["content"] for m in rec["raw_prompt"])
-        bad = sorted(unknown & set(text)) if not (tok.unk_token and tok.unk_token in text) else []
-        if bad:
-            raise ValueError(f"{where}: the prompt has characters outside the model's vocabulary: {bad} "
-                             f"(they would all become {tok.unk_token!r}); remove them, or pass --allow-unk")
         if cfg.reward is None and rec["ground_truth"] is None:
             from minihf.data.files import DataFileError
 

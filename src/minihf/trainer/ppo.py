@@ -74,7 +74,7 @@ class PPOTrainer(RunLoop):
         tok = load_tokenizer(cfg.actor_rollout_ref.model.path, padding_side="left")
         mt = cfg.actor_rollout_ref.rollout.multi_turn  # with tools: prompts carry their schemas
         kw = dict(max_prompt_length=d.max_prompt_length, truncation=d.truncation,
-                  apply_chat_template=d.apply_chat_template, prompt_key=d.prompt_key,
+                  apply_chat_template=d.apply_chat_template, prompt_key=d.prompt_key, allow_unk=d.allow_unk,
                   renderer=tool_renderer(tok, mt.tools) if mt.enable and mt.tools else None)
         train = RLDataset(d.train_files, tok, **kw)
         self.val = RLDataset(d.val_files, tok, **kw) if d.val_files else None

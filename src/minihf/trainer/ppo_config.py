@@ -41,6 +41,7 @@ class DataConfig:
     # a too-long prompt: error, keep its left/right part, or drop it (filter)
     truncation: Literal["error", "left", "right", "filter"] = "error"
     apply_chat_template: bool = True     # format chat-message prompts with the tokenizer's template
+    allow_unk: bool = False              # keep prompts with characters the tokenizer can only encode as its unknown token (a character tokenizer's); false: refused naming the row
     shuffle: bool = True                 # reshuffle the prompts every epoch
     seed: int = 0                        # seed of the prompt order
 

@@ -33,6 +33,7 @@ class RMDataConfig:
     val_batch_size: int = 64             # pairs per validation batch
     shuffle: bool = True                 # reshuffle every epoch
     seed: int = 0                        # seed of the pair order
+    allow_unk: bool = False              # keep pairs with characters the tokenizer can only encode as its unknown token; false: refused naming the row
 
     def __post_init__(self):
         check_data_sizes(self)
@@ -66,7 +67,7 @@ class RMDriver(SFTDriver):
         from minihf.data import PairDataset
 
         d = self.cfg.data
-        return PairDataset(files, tokenizer, max_length=d.max_length, truncation=d.truncation)
+        return PairDataset(files, tokenizer, max_length=d.max_length, truncation=d.truncation, allow_unk=d.allow_unk)
 
     def validate(self, step: int = 0) -> dict[str, float]:
         if self.val is None:

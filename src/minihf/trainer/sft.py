@@ -37,6 +37,7 @@ class SFTDataConfig:
     val_batch_size: int = 64             # examples per validation batch
     shuffle: bool = True                 # reshuffle every epoch
     seed: int = 0                        # seed of the example order
+    allow_unk: bool = False              # keep rows with characters the tokenizer can only encode as its unknown token; false: refused naming the row
     tools: list[str] = field(default_factory=list)  # tools the prompts offer (file.py:name or a built-in), as rollout.multi_turn.tools renders them
 
     def __post_init__(self):
@@ -134,7 +135,7 @@ class SFTDriver(RunLoop):
             from minihf.multi_turn.loop import tool_renderer
             renderer = tool_renderer(tokenizer, d.tools)
         return SFTDataset(files, tokenizer, max_length=d.max_length, truncation=d.truncation,
-                          response_key=d.response_key, renderer=renderer)
+                          response_key=d.response_key, renderer=renderer, allow_unk=d.allow_unk)
 
     def validate(self, step: int = 0) -> dict[str, float]:
         if self.val is None:

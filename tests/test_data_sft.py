@@ -108,3 +108,5 @@ def test_characters_outside_the_vocabulary_are_refused_naming_the_row(tmp_path):
     assert len(PairDataset(pairs, TOK, allow_unk=True)) == 2
     spelled = write_rows([{"prompt": "1+<unk>=", "response": "3"}], tmp_path / "spelled.jsonl")
     assert len(SFTDataset(spelled, TOK)) == 1  # the text asks for the unknown token itself
+    added = write_rows([{"prompt": "1+2=", "response": "3<eos>"}], tmp_path / "added.jsonl")
+    assert len(SFTDataset(added, TOK)) == 1  # an added token is one token, not '<', 'e', ...

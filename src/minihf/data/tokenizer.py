@@ -350,12 +350,23 @@ def unknown_chars_error(tok, texts, what: str, fix: str) -> str | None:
     """The message for the first ``(where, text)`` of ``texts`` (each a ``what``: a prompt,
     an example) holding characters ``tok`` can only encode as its unknown token (a character
     tokenizer's; byte-level BPE has none), naming them and ``fix``; None when every text
-    encodes. A text that holds the unknown
-    token's own string is let through (it asks for that token)."""
-    texts = list(texts)
+    encodes. The tokenizer's added tokens (``<tool_call>``) are whole tokens, not their
+    characters; a text that holds the unknown token's own string is let through (it asks for
+    that token)."""
+    if tok.unk_token_id is None:
+        return None
+    added = sorted(tok.get_added_vocab(), key=len, reverse=True)
+
+    def plain(text: str) -> str:
+        for token in added:
+            text = text.replace(token, "")
+        return text
+
+    texts = [(where, plain(text)) for where, text in texts
+             if not (tok.unk_token and tok.unk_token in text)]
     unknown = chars_outside_vocab(tok, {c for _, text in texts for c in text})
     for where, text in texts if unknown else []:
-        bad = sorted(unknown & set(text)) if not (tok.unk_token and tok.unk_token in text) else []
+        bad = sorted(unknown & set(text))
         if bad:
             return (f"{where}: the {what} has characters outside the model's vocabulary: {bad} (they would "
                     f"all become {tok.unk_token!r}); {fix}")

@@ -210,3 +210,28 @@ def test_data_sizes_and_the_context_are_checked_at_load(tmp_path):
                                                         f"max_position_embeddings=64 (model.path={model}); "
                                                         "set data.max_length to at most 64")):
             check_paths(load_config(cls, None, base + ["data.max_length=65"]))
+
+
+def test_a_tokenizer_past_the_models_vocabulary_is_refused_before_training(tmp_path):
+    """Another model's tokenizer files (more tokens than config.json's ``vocab_size``):
+    SFT and RM refuse the data's first id past the embedding, naming both, before any step
+    (it was an IndexError inside ``F.embedding``, a device assert on CUDA)."""
+    import shutil
+
+    from minihf.hub import init_model
+    from minihf.trainer.rm import RMConfig, RMDriver
+
+    model = init_model(tmp_path / "m", size="tiny", task="digits")
+    other = init_model(tmp_path / "other", size="tiny", task="chat_arith")
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        if (other / f).exists():
+            shutil.copy(other / f, model / f)
+    (tmp_path / "sft.jsonl").write_text('{"prompt": "What is 1+2?", "response": "3"}\n')
+    (tmp_path / "pairs.jsonl").write_text('{"prompt": "What is 1+2?", "chosen": "3", "rejected": "4"}\n')
+    says = (r"data .*{}: token id \d+ \('.*'\) is past the model's vocabulary of \d+ \(vocab_size in "
+            rf"{model}/config.json\); the tokenizer \(\d+ tokens\) is not this model's")
+    for cls, driver, data in ((SFTConfig, SFTDriver, "sft.jsonl"), (RMConfig, RMDriver, "pairs.jsonl")):
+        cfg = load_config(cls, None, [f"model.path={model}", f"data.train_files={tmp_path / data}",
+                                      "data.train_batch_size=1", f"trainer.default_local_dir={tmp_path / 'run'}"])
+        with pytest.raises(ValueError, match=says.format(re.escape(data))):
+            driver(cfg, SimpleNamespace(dp_size=1))

@@ -86,6 +86,20 @@ def context_error(lengths: str, total: int, max_position_embeddings: int, model:
             f"{max_position_embeddings} ({model}); {fix}")
 
 
+def check_token_ids(seqs, files, model_path, tokenizer) -> None:
+    """Every token id of a dataset (``seqs``, read from ``files``) has a row in the model's
+    embedding: a tokenizer with more tokens than config.json's ``vocab_size`` (another
+    model's files) ends a step inside ``F.embedding`` (a device assert on CUDA) otherwise."""
+    from minihf.models import load_args
+
+    vocab = load_args(model_path).vocab_size
+    top = max((max(s) for s in seqs if len(s)), default=-1)
+    if top >= vocab:
+        raise ValueError(f"data {files}: token id {top} ({tokenizer.convert_ids_to_tokens(top)!r}) is past the "
+                         f"model's vocabulary of {vocab} (vocab_size in {model_path}/config.json); the "
+                         f"tokenizer ({len(tokenizer)} tokens) is not this model's: use the model's own tokenizer files")
+
+
 def run_dir_lock(path: Path, key: str = "trainer.default_local_dir") -> tuple[str, str]:
     """What a second job in run dir ``path`` is told: the dir, and the way out."""
     return (f"the run dir {key}={str(path)!r}", f"wait for that job to end, or pass another {key} "

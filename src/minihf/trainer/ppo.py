@@ -42,7 +42,7 @@ from minihf.algorithms import AdaptiveKLController, FixedKLController, apply_kl_
 from minihf.config import section_of
 from minihf.multi_turn.loop import ENV_ROW_KEYS, multi_turn_metrics, tool_renderer
 from minihf.protocol import Batch
-from minihf.trainer.common import Log, every, run_dir
+from minihf.trainer.common import Log, check_token_ids, every, run_dir
 from minihf.trainer.loop import RunLoop
 from minihf.trainer.metrics import data_metrics, group_metrics, sample_rows, sent_bytes, throughput
 from minihf.trainer.old_log_prob import old_log_prob_phase
@@ -78,6 +78,8 @@ class PPOTrainer(RunLoop):
                   renderer=tool_renderer(tok, mt.tools) if mt.enable and mt.tools else None)
         train = RLDataset(d.train_files, tok, **kw)
         self.val = RLDataset(d.val_files, tok, **kw) if d.val_files else None
+        for files, ds in ((d.train_files, train), (d.val_files, self.val or train)):
+            check_token_ids(ds.input_ids, files, cfg.actor_rollout_ref.model.path, tok)
         if len(train) < d.train_batch_size:
             raise ValueError(f"data.train_batch_size={d.train_batch_size} exceeds the "
                              f"{len(train)} training prompts in {d.train_files}")

@@ -63,6 +63,10 @@ class RMDriver(SFTDriver):
     cost model), ``val/sign_accuracy`` (sides whose score has the labeled sign)."""
     role = "rm"
 
+    @staticmethod
+    def token_ids(ds) -> list[list[int]]:
+        return ds.ids["chosen"] + ds.ids["rejected"]
+
     def dataset(self, files, tokenizer):
         from minihf.data import PairDataset
 

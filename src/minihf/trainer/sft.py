@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Literal, Optional, Union
 
 from minihf.controller.config import ControllerConfig, refuse_tp
-from minihf.trainer.common import MetricsLog, check_run_dir, check_run_length, run_dir
+from minihf.trainer.common import MetricsLog, check_run_dir, check_run_length, check_token_ids, run_dir
 from minihf.trainer.loop import RunLoop
 from minihf.workers.optim import OptimConfig
 from minihf.workers.config import FSDPConfig, ModelConfig
@@ -115,6 +115,8 @@ class SFTDriver(RunLoop):
         tok = load_tokenizer(cfg.model.path, padding_side="right")
         self.train = self.dataset(d.train_files, tok)
         self.val = self.dataset(d.val_files, tok) if d.val_files else None
+        for files, ds in ((d.train_files, self.train), (d.val_files, self.val or self.train)):
+            check_token_ids(self.token_ids(ds), files, cfg.model.path, tok)
         self.sampler = ResumableSampler(len(self.train), d.train_batch_size, shuffle=d.shuffle,
                                         seed=d.seed, drop_last=True)
         t = cfg.trainer
@@ -125,6 +127,10 @@ class SFTDriver(RunLoop):
         self.metrics_log = MetricsLog(self.out)
         self.history: list[dict] = []
         self.export_from: Path | None = None  # the checkpoint to export at the end of this fit
+
+    @staticmethod
+    def token_ids(ds) -> list[list[int]]:
+        return ds.input_ids
 
     def dataset(self, files, tokenizer):
         from minihf.data import SFTDataset

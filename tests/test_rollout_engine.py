@@ -232,13 +232,16 @@ def test_out_of_vocab_prompt_is_rejected(tiny_dirs):
 def test_bad_engine_sizes_and_a_dtype_that_would_be_ignored_are_refused(tiny_dirs):
     """``LLM``'s sizes are ints >= 1 (or None where a default exists): a 0 was read as unset,
     a negative ``max_num_batched_tokens`` with chunked prefill hung, a negative
-    ``max_num_seqs`` failed inside torch. A ``dtype`` other than an in-memory model's was
+    ``max_num_seqs`` failed inside torch; a ``max_model_len`` past the model's context ran on
+    positions without trained rotary angles. A ``dtype`` other than an in-memory model's was
     ignored; now it is refused."""
     path = str(tiny_dirs["llama"][0])
     for kw, says in ((dict(max_num_batched_tokens=-1, enable_chunked_prefill=True), "max_num_batched_tokens=-1 must"),
                      (dict(max_num_batched_tokens=0), "max_num_batched_tokens=0 must be an int >= 1, or None"),
                      (dict(max_model_len=0), "max_model_len=0 must be an int >= 1, or None for the default"),
-                     (dict(max_num_seqs=-1), "max_num_seqs=-1 must be an int >= 1")):
+                     (dict(max_num_seqs=-1), "max_num_seqs=-1 must be an int >= 1"),
+                     (dict(max_model_len=10**6), "max_model_len=1000000 exceeds the model's context, "
+                                                 "max_position_embeddings=")):
         with pytest.raises(ValueError, match=re.escape(says)):
             LLM(path, **kw)
     model = load_hf(path)

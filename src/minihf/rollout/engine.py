@@ -107,12 +107,10 @@ class Engine:
                                   decode=decode, capture_sizes=cudagraph_capture_sizes, prepack=not enforce_eager,
                                   record_routes=record_routes)
         args = model.args
-        if max_model_len is not None and max_model_len > args.max_position_embeddings:
-            from minihf.trainer.common import context_error  # past it: no trained rotary angles
-
-            raise ValueError(context_error(f"max_model_len={max_model_len}", max_model_len, args.max_position_embeddings,
-                                           "the model's config", f"pass at most {args.max_position_embeddings}, or "
-                                           "None for the model's context"))
+        limit = args.max_position_embeddings
+        if max_model_len is not None and max_model_len > limit:  # past it: no trained rotary angles
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's context, max_position_embeddings="
+                             f"{limit} (the model's config); pass at most {limit}, or None for the model's context")
         self.max_model_len = max_model_len or args.max_position_embeddings
         rope = getattr(model.model, "rope", None)
         if rope is not None:  # accelerators build the RoPE table once, at this length

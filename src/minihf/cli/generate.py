@@ -53,11 +53,11 @@ def generate_text(model_dir: str | Path, prompts: list[str], params: SamplingPar
 
 
 def check_max_model_len(model_dir: Path, max_model_len: int | None, name: str) -> None:
-    """``max_model_len`` within the model's context (``minihf.trainer.common.context_error``,
+    """``max_model_len`` within the model's context (``minihf.models.config_checks.context_error``,
     the wording training uses): past it the positions have no trained rotary angles, and a
     cache of that length is allocated first (a traceback, or minutes, for a huge one)."""
     from minihf.models import load_args
-    from minihf.trainer.common import context_error
+    from minihf.models.config_checks import context_error
 
     if max_model_len is None:
         return

@@ -305,3 +305,17 @@ def check_config(cfg: Any, where: str) -> None:
             raise ValueError(f"{where}: sliding_window={window!r} must be a whole number >= 1 (tokens "
                              f"each position attends to) or null{_quoted(window)}; {fix}")
     check_token_ids(cfg.get("eos_token_id"), "eos_token_id", where, cfg["vocab_size"], fix)
+
+
+def context_error(lengths: str, total: int, max_position_embeddings: int, model: str,
+                  fix: str) -> str | None:
+    """The one line for a prompt + response length past a model's context (``lengths``, e.g.
+    ``"data.max_prompt_length + data.max_response_length = 512 + 4096"``, sums to
+    ``total``), naming ``model`` and the ``fix``; None when it fits. Training refuses such a
+    config at start-up with this wording (``ppo_job.check_rollout_tp``), ``minihf eval``,
+    ``minihf generate`` and the engine (``max_model_len``) too: past it the positions have no trained rotary angles and a
+    KV cache of the length asked for is allocated (or filled for minutes) first."""
+    if total <= max_position_embeddings:
+        return None
+    return (f"{lengths} exceeds the model's context, max_position_embeddings="
+            f"{max_position_embeddings} ({model}); {fix}")

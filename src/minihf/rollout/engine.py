@@ -42,6 +42,8 @@ from typing import Protocol
 
 import torch
 
+from minihf.models.config_checks import context_error
+
 from .model_runner import ModelRunner
 from .sampling import SamplingParams, sequence_key
 from .scheduler import Scheduler, Sequence
@@ -108,9 +110,10 @@ class Engine:
                                   record_routes=record_routes)
         args = model.args
         limit = args.max_position_embeddings
-        if max_model_len is not None and max_model_len > limit:  # past it: no trained rotary angles
-            raise ValueError(f"max_model_len={max_model_len} exceeds the model's context, max_position_embeddings="
-                             f"{limit} (the model's config); pass at most {limit}, or None for the model's context")
+        message = context_error(f"max_model_len={max_model_len}", max_model_len or limit, limit, "the model's config",
+                                f"pass at most {limit}, or None for the model's context")
+        if message:  # past it: no trained rotary angles
+            raise ValueError(message)
         self.max_model_len = max_model_len or args.max_position_embeddings
         rope = getattr(model.model, "rope", None)
         if rope is not None:  # accelerators build the RoPE table once, at this length

@@ -72,20 +72,6 @@ def check_run_dir(path: Path, key: str) -> None:
                               f"{where} fails ({why}); choose a run dir you can write to")
 
 
-def context_error(lengths: str, total: int, max_position_embeddings: int, model: str,
-                  fix: str) -> str | None:
-    """The one line for a prompt + response length past a model's context (``lengths``, e.g.
-    ``"data.max_prompt_length + data.max_response_length = 512 + 4096"``, sums to
-    ``total``), naming ``model`` and the ``fix``; None when it fits. Training refuses such a
-    config at start-up with this wording (``ppo_job.check_rollout_tp``), ``minihf eval``
-    and ``minihf generate`` too: past it the positions have no trained rotary angles and a
-    KV cache of the length asked for is allocated (or filled for minutes) first."""
-    if total <= max_position_embeddings:
-        return None
-    return (f"{lengths} exceeds the model's context, max_position_embeddings="
-            f"{max_position_embeddings} ({model}); {fix}")
-
-
 def check_token_ids(seqs, files, model_path, tokenizer) -> None:
     """Every token id of a dataset (``seqs``, read from ``files``) has a row in the model's
     embedding: a tokenizer with more tokens than config.json's ``vocab_size`` (another

@@ -172,10 +172,10 @@ def check_prompts(ds, wheres: Sequence[str], tok, cfg: EvalConfig) -> None:
 
 def check_context(ds, wheres: Sequence[str], model_dir: Path, name: str, cfg: EvalConfig) -> None:
     """The longest prompt + ``max_tokens`` must fit the model's context (training's start-up
-    check, ``minihf.trainer.common.context_error``): past it, a KV cache of that length is
+    check, ``minihf.models.config_checks.context_error``): past it, a KV cache of that length is
     allocated and a model that never says EOS is decoded for minutes."""
     from minihf.models import load_args
-    from minihf.trainer.common import context_error
+    from minihf.models.config_checks import context_error
 
     limit = load_args(model_dir).max_position_embeddings
     i = max(range(len(ds)), key=lambda j: len(ds.input_ids[j]))

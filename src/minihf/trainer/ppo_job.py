@@ -87,17 +87,17 @@ def check_rollout_tp(cfg: PPOConfig) -> None:
     any worker starts (a response length past the context failed at the first validation,
     allocating a KV cache for it)."""
     from minihf.models import load_args
+    from minihf.models.config_checks import context_error
     from minihf.parallel.tp import tp_head_counts
 
     tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
     args = load_args(cfg.actor_rollout_ref.model.path)
     r = cfg.actor_rollout_ref.rollout
-    if r.prompt_length + r.response_length > args.max_position_embeddings:
-        raise ConfigError(
-            f"data.max_prompt_length + data.max_response_length = {r.prompt_length} + "
-            f"{r.response_length} exceeds the model's context, max_position_embeddings="
-            f"{args.max_position_embeddings} (actor_rollout_ref.model.path="
-            f"{cfg.actor_rollout_ref.model.path!r}); lower them to fit")
+    message = context_error(f"data.max_prompt_length + data.max_response_length = {r.prompt_length} + "
+                            f"{r.response_length}", r.prompt_length + r.response_length, args.max_position_embeddings,
+                            f"actor_rollout_ref.model.path={cfg.actor_rollout_ref.model.path!r}", "lower them to fit")
+    if message:
+        raise ConfigError(message)
     try:
         tp_head_counts(args.num_attention_heads, args.num_key_value_heads, tp,
                        where=f"the model at {cfg.actor_rollout_ref.model.path}")

@@ -240,7 +240,7 @@ def check_paths(cfg: SFTConfig) -> None:
         raise ConfigError(f"model.path={cfg.model.path!r} {what} (relative paths are from {Path.cwd()}); "
                           "pass an HF checkpoint dir (make one offline with `minihf init-model DIR --task digits`)")
     from minihf.models import load_args
-    from minihf.trainer.common import context_error
+    from minihf.models.config_checks import context_error
 
     limit = load_args(model).max_position_embeddings
     message = context_error(f"data.max_length={cfg.data.max_length}", cfg.data.max_length, limit,

@@ -15,15 +15,6 @@ from minihf.rollout.sampling import SamplingParams
 from minihf.utils.files import MODEL_FIX, read_json
 
 
-def unknown_chars(tok, text: str) -> list[str]:
-    """The characters of ``text`` the tokenizer can only encode as its unknown token."""
-    from minihf.data.tokenizer import chars_outside_vocab
-
-    if tok.unk_token and tok.unk_token in text:  # the text spells the unknown token itself
-        return []
-    return sorted(chars_outside_vocab(tok, text))
-
-
 def generate_text(model_dir: str | Path, prompts: list[str], params: SamplingParams, chat: bool = False,
                   max_model_len: int | None = None, allow_unk: bool = False) -> list[list[tuple[str, str]]]:
     """Completions (``params.n`` per prompt) as ``(text, finish)``, special tokens skipped.
@@ -102,17 +93,15 @@ def encode_chats(tok, prompts: list[str], model_dir: Path, name: str) -> list[li
 def _generate_text(model_dir: Path, prompts: list[str], params: SamplingParams, chat: bool,
                    max_model_len: int | None, allow_unk: bool, name: str | None = None
                    ) -> list[list[tuple[str, str]]]:
-    from minihf.data.tokenizer import load_tokenizer
+    from minihf.data.tokenizer import load_tokenizer, unknown_chars_error
 
     name = name or str(model_dir)
     check_max_model_len(model_dir, max_model_len, name)
     tok = load_tokenizer(model_dir)
-    if not allow_unk:
-        for p in prompts:
-            bad = unknown_chars(tok, p)
-            if bad:
-                raise ValueError(f"prompt {p!r} has characters outside the model's vocabulary: {bad} (they "
-                                 f"would all become {tok.unk_token!r}); remove them, or pass --allow-unk")
+    message = None if allow_unk else unknown_chars_error(tok, [(f"prompt {p!r}", p) for p in prompts], "prompt",
+                                                         "remove them, or pass --allow-unk")
+    if message:
+        raise ValueError(message)
     if chat:
         ids = encode_chats(tok, prompts, model_dir, name)
     else:

@@ -80,8 +80,8 @@ class SFTDataset:
         self.input_ids: list[list[int]] = []
         self.loss_mask: list[list[int]] = []
         entries = read_many(files)
-        chats = [(f"data file {path}, row {i}", self._messages(row, f"data file {path}, row {i}"))
-                 for path, i, row in entries]
+        wheres = [f"data file {path}, row {i}" for path, i, _ in entries]
+        chats = [(where, self._messages(row, where)) for where, (_, _, row) in zip(wheres, entries)]
         if not allow_unk:
             refuse_unknown_chars(tokenizer, [(where, m["content"]) for where, msgs in chats for m in msgs], "example")
         for where, messages in chats:

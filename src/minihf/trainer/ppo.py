@@ -78,8 +78,9 @@ class PPOTrainer(RunLoop):
                   renderer=tool_renderer(tok, mt.tools) if mt.enable and mt.tools else None)
         train = RLDataset(d.train_files, tok, **kw)
         self.val = RLDataset(d.val_files, tok, **kw) if d.val_files else None
-        for files, ds in ((d.train_files, train), (d.val_files, self.val or train)):
-            check_token_ids(ds.input_ids, files, cfg.actor_rollout_ref.model.path, tok)
+        for files, ds in ((d.train_files, train), (d.val_files, self.val)):
+            if ds is not None:
+                check_token_ids(ds.input_ids, files, cfg.actor_rollout_ref.model.path, tok)
         if len(train) < d.train_batch_size:
             raise ValueError(f"data.train_batch_size={d.train_batch_size} exceeds the "
                              f"{len(train)} training prompts in {d.train_files}")

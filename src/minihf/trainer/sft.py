@@ -115,8 +115,9 @@ class SFTDriver(RunLoop):
         tok = load_tokenizer(cfg.model.path, padding_side="right")
         self.train = self.dataset(d.train_files, tok)
         self.val = self.dataset(d.val_files, tok) if d.val_files else None
-        for files, ds in ((d.train_files, self.train), (d.val_files, self.val or self.train)):
-            check_token_ids(self.token_ids(ds), files, cfg.model.path, tok)
+        for files, ds in ((d.train_files, self.train), (d.val_files, self.val)):
+            if ds is not None:
+                check_token_ids(self.token_ids(ds), files, cfg.model.path, tok)
         self.sampler = ResumableSampler(len(self.train), d.train_batch_size, shuffle=d.shuffle,
                                         seed=d.seed, drop_last=True)
         t = cfg.trainer

@@ -3,6 +3,8 @@
 
 * the engine's and the trainer's log-probs, fp32 and bf16, at TP 1: each within its dtype's
   rounding bound of a float64 forward of the same (dtype-rounded) weights;
+* the logits over the temperature, the same correctly rounded bits in the sampler's two
+  paths and the trainer's two (``minihf.models.temperature``);
 * SDPA's flash backend against its math backend, bare and through the model: the flash
   result's error against fp32 is within twice the bf16 math backend's (+ a bf16 ulp);
 * the packed training forward (flash-attn's varlen kernel when installed, else right-padded
@@ -89,6 +91,14 @@ def _attention_errors(backend):
         fast = torch.nn.functional.scaled_dot_product_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(),
                                                                 is_causal=True)
     return (fast.float() - ref).abs().max().item(), (low.float() - ref).abs().max().item()
+
+
+def test_temperature_division_is_exact_on_cuda():
+    """CUDA multiplies a tensor by a Python float divisor's reciprocal: the captured decode
+    step, the eager sampler and the trainer divide by a device tensor, to the same bits."""
+    from test_rollout_sampling import check_temperature_division_is_exact
+
+    check_temperature_division_is_exact("cuda")
 
 
 def test_sdpa_flash_backend_against_math():

@@ -172,3 +172,34 @@ def test_inverse_cdf_equals_the_one_level_search_and_skips_zero_probabilities():
     nan = torch.full((2, 256), float("nan"))  # a diverged model: an id in range, never an error
     got = inverse_cdf(nan, torch.tensor([0.3, 0.9], dtype=torch.float64))
     assert ((got >= 0) & (got < 256)).all()
+
+
+def check_temperature_division_is_exact(device: str) -> None:
+    """The eager sampler (one temperature for the batch), the captured decode step (a
+    per-row temperature tensor), the trainer's whole-logits path and its chunked LM head all
+    give the correctly rounded quotient, bit for bit: computed in float64 and rounded to
+    fp32, it is (53 >= 2 * 24 + 2 bits). The inputs tell a multiply by the reciprocal
+    apart (what torch does on CUDA for a tensor over a Python float)."""
+    from minihf.algorithms.chunked_logits import _logits
+    from minihf.rollout.sampling import _scaled
+    from minihf.workers.forward import scaled
+
+    g = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(8, 32, generator=g), torch.randn(4099, 32, generator=g)
+    z = (hidden @ weight.T).to(device)
+    for t in (0.7, 0.6, 1.3):
+        t32 = torch.tensor(t, dtype=torch.float32)
+        exact = (z.double() / t32.double()).float()
+        assert not torch.equal(z * t32.reciprocal().to(device), exact)  # the inputs can tell
+        same = RowParams.build([SamplingParams(temperature=t)] * 8, list(range(8)), device)
+        mixed = RowParams.build([SamplingParams(temperature=t)] * 8, list(range(8)), device)
+        mixed.uniform_temperature = None  # the decode step's rows: the per-row division
+        assert torch.equal(_scaled(z, same), exact)
+        assert torch.equal(_scaled(z, mixed), exact)
+        assert torch.equal(scaled(z, t), exact)
+        head = _logits(hidden.to(device), weight.to(device), t)
+        assert torch.equal(head, (_logits(hidden.to(device), weight.to(device), 1.0).double() / t32.double()).float())
+
+
+def test_every_path_divides_by_the_temperature_to_the_bit():
+    check_temperature_division_is_exact("cpu")

@@ -28,13 +28,14 @@ from __future__ import annotations
 import torch
 
 from minihf.models.linear import linear
+from minihf.models.temperature import over_temperature
 
 
 def _logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
     """A chunk's logits in fp32 (float64 for float64 inputs: the reference), over the temperature."""
     z = linear(hidden, weight)
     z = z.to(torch.promote_types(z.dtype, torch.float32))
-    return z if temperature == 1.0 else z / temperature
+    return over_temperature(z, temperature)
 
 
 class _ChunkedHead(torch.autograd.Function):

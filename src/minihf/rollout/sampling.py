@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from minihf.models.temperature import over_temperature
+
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 
@@ -182,14 +184,15 @@ def sample(logits: torch.Tensor, rows: RowParams, steps: torch.Tensor) -> tuple[
 
 
 def _scaled(logits: torch.Tensor, rows: RowParams) -> torch.Tensor:
-    """``logits / temperature`` per row (greedy rows by 1): a scalar division when every row
-    has the same temperature (an RL batch's case; the same values as the per-row one), none
-    at temperature 1."""
+    """``logits / temperature`` per row (greedy rows by 1): one division by a single value when
+    every row has the same temperature (an RL batch's case; the same bits as the per-row one,
+    and as the trainer's: :func:`minihf.models.temperature.over_temperature`), none at
+    temperature 1."""
     if rows.uniform_temperature is not None:
         t = rows.uniform_temperature if rows.uniform_temperature > 0 else 1.0
-        return logits if t == 1.0 else logits / t
+        return over_temperature(logits, t)
     temp = torch.where(rows.temperature > 0, rows.temperature, torch.ones_like(rows.temperature))
-    return logits / temp[:, None]
+    return over_temperature(logits, temp[:, None])
 
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor, chunk: int = 128) -> torch.Tensor:

@@ -24,6 +24,7 @@ from minihf.algorithms import entropy_from_logits, last_index, logit_abs_scale, 
 from minihf.algorithms.chunked_logits import chunked_log_probs
 from minihf.models.linear import linear
 from minihf.models.moe import MoEStep
+from minihf.models.temperature import over_temperature
 from minihf.workers.packing import next_token_labels, pack, unpack
 
 
@@ -60,7 +61,7 @@ def scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """``logits.float() / temperature``; at temperature 1 no division (the same values, one
     vocabulary-sized pass and its backward fewer)."""
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32; float64 (tests) stays
-    return logits if temperature == 1.0 else logits / temperature
+    return over_temperature(logits, temperature)
 
 
 def forward_log_probs(model: nn.Module, mb: dict, *, use_remove_padding: bool = True,

@@ -181,3 +181,29 @@ def test_prompt_loader_resume(data_file):
     assert torch.equal(a["input_ids"], b["input_ids"])
     assert list(a.non_tensors["index"]) == list(b.non_tensors["index"])
     assert sorted(list(first.non_tensors["index"]) + list(a.non_tensors["index"])) == [0, 1, 2]
+
+
+def test_rl_refuses_a_tokenizer_past_the_models_vocabulary(tmp_path):
+    """The RL trainer, as SFT and RM (test_sft.py): another model's tokenizer files make ids
+    past the embedding; the first is refused before any step, naming both files (it was an
+    IndexError inside ``F.embedding`` at the first generation, a device assert on CUDA)."""
+    import re
+    import shutil
+
+    from minihf.hub import init_model
+    from minihf.trainer.ppo import PPOTrainer
+    from test_ppo import ScriptedActor, job_config
+
+    model = init_model(tmp_path / "m", size="tiny", task="digits")
+    other = init_model(tmp_path / "other", size="tiny", task="chat_arith")
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        if (other / f).exists():
+            shutil.copy(other / f, model / f)
+    rows = [row("What is 1+2?") for _ in range(4)]
+    write_rows(rows, tmp_path / "train.parquet")
+    write_rows(rows, tmp_path / "test.parquet")
+    cfg = job_config(str(model), str(tmp_path), tmp_path / "run", "grpo")
+    says = (r"data .*train.parquet.*: token id \d+ \('.*'\) is past the model's vocabulary of \d+ \(vocab_size in "
+            rf"{re.escape(str(model))}/config.json\); the tokenizer \(\d+ tokens\) is not this model's")
+    with pytest.raises(ValueError, match=says):
+        PPOTrainer(cfg, {"actor": ScriptedActor()}, log=lambda *a: None)

@@ -72,6 +72,19 @@ def test_arith_reward(solution, truth, expected):
     assert arith.compute_score(solution, truth) == expected
 
 
+def test_answers_past_int_s_digit_limit_score_zero():
+    """A model repeating a digit for thousands of tokens: int() refuses past 4300 digits,
+    which stopped the run (a RewardError); the answer is wrong, as any malformed one."""
+    from minihf.data.tasks import chat_arith
+
+    long = "7" * 4400
+    assert arith.compute_score(f"1+2={long}", "3") == 0.0
+    assert chat_arith.compute_score(f"The answer is {long}", "3") == 0.0
+    assert digits.compute_score(f"{long},3", "3,3") == 0.5  # the second term is right
+    assert sort.compute_score(long, "1,2") == 0.0
+    assert arith.compute_score("1+2=" + "0" * 999 + "3", "3") == 1.0  # 1000 digits still read
+
+
 def test_arith_examples_are_right():
     rng = random.Random(3)
     for _ in range(200):

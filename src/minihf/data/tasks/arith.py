@@ -10,6 +10,8 @@ from __future__ import annotations
 import random
 import re
 
+from minihf.data.tasks.common import answer_int
+
 DATA_SOURCE = "minihf/arith"
 ALPHABET = "0123456789+-="
 MAX_DIGITS = 3
@@ -30,4 +32,4 @@ def compute_score(solution_str: str, ground_truth: str, extra_info: dict | None 
     answer = solution_str.strip().rsplit("=", 1)[-1].strip()
     if not _INT.fullmatch(answer):
         return 0.0
-    return 1.0 if int(answer) == int(ground_truth) else 0.0
+    return 1.0 if answer_int(answer) == int(ground_truth) else 0.0

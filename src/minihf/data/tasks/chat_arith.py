@@ -13,6 +13,8 @@ from __future__ import annotations
 import random
 import re
 
+from minihf.data.tasks.common import answer_int
+
 DATA_SOURCE = "minihf/chat_arith"
 TEMPLATE = "What is {x} + {y}? Answer with just the number."
 ALPHABET = "".join(sorted(set(TEMPLATE.replace("{x}", "").replace("{y}", "") + "0123456789#-,=.")))
@@ -42,4 +44,4 @@ def compute_score(solution_str: str, ground_truth: str, extra_info: dict | None 
     answer = extract_answer(solution_str)
     if answer is None or not re.fullmatch(r"-?\d+", answer):
         return 0.0
-    return 1.0 if int(answer) == int(ground_truth) else 0.0
+    return 1.0 if answer_int(answer) == int(ground_truth) else 0.0

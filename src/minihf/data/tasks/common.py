@@ -16,6 +16,16 @@ from types import ModuleType
 from minihf.data.files import write_rows
 
 
+MAX_ANSWER_DIGITS = 1000  # far above any task's answer; int() refuses past 4300 digits
+
+
+def answer_int(text: str) -> int | None:
+    """The integer an answer spells (``text`` already checked to be an optional sign and
+    ASCII digits), or None past ``MAX_ANSWER_DIGITS`` digits: a model repeating a digit for
+    thousands of tokens gives a wrong answer, not a ``ValueError`` that stops the run."""
+    return int(text) if len(text) <= MAX_ANSWER_DIGITS else None
+
+
 def make_row(data_source: str, prompt: str, ground_truth, answer: str, split: str, index: int, params: dict) -> dict:
     """One row in verl's format; ``extra_info.answer`` is a reference response (useful for SFT)."""
     return {

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import random
 
+from minihf.data.tasks.common import answer_int
+
 DATA_SOURCE = "minihf/digits"
 ALPHABET = "0123456789,:"
 MAX_MODULUS = 20
@@ -35,7 +37,7 @@ def parse_terms(text: str) -> list[int | None]:
     for part in text.strip().split(","):
         part = part.strip()
         # isascii: str.isdigit also accepts e.g. '²', which int() rejects
-        terms.append(int(part) if part.isascii() and part.isdigit() else None)
+        terms.append(answer_int(part) if part.isascii() and part.isdigit() else None)
     return terms
 
 

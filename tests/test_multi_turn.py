@@ -4,6 +4,7 @@ check, and the environment loop with the engine: masks, rewards, prompts from re
 and environments that raise, hang or return the wrong thing."""
 
 import json
+import sys
 import time
 
 import pytest
@@ -172,7 +173,8 @@ def tiny(tmp_path_factory):
 
 def run_episodes(tiny, env_cls, turns=3, max_tokens=40, **cfg):
     tok, model = tiny
-    cfg = MultiTurnConfig(enable=True, environment=f"{__file__}:{env_cls.__name__}", **cfg)
+    where = sys.modules[env_cls.__module__].__file__  # the file defining the class, loaded by path
+    cfg = MultiTurnConfig(enable=True, environment=f"{where}:{env_cls.__name__}", **cfg)
     mt = MultiTurn(cfg, tok, (tok.eos_token_id,))
     raw = [[{"role": "user", "content": "12"}], [{"role": "user", "content": "345"}]]
     rows = [{"raw_prompt": m, "extra_info": {"turns": turns}} for m in raw]

@@ -121,6 +121,28 @@ def test_overlong_penalty_by_hand():
     assert overlong_penalty(torch.tensor([19]), 20, 4, 2.0).tolist() == [-1.5]
 
 
+def test_overlong_penalty_counts_a_multi_turn_responses_observation_tokens():
+    """The cap (max_response_length) counts every response token, a multi-turn one's
+    observations too (verl's length, from the attention mask); response_mask counts the
+    model's tokens only, and gave no penalty to a response the cap had cut."""
+    from minihf.protocol import Batch
+    from minihf.trainer.plugins.dapo import OverlongPenalty
+
+    R = 8
+    attention = torch.cat([torch.ones(2, 3), torch.tensor([[1.0] * 8, [1.0] * 5 + [0.0] * 3])], 1)
+    response_mask = torch.tensor([[1, 1, 0, 0, 0, 1, 1, 1], [1, 1, 1, 1, 1, 0, 0, 0]])  # 3..5: an observation
+    batch = Batch({"responses": torch.zeros(2, R, dtype=torch.long), "attention_mask": attention.long(),
+                   "response_mask": response_mask, "token_level_scores": torch.zeros(2, R)})
+    cfg = SimpleNamespace(reward_model=SimpleNamespace(overlong_buffer=SimpleNamespace(len=4, penalty_factor=1.0)),
+                          data=SimpleNamespace(max_response_length=R))
+    m = {}
+    OverlongPenalty.penalise(SimpleNamespace(cfg=cfg), batch, m, lambda *a: None)
+    # lengths 8 (5 of them the model's) and 5: -1.0 and -0.25, each on its last model token
+    assert batch["token_level_scores"][0].tolist() == [0.0] * 7 + [-1.0]
+    assert batch["token_level_scores"][1].tolist() == [0.0] * 4 + [-0.25] + [0.0] * 3
+    assert m["reward/overlong_penalty/mean"] == -0.625 and m["reward/overlong_frac"] == 1.0
+
+
 class ScriptedActor:
     """generate_sequences without a model: response i of a prompt has i + 1 tokens."""
     dp_size, ranks = 1, [0]

@@ -193,8 +193,27 @@ def test_runs_without_privileges():
     out = run("print(open('/proc/self/status').read())")
     fields = dict(line.split(":\t", 1) for line in out.splitlines() if ":\t" in line)
     assert fields["NoNewPrivs"].strip() == "1" and int(fields["CapEff"], 16) == 0, out
-    if os.geteuid() == 0:
-        assert fields["Uid"].split()[0] == str(sandbox.NOBODY), out
+    if os.geteuid() == 0:  # a uid of the call's own, no account's
+        assert int(fields["Uid"].split()[0]) >= sandbox.UID_BASE, out
+
+
+@isolated
+def test_concurrent_calls_do_not_share_a_process_limit():
+    """As root every call ran as nobody, and the kernel counts RLIMIT_NPROC per uid: with
+    nine calls sleeping, a tenth could not start a thread (a tool's result depended on its
+    batch-mates). Each call in flight now has a uid of its own."""
+    import threading
+
+    spawn = "import threading\nt = threading.Thread(target=print, args=('thread ran',))\nt.start()\nt.join()"
+    sleepers = [threading.Thread(target=run, args=("import time\ntime.sleep(3)",)) for _ in range(9)]
+    for t in sleepers:
+        t.start()
+    time.sleep(1.5)
+    try:
+        assert run(spawn).strip() == "thread ran"
+    finally:
+        for t in sleepers:
+            t.join()
 
 
 # -- the caller's side ---------------------------------------------------------------------
@@ -254,7 +273,7 @@ def test_the_code_reward_of_the_docs_runs_as_written():
     env = dict(os.environ, PYTHONPATH=str(Path(sandbox.__file__).resolve().parents[2]))
     code = f"from minihf.multi_turn import sandbox\nsandbox._mode = {mode!r}\n" + block
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
-    assert res.returncode == 0 and res.stdout == "1.0\n0.0\n0.0\n", (res.stdout, res.stderr[-2000:])
+    assert res.returncode == 0 and res.stdout == "1.0\n0.0\n0.0\n0.0\n", (res.stdout, res.stderr[-2000:])
 
 
 def test_bench_sandbox_runs():
@@ -285,6 +304,9 @@ def test_chat_code_scores_code_by_its_tests(monkeypatch):
         wrong = answer.replace("return", "return 1 + ")
         assert chat_code.compute_score(wrong, tests) == 0.0
     assert chat_code.compute_score("import os\nos.system('true')", tests) == 0.0
+    # leaving before the asserts with the old marker printed: it earned 1.0
+    assert chat_code.compute_score(f"{wrong}\nprint('passed')\nraise SystemExit", tests) == 0.0
+    assert chat_code.compute_score(f"{answer}\nprint('passed')\nimport os\nos._exit(0)", tests) == 0.0
     # without namespaces: the reward stops the run naming the setting, unless it is given
     monkeypatch.setattr(sandbox, "isolation_missing", lambda: "the 'unshare' command is not installed")
     with pytest.raises(ValueError, match="sandbox=process"):

@@ -218,7 +218,7 @@ def _score_all(fn, watched, timeout_s, on_timeout, data_sources, solutions, grou
             extras.setdefault(TIMED_OUT, [0.0] * n)[i] = 1.0
             scores.append(0.0)
             continue
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:
             raise RewardError(
                 f"reward function {getattr(fn, '__name__', fn)!r} raised on sample {i} (data_source={source!r}): "
                 f"{type(exc).__name__}: {exc}"

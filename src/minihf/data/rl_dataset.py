@@ -10,6 +10,8 @@ on the right) with attention masks and position ids counting real tokens only.
 
 from __future__ import annotations
 
+import copy
+
 import logging
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -211,7 +213,9 @@ class RLDataset:
         if len(indices) == 0:
             raise ValueError("RLDataset.collate: no indices given")
         tensors = left_pad([self.input_ids[i] for i in indices], self.pad_id)
-        non_tensors = {key: [self.records[i][key] for i in indices]
+        # copies: a reward function or environment that changes a row's extra_info (or
+        # prompt) must not change the dataset's row for later epochs
+        non_tensors = {key: [copy.deepcopy(self.records[i][key]) for i in indices]
                        for key in ("data_source", "ground_truth", "extra_info", "raw_prompt")}
         non_tensors["index"] = list(indices)
         return Batch.from_dict(tensors=tensors, non_tensors=non_tensors)

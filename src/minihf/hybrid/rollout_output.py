@@ -5,6 +5,8 @@ the collection of every replica's rows (``collect_rollout``); split from ``engin
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import torch
 
@@ -65,7 +67,9 @@ def env_rows(batch: Batch) -> list[dict]:
     nt = batch.non_tensors
     rows = []
     for i in range(len(batch)):
-        row = {k: nt[k][i] for k in ENV_ROW_KEYS if k in nt}
+        # its own copy: an environment that changes its row's extra_info changes no other
+        # sample of the prompt, nor the dataset's row in a later epoch
+        row = copy.deepcopy({k: nt[k][i] for k in ENV_ROW_KEYS if k in nt})
         row["prompt"] = row.get("raw_prompt")
         row["reward_model"] = {"ground_truth": row.pop("ground_truth", None)}
         rows.append(row)

@@ -36,7 +36,7 @@ from minihf.utils.imports import load_ref
 
 from . import sandbox
 from .render import ChatRenderer, check_append_only
-from .tools import BUILTIN_TOOLS, CALL_CLOSE, ToolEnvironment, hermes_system_block, tool_schema
+from .tools import BUILTIN_TOOLS, CALL_CLOSE, CUT, ToolEnvironment, hermes_system_block, tool_schema
 
 
 # the batch's non-tensor columns an environment's row is built from (the dataset's)
@@ -140,7 +140,7 @@ class EpisodeRunner:
         if mt.leader:
             try:
                 started = self._start(rows, uids, prompts, prompt_length)
-            except Exception as exc:
+            except (Exception, SystemExit) as exc:
                 started = exc
         self.prompts = self._share(started)
 
@@ -155,7 +155,7 @@ class EpisodeRunner:
         except TimeoutError:
             raise EnvironmentFailure(f"{self.mt.env_name}.{what} on {self._where(i)} did not return "
                                      f"within rollout.multi_turn.env_timeout_s={self.cfg.env_timeout_s}") from None
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:
             raise EnvironmentFailure(f"{self.mt.env_name}.{what} on {self._where(i)} raised "
                                      f"{type(exc).__name__}: {exc}") from exc
 
@@ -208,6 +208,7 @@ class EpisodeRunner:
         ep = self.episodes[seq.seq_id // SEQ_STRIDE]
         text = self.mt.turn_text(seq.tokens[ep.turn_start:])
         ep.messages.append({"role": "assistant", "content": text})
+        ep.turn_start = len(seq.tokens)  # recorded: a sequence that ends here has no cut-off turn
         fut = _spawn(self._timed_step, ep.env, text)
         self.pending[seq.seq_id] = (seq, fut, time.monotonic() + self.cfg.env_timeout_s)
 
@@ -223,7 +224,7 @@ class EpisodeRunner:
         if self.mt.leader:
             try:
                 answers = self._collect(wait)
-            except Exception as exc:  # every TP rank raises it, none waits for the others
+            except (Exception, SystemExit) as exc:  # every TP rank raises it, none waits for the others
                 answers = exc
         answers = self._share(answers)
         return [(self._seq(sid), tokens, reason) for sid, tokens, reason in answers]
@@ -253,7 +254,7 @@ class EpisodeRunner:
         ep, cfg, where = self.episodes[i], self.cfg, self._where(i)
         try:
             result = fut.result()
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:
             raise EnvironmentFailure(f"{self.mt.env_name}.step on {where} raised {type(exc).__name__}: {exc}") from exc
         if not (isinstance(result, tuple) and len(result) == 3):
             raise EnvironmentFailure(f"{self.mt.env_name}.step on {where} returned {type(result).__name__}; "
@@ -279,9 +280,11 @@ class EpisodeRunner:
                 f"{self.mt.env_name}.step on {where} returned observation {obs!r:.80} with done=False; "
                 "return a str (the next user message) or a list of {'role': 'user'|'tool', 'content': str} dicts")
         limit = cfg.max_tool_response_length
-        for m in messages:
-            if len(m["content"]) > limit and not m["content"].startswith("error:"):
-                m["content"] = m["content"][:limit] + "...(truncated)"
+        for m in messages:  # (a ToolEnvironment's messages arrive cut already)
+            text = m["content"].encode("utf-8", "replace").decode("utf-8")  # lone surrogates from JSON escapes
+            if len(text) > limit and not (len(text) == limit + len(CUT) and text.endswith(CUT)):
+                text = text[:limit] + CUT
+            m["content"] = text
         tokens = self.mt.renderer.delta_ids(messages, seq.tokens[-1])
         if len(tokens) >= seq.max_tokens - len(seq.tokens):  # no room for it and one more token
             return None, "length"

@@ -68,7 +68,9 @@ class ChatRenderer:
         content = _PROBE[-1]["content"]
         cut = base.rfind(content) + len(content)
         end = self.tokenizer.decode([end_token])
-        if base[cut:].startswith(end):  # the model sampled the end-of-turn token itself
+        # the model sampled the end-of-turn token itself: the template's text there is that
+        # token (not only starts with its text: a turn cut at '<' is not one ended by '<|im_end|>')
+        if base[cut:].startswith(end) and self.encode(base[cut:])[:1] == [end_token]:
             cut += len(end)
         full = self.text(_PROBE + messages, add_generation_prompt=True)
         if check and not full.startswith(base[:cut]):

@@ -9,7 +9,8 @@ mount, IPC and UTS namespaces. Inside, before the code starts:
   shows only the sandbox's processes, and a private writable ``/tmp`` (tmpfs, ``disk_mb`` in
   all): the trainer's files, run dir, processes and environment are out of sight;
 * no network: the namespace has a loopback device, down;
-* the code runs as ``nobody`` (when the trainer runs as root) with no capabilities and
+* the code runs as a uid of the call's own, no account's (when the trainer runs as root:
+  ``_call_uid``), with no capabilities and
   ``no_new_privs``, under rlimits on CPU seconds, address space, processes, file size and
   open files;
 * when the call ends, the namespace's first process exits or is killed, and the kernel kills
@@ -44,7 +45,10 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+
+from contextlib import contextmanager
 
 from minihf.utils.threads import sandbox_env
 
@@ -52,6 +56,13 @@ LIMITS = {"wall_s": 10.0, "cpu_s": 5, "memory_mb": 1024, "output_bytes": 1 << 16
           "processes": 8, "disk_mb": 16}
 MODES = ("isolated", "process")
 NOBODY = 65534
+# As root, each call in flight runs as a uid of its own, unused by any account: the kernel
+# counts RLIMIT_NPROC per uid over the whole host, so under one shared uid (nobody) the
+# concurrent calls of a batch shared one process limit and a call's threads failed or not
+# with its batch-mates. Slot ``s`` of process ``pid``: UID_BASE + (pid mod 2^20) * 2^10 + s.
+UID_BASE, UID_SLOTS = 1 << 30, 1 << 10
+_free_slots = list(range(UID_SLOTS))
+_slots_lock = threading.Lock()
 KILLED = "minihf-sandbox: killed by signal "  # the namespace's first process reports a signal
 
 # the child's first Python: limits, then the audit hook, then the code read from stdin
@@ -172,12 +183,29 @@ def _limits(cfg: dict) -> list[tuple[str, int, int]]:
             ("RLIMIT_NPROC", cfg["processes"], cfg["processes"]), ("RLIMIT_CORE", 0, 0)]
 
 
-def _argv(cfg: dict, mode: str, code_cap: int, workdir: str | None) -> tuple[list[str], dict | None]:
+@contextmanager
+def _call_uid():
+    """The uid a call runs as, held while it runs: as root, one of this process's own
+    (nobody when all are in use); otherwise the caller's, mapped to root in a user
+    namespace of the call's own (where the kernel counts the call's processes apart)."""
+    if os.geteuid() != 0:
+        yield "keep"
+        return
+    with _slots_lock:
+        slot = _free_slots.pop() if _free_slots else None
+    try:
+        yield str(NOBODY if slot is None else UID_BASE + (os.getpid() % (1 << 20)) * UID_SLOTS + slot)
+    finally:
+        if slot is not None:
+            with _slots_lock:
+                _free_slots.append(slot)
+
+
+def _argv(cfg: dict, mode: str, code_cap: int, workdir: str | None, uid: str) -> tuple[list[str], dict | None]:
     python, prefix = _base_python()
     env = [f"{k}={v}" for k, v in {**sandbox_env(), "HOME": "/tmp", "PATH": "/usr/bin:/bin"}.items()]
     if mode == "isolated":
         launcher = _LAUNCHER.format(limits=_limits(cfg), workdir="/tmp", code_cap=code_cap)
-        uid = str(NOBODY) if os.geteuid() == 0 else "keep"
         return ([*_unshare_argv(), "env", f"LAUNCHER={launcher}", "sh", "-c", _SETUP, "sh", prefix, uid,
                  f"{cfg['disk_mb']}m", python, *env], {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
     launcher = _LAUNCHER.format(limits=_limits(cfg), workdir=workdir, code_cap=code_cap)
@@ -267,9 +295,14 @@ def run_python(code: str, mode: str | None = None, **limits) -> str:
     if mode not in MODES:
         raise ValueError(f"run_python(mode={mode!r}): choose one of {MODES}")
     data = code.encode("utf-8", errors="replace")
+    with _call_uid() as uid:
+        return _run(cfg, mode, data, uid)
+
+
+def _run(cfg: dict, mode: str, data: bytes, uid: str) -> str:
     workdir = tempfile.mkdtemp(prefix="minihf-python-") if mode == "process" else None
     try:
-        argv, env = _argv(cfg, mode, len(data), workdir)
+        argv, env = _argv(cfg, mode, len(data), workdir, uid)
         try:
             proc = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, start_new_session=True, close_fds=True)

@@ -27,6 +27,7 @@ from typing import Callable
 from .sandbox import python
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+CUT = "...(truncated)"  # what a message cut to max_tool_response_length ends with
 _CALL = re.compile(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE), re.S)
 
 
@@ -67,6 +68,9 @@ def parse_tool_calls(text: str) -> tuple[list[tuple[str, dict]], list[str]]:
         except json.JSONDecodeError as exc:
             errors.append(f"error: the tool call is not valid JSON ({exc.msg} at char {exc.pos}): {body.strip()[:80]}")
             continue
+        except RecursionError:  # ~1000 nested brackets: the decoder's own limit
+            errors.append("error: the tool call's JSON is nested too deeply")
+            continue
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             errors.append('error: a tool call must be {"name": <string>, "arguments": <object>}')
             continue
@@ -74,7 +78,7 @@ def parse_tool_calls(text: str) -> tuple[list[tuple[str, dict]], list[str]]:
         if isinstance(args, str):  # some models write the arguments as a JSON string
             try:
                 args = json.loads(args)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):
                 pass
         if not isinstance(args, dict):
             errors.append(f"error: the arguments of {obj['name']!r} must be a JSON object")
@@ -175,7 +179,7 @@ class ToolEnvironment:
             out = _call_with_timeout(fn, args, self.timeout_s)
         except TypeError as exc:
             return f"error: bad arguments for {name}: {exc}"
-        except Exception as exc:  # noqa: BLE001 - a failing tool is the model's observation
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - a failing tool is the model's observation
             return f"error: {name} raised {type(exc).__name__}: {exc}"
         return out if isinstance(out, str) else json.dumps(out, default=str)
 
@@ -189,7 +193,7 @@ class ToolEnvironment:
             if out.startswith("error:"):
                 errors.append(out)
             if len(out) > self.max_response_length:  # an error's text too: the code may print it
-                out = out[: self.max_response_length] + "...(truncated)"
+                out = out[: self.max_response_length] + CUT
             messages.append({"role": "tool", "name": name, "content": out})
         if len(calls) > self.max_parallel_calls:
             messages.append({"role": "tool", "content": f"error: {len(calls)} calls in one turn; "

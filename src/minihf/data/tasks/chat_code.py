@@ -16,6 +16,7 @@ mode knowingly (docs/multi-turn.md).
 from __future__ import annotations
 
 import os
+import secrets
 import random
 import re
 import string
@@ -71,5 +72,8 @@ def compute_score(solution_str: str, ground_truth: str, extra_info: dict | None 
 
     mode = os.environ.get("MINIHF_SANDBOX", "isolated")
     sandbox.check(mode)  # no namespaces: a ValueError naming the setting, not a silent 0
-    program = f"{extract_code(solution_str)}\n\n{ground_truth}\nprint('passed')\n"
-    return 1.0 if sandbox.run_python(program, mode=mode, wall_s=5.0, cpu_s=2) == "passed\n" else 0.0
+    # a marker the code cannot print ahead of the asserts: 'passed' alone was earned by
+    # print('passed') then SystemExit, the asserts never run
+    marker = f"passed {secrets.token_hex(8)}"
+    program = f"{extract_code(solution_str)}\n\n{ground_truth}\nprint({marker!r})\n"
+    return 1.0 if sandbox.run_python(program, mode=mode, wall_s=5.0, cpu_s=2) == marker + "\n" else 0.0

@@ -129,8 +129,10 @@ class OverlongPenalty(Plugin):
     def penalise(ctx: StepContext, batch: Batch, m: dict, inner) -> None:
         inner(ctx, batch, m)
         o = ctx.cfg.reward_model.overlong_buffer
-        penalty = overlong_penalty(batch["response_mask"].sum(-1), ctx.cfg.data.max_response_length,
-                                   o.len, o.penalty_factor)
+        # the response's length as the cap counts it: a multi-turn response's observation
+        # tokens too (verl's, from the attention mask); response_mask holds the model's only
+        length = batch["attention_mask"][:, -batch["responses"].shape[1]:].sum(-1)
+        penalty = overlong_penalty(length, ctx.cfg.data.max_response_length, o.len, o.penalty_factor)
         batch.tensors["token_level_scores"] = (batch["token_level_scores"]
                                                + at_last_token(penalty, batch["response_mask"]))
         m["reward/overlong_penalty/mean"] = penalty.mean().item()

@@ -150,21 +150,23 @@ def test_sp_forward_and_gradients_match_one_process():
 def _update(rank, world, seed):
     """Two update calls of two mini-batches each: SP=2 on 2 ranks (one DP group, FSDP over
     both) == one process, with and without activation checkpointing (the all-to-alls run
-    again in the recomputation)."""
+    again in the recomputation), and with Dr.GRPO's loss (seq-mean-token-sum-norm counts
+    rows, empty or not: the SP group's other rank, holding the same rows, counted them
+    again and the loss was halved)."""
     batch = rl_batch(4, 2, 6, 7, seed=seed)
     mine = take_rows(batch, range(rank * 4, rank * 4 + 4))
     group = dist.group.WORLD
 
-    def loss_for(model, sp):
+    def loss_for(model, sp, mode):
         def make(norm, tokens):
             def fn(mb):
                 lp = forward_log_probs(model, mb, share_prompt=True, sp=sp)["log_probs"]
-                loss = agg_loss(-lp * mb["advantages"], mb["response_mask"], "token-mean", norm)
+                loss = agg_loss(-lp * mb["advantages"], mb["response_mask"], mode, norm)
                 return loss, {"loss": loss, "tokens": mb["response_mask"].sum() / tokens}
             return fn
         return make
 
-    def run(group, data, sp, checkpointed=False):
+    def run(group, data, sp, checkpointed=False, mode="token-mean"):
         model = tiny(heads=(3, 1), seed=2)
         if checkpointed:
             enable_activation_checkpointing(model)
@@ -172,18 +174,19 @@ def _update(rank, world, seed):
             apply_fsdp(model, fsdp_mesh(group, "cpu"))
         state = TrainState(model, OptimConfig(lr=1e-3, weight_decay=0.1, clip_grad=1.0), group=group)
         stats = [state.update(data, mini_batch_size=4, micro_batch_size=None, max_tokens=40, epochs=1,
-                              shuffle=False, seed=0, loss_agg_mode="token-mean",
-                              make_loss_fn=loss_for(model, sp), share_prompt=True, sp=sp)
+                              shuffle=False, seed=0, loss_agg_mode=mode,
+                              make_loss_fn=loss_for(model, sp, mode), share_prompt=True, sp=sp)
                  for _ in range(2)]
         params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
                   for n, p in model.named_parameters()}
         return params, stats
 
     sp = seq_parallel(group)
-    one, one_stats = run(None, batch, None)
     out = {}
-    for name, ckpt in (("sp", False), ("sp_ckpt", True)):
-        params, stats = run(group, mine, sp, ckpt)
+    for name, ckpt, mode in (("sp", False, "token-mean"), ("sp_ckpt", True, "token-mean"),
+                             ("sp_drgrpo", False, "seq-mean-token-sum-norm")):
+        one, one_stats = run(None, batch, None, mode=mode)
+        params, stats = run(group, mine, sp, ckpt, mode)
         out[name] = {"param": max((params[n] - one[n]).abs().max().item() for n in one),
                      "stats": [(x["loss"], y["loss"], x["tokens"], y["tokens"], x["grad_norm"], y["grad_norm"])
                                for x, y in zip(stats, one_stats)]}
@@ -195,7 +198,7 @@ def _update(rank, world, seed):
 def test_sp_update_matches_one_process_and_dp():
     for r in spawn_ranks(_update, 2, 4):
         assert r["moved"] > 1e-3
-        for name in ("sp", "sp_ckpt"):
+        for name in ("sp", "sp_ckpt", "sp_drgrpo"):
             # test_fsdp's bound for the same kind of comparison (sharded vs one process): Adam's
             # step m/sqrt(v) ignores a gradient's scale, so a relative gradient error d moves a
             # weight by ~lr d per step (4 steps x 1e-3 x 1e-5: 4e-8), more where a gradient is

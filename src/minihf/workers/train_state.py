@@ -114,7 +114,8 @@ class TrainState:
                                     shuffle=shuffle, seed=seed):
             mini = take_rows(data, rows)
             mask = mini["response_mask"] if counted else torch.zeros_like(mini["response_mask"])
-            norm = global_normalizer(mask, loss_agg_mode, self.group)
+            # (not the zeroed mask alone: seq-mean-token-sum-norm counts rows, empty or not)
+            norm = global_normalizer(mask, loss_agg_mode, self.group, counted)
             tokens = global_token_count(mask, self.group)
             groups = response_prompt_groups(mini) if share_prompt and max_tokens is not None else None
             plan = plan_micro_batches(mini["attention_mask"], micro_batch_size=micro_batch_size,

@@ -76,9 +76,12 @@ def take_rows(data: dict, rows: Sequence[int]) -> dict:
     return {k: v.index_select(0, idx.to(v.device)) for k, v in data.items()}
 
 
-def global_normalizer(loss_mask: torch.Tensor, loss_agg_mode: str, group) -> torch.Tensor:
-    """The mini-batch's loss normaliser summed over ranks (tokens or non-empty sequences)."""
-    return all_reduce_(loss_normalizer(loss_mask, loss_agg_mode).clone(), group)
+def global_normalizer(loss_mask: torch.Tensor, loss_agg_mode: str, group, counted: bool = True) -> torch.Tensor:
+    """The mini-batch's loss normaliser summed over ranks (tokens, rows or non-empty
+    sequences). ``counted=False``: this rank's rows are another rank's too (a sequence-
+    parallel group's rows, counted on its leader) and add nothing."""
+    local = loss_normalizer(loss_mask, loss_agg_mode).clone()
+    return all_reduce_(local if counted else torch.zeros_like(local), group)
 
 
 def global_token_count(loss_mask: torch.Tensor, group) -> torch.Tensor:

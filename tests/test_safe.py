@@ -215,7 +215,8 @@ def test_safe_config_errors(tiny):
     from minihf.trainer.ppo_job import PPOJobConfig
 
     model, data = tiny
-    cases = [({"algorithm.adv_estimator": "grpo"}, "algorithm.safe needs an estimator that reads values"),
+    cases = [({"algorithm.adv_estimator": "grpo"}, "algorithm.safe combines the reward's and the cost's GAE "
+                                                   "advantages .* set adv_estimator=gae, not 'grpo'"),
              ({"cost_critic.enable": "false"}, "algorithm.safe needs the cost critic"),
              ({"algorithm.safe.enable": "false"}, "cost_model.enable=true needs algorithm.safe.enable=true"),
              ({"algorithm.safe.lambda_lr": -1}, "lambda_lr=-1.0 must be >= 0"),
@@ -276,32 +277,63 @@ def test_sampled_pairs_rank_a_models_own_answers(tmp_path):
     assert res.exit_code != 0 and "has no config.json" in flat(res)
 
 
-def test_safe_advantages_by_hand_with_delay_and_cap():
-    from minihf.algorithms import compute_gae_advantage_return
-    from minihf.protocol import Batch
+def safe_plugin(*overrides):
     from minihf.trainer.ppo_job import PPOJobConfig
     from minihf.trainer.phases import StepContext
     from minihf.trainer.plugins import SafeRLHF
 
-    cfg = load_config(PPOJobConfig, "safe_rlhf", ["algorithm.safe.lambda_update_delay_steps=1",
-                                                  "algorithm.safe.lambda_max=1.2", "algorithm.safe.lambda_lr=0.5"])
-    safe = SafeRLHF(StepContext(cfg, {}, None, None, None, print, None, None, None, None))
+    cfg = load_config(PPOJobConfig, "safe_rlhf", list(overrides))
+    return SafeRLHF(StepContext(cfg, {}, None, None, None, print, None, None, None, None))
+
+
+def test_safe_advantages_by_hand_with_delay_and_cap():
+    from minihf.algorithms import compute_gae_advantage_return, masked_whiten
+    from minihf.protocol import Batch
+
+    safe = safe_plugin("algorithm.safe.lambda_update_delay_steps=1", "algorithm.safe.lambda_max=1.2",
+                       "algorithm.safe.lambda_lr=0.5")
     mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
     costs = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])              # both episodes cost 1
     scores = torch.tensor([[0.0, 0.5, 0.0], [0.0, 0.0, 0.2]])
     kl = torch.tensor([[0.1, 0.2, 0.0], [0.3, 0.1, 0.1]])
+    values = torch.tensor([[0.1, -0.2, 0.0], [0.3, 0.0, 0.2]])
     lams = []
     for step in (1, 2, 3):
         batch = Batch({"token_level_costs": costs, "token_level_scores": scores,
                        "token_level_rewards": scores - 0.2 * kl, "cost_values": torch.zeros(2, 3),
-                       "response_mask": mask, "advantages": torch.ones(2, 3) * mask})
+                       "values": values, "response_mask": mask, "advantages": torch.ones(2, 3) * mask})
         m = safe.advantages(batch, step)
         lams.append(m["safe/lambda"])
-        want, _ = compute_gae_advantage_return(costs + 0.2 * kl, torch.zeros(2, 3), mask, 1.0, 0.95)  # + beta*kl
-        # GAE on inputs equal up to rounding (scores - rewards vs 0.2 kl); whitened |x| > 0.1, so
-        # rtol 1e-5 (~80 ulp) applies; the next line repeats combine_safe_advantages' formula
-        assert torch.allclose(batch["cost_advantages"], want)
-        assert torch.allclose(batch["advantages"], (mask - lams[-1] * want) / (1 + lams[-1]))
+        a_r, _ = compute_gae_advantage_return(scores - 0.2 * kl, values, mask, 1.0, 0.95, whiten=False)
+        a_c, _ = compute_gae_advantage_return(costs + 0.2 * kl, torch.zeros(2, 3), mask, 1.0, 0.95,
+                                              whiten=False)  # + beta*kl
+        # GAE on inputs equal up to rounding (scores - rewards vs 0.2 kl), then one whitening of
+        # values > 0.1 in size: allclose's rtol 1e-5 (~80 ulp) holds them
+        assert torch.allclose(batch["cost_advantages"], a_c)
+        want = masked_whiten((a_r - lams[-1] * a_c) / (1 + lams[-1]), mask.float()) * mask
+        assert torch.allclose(batch["advantages"], want)
         assert m["safe/cost/mean"] == 1.0 and m["safe/cost_violation"] == 1.0
     # step 1 is within the delay; step 2 moves lambda 1.0 -> 1.5, capped at 1.2
     assert lams == [1.0, 1.0, 1.2]
+
+
+def test_the_kl_weight_does_not_move_with_lambda():
+    """What the docs promise: with the in-reward KL alone (no score, no cost, zero values)
+    the combined advantage is the KL's, whatever lambda is. Each GAE whitened on its own
+    made the KL's share grow with lambda (by 1/std_r + lambda/std_c over 1 + lambda)."""
+    from minihf.protocol import Batch
+
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0]])
+    kl = torch.tensor([[0.1, 0.4, 0.0, 0.0], [0.3, 0.1, 0.2, 0.5], [0.7, 0.0, 0.0, 0.0]])
+    got = []
+    for lam in (0.0, 1.0, 10.0):
+        safe = safe_plugin(f"algorithm.safe.lambda_init={lam}")
+        batch = Batch({"token_level_costs": torch.zeros(3, 4), "token_level_scores": torch.zeros(3, 4),
+                       "token_level_rewards": -0.05 * kl, "cost_values": torch.zeros(3, 4),
+                       "values": torch.zeros(3, 4), "response_mask": mask, "advantages": torch.zeros(3, 4)})
+        safe.advantages(batch, 1)
+        got.append(batch["advantages"])
+    # (-b k - lam b k) / (1 + lam) = -b k in exact arithmetic; fp32 rounds it a few times (a
+    # few ulp, relative, and whitening keeps errors relative): allclose's rtol 1e-5 (~80 ulp)
+    assert torch.allclose(got[0], got[1], atol=1e-6) and torch.allclose(got[0], got[2], atol=1e-6)
+    assert got[0].abs().max() > 0.5

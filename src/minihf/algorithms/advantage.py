@@ -123,12 +123,13 @@ def _group_mean_std(scores: torch.Tensor, index: Sequence):
 
 @register_adv_est(AdvantageEstimator.GAE)
 def compute_gae_advantage_return(token_level_rewards: torch.Tensor, values: torch.Tensor,
-                                 response_mask: torch.Tensor, gamma: float, lam: float):
+                                 response_mask: torch.Tensor, gamma: float, lam: float, whiten: bool = True):
     """Generalised advantage estimation (Schulman et al., 2016), backwards over the response.
 
     ``delta_t = r_t + gamma V_{t+1} - V_t``; ``A_t = delta_t + gamma lam A_{t+1}``, where
     ``t+1`` is the next *unmasked* position (0 past the end). ``returns = A + V`` before
-    whitening; the advantages are then whitened over the mask and zeroed outside it.
+    whitening; the advantages are then whitened over the mask (``whiten=False``: not, for a
+    caller that combines several first) and zeroed outside it.
     """
     with torch.no_grad():
         mask = response_mask.to(values.dtype)                           # [B, T]
@@ -144,7 +145,7 @@ def compute_gae_advantage_return(token_level_rewards: torch.Tensor, values: torc
             advs.append(last_gae)
         advantages = torch.stack(advs[::-1], dim=-1)                    # [B, T]
         returns = advantages + values
-        advantages = masked_whiten(advantages, mask) * mask
+        advantages = (masked_whiten(advantages, mask) if whiten else advantages) * mask
     return advantages, returns
 
 

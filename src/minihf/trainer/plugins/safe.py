@@ -8,7 +8,7 @@ role table's renaming) and, with ``cost_model.enable``, ``cost_model``. Each ste
     cost values: the cost critic                                                -> cost_values (alongside values)
     cost advantages: GAE on the costs (+ the in-reward KL, see ``advantages``)  -> in adv (wraps it)
     lambda: one projected step on ``mean episode cost - cost_limit``            -> in adv
-    advantages = (A_r - lambda A_c) / (1 + lambda) for the actor update
+    advantages = whiten((A_r - lambda A_c) / (1 + lambda)) for the actor update (A unwhitened)
     cost critic update on the cost returns                                    -> update_cost_critic (alongside update_critic)
 
 Metrics: ``safe/lambda`` (the value the step's advantages used), ``safe/cost/mean`` (mean
@@ -19,7 +19,8 @@ from the rule cost function. State: the Lagrange multiplier.
 
 from __future__ import annotations
 
-from minihf.algorithms import LagrangeMultiplier, combine_safe_advantages, compute_gae_advantage_return
+from minihf.algorithms import (LagrangeMultiplier, combine_safe_advantages, compute_gae_advantage_return,
+                               masked_whiten)
 from minihf.protocol import Batch
 from minihf.trainer.phases import Call, Phase, Plugin, StepContext, after, alongside, wrap
 from minihf.trainer.reward import RuleReward
@@ -48,9 +49,9 @@ class SafeRLHF(Plugin):
                 raise ValueError(f"{key}=true needs algorithm.safe.enable=true")
         if not safe:
             return
-        if "values" not in cfg.adv_needs:
-            raise ValueError(f"algorithm.safe needs an estimator that reads values (a reward critic "
-                             f"beside the cost critic, e.g. adv_estimator=gae), not "
+        if cfg.algorithm.adv_estimator != "gae":
+            raise ValueError(f"algorithm.safe combines the reward's and the cost's GAE advantages (a reward "
+                             f"critic beside the cost critic) before whitening them: set adv_estimator=gae, not "
                              f"{cfg.algorithm.adv_estimator!r}")
         if not cfg.cost_critic.enable:
             raise ValueError("algorithm.safe needs the cost critic; drop cost_critic.enable=false")
@@ -91,22 +92,30 @@ class SafeRLHF(Plugin):
         m.update(self.advantages(batch, ctx.step))
 
     def advantages(self, batch: Batch, step: int) -> dict:
-        """Replace ``batch["advantages"]`` (the reward's) by the combined ones; add
-        ``cost_advantages`` / ``cost_returns``; step lambda. With the in-reward KL the costs
-        get ``+ beta * kl`` (the reward got ``- beta * kl``), as in Safe-RLHF, so the combined
+        """Replace ``batch["advantages"]`` (the reward's GAE, whitened) by the combined ones;
+        add ``cost_advantages`` / ``cost_returns``; step lambda.
+
+        The reward's and the cost's GAE advantages are combined as they are, in the units of
+        reward and cost, and the result whitened once (Safe-RLHF combines unwhitened ones).
+        Whitening each first would weigh the cost by ``lambda * std_r / std_c``: lambda would
+        no longer be the constraint's multiplier. With the in-reward KL the costs get
+        ``+ beta * kl`` (the reward got ``- beta * kl``), as in Safe-RLHF, so the combined
         advantage carries the KL penalty at ``beta`` whatever lambda is."""
         costs = batch["token_level_costs"]
         if self.cfg.algorithm.use_kl_in_reward:
             costs = costs + (batch["token_level_scores"] - batch["token_level_rewards"])  # + beta*kl
-        alg = self.cfg.algorithm
-        cost_adv, cost_ret = compute_gae_advantage_return(costs, batch["cost_values"], batch["response_mask"],
-                                                          alg.gamma, alg.lam)
+        alg, mask = self.cfg.algorithm, batch["response_mask"]
+        reward_adv, _ = compute_gae_advantage_return(batch["token_level_rewards"], batch["values"], mask,
+                                                     alg.gamma, alg.lam, whiten=False)
+        cost_adv, cost_ret = compute_gae_advantage_return(costs, batch["cost_values"], mask, alg.gamma, alg.lam,
+                                                          whiten=False)
         batch.tensors["cost_advantages"], batch.tensors["cost_returns"] = cost_adv, cost_ret
         mean_cost = batch["token_level_costs"].sum(-1).mean().item()
         lam = self.lagrange.value
         if step > self.s.lambda_update_delay_steps:
             self.lagrange.update(mean_cost)
-        batch.tensors["advantages"] = combine_safe_advantages(batch["advantages"], cost_adv, lam)
+        combined = combine_safe_advantages(reward_adv, cost_adv, lam)
+        batch.tensors["advantages"] = masked_whiten(combined, mask.to(combined.dtype)) * mask
         return {"safe/lambda": lam, "safe/cost/mean": mean_cost,
                 "safe/cost_violation": mean_cost - self.s.cost_limit}
 

@@ -187,6 +187,43 @@ def test_the_driver_hands_weights_and_the_rejection_mask_to_the_update(tmp_path)
         assert m["rollout_corr/kl"] == pytest.approx(-0.2, rel=1e-5)
 
 
+def test_a_rejected_last_token_keeps_its_sequences_score(tmp_path):
+    """The score sits on a response's last token. Rejection took that token out of the
+    response mask before the advantages, so REINFORCE++'s returns (and GAE's, ReMax's) lost
+    the score. Now the advantages are computed over every token and only the update's mask
+    loses the rejected ones: the advantages equal a run without rejection."""
+    from minihf.data import make_task_data
+    from minihf.hub import init_model
+    from minihf.trainer.ppo import PPOTrainer
+    from test_ppo import ScriptedActor, job_config
+
+    init_model(tmp_path / "model", size="tiny", task="digits")
+    make_task_data("digits", tmp_path / "data", 32, 8, seed=0)
+    (tmp_path / "r.py").write_text("def score(data_source, solution_str, ground_truth, extra_info):\n"
+                                   "    return float(extra_info['index'] % 3)\n")
+
+    class LastTokenOff(ScriptedActor):  # pi_rollout / pi_old = e^-2 on the last token, 1 elsewhere
+        def generate_sequences(self, batch):
+            out = super().generate_sequences(batch)
+            out.tensors["rollout_log_probs"][:, -1] = -3.0
+            return out
+
+    key, updated = "algorithm.rollout_correction", {}
+    for rs in ("null", "token_k1"):
+        cfg = job_config(str(tmp_path / "model"), str(tmp_path / "data"), tmp_path / f"run_{rs}", "grpo", **{
+            "algorithm.adv_estimator": "reinforce_plus_plus", f"{key}.rollout_rs": rs,
+            f"{key}.rollout_rs_threshold": "null" if rs == "null" else "0.5_2.0",
+            "custom_reward_function.path": f"{tmp_path}/r.py", "custom_reward_function.name": "score"})
+        actor = LastTokenOff()
+        PPOTrainer(cfg, {"actor": actor}, log=lambda *a: None).train_step(1)
+        updated[rs] = actor.updated
+    plain, rejected = updated["null"], updated["token_k1"]
+    assert plain["advantages"].abs().max() > 0.5
+    assert torch.equal(rejected["advantages"], plain["advantages"])
+    assert rejected["response_mask"][:, -1].eq(0).all() and rejected["response_mask"][:, :-1].eq(1).all()
+    assert plain["response_mask"].eq(1).all() and "rollout_rs_mask" not in rejected.tensors
+
+
 def test_equals_verl_on_random_inputs():
     """verl's ``rollout_corr_helper`` as the oracle (installed: compare; else skipped)."""
     verl = pytest.importorskip("verl.trainer.ppo.rollout_corr_helper")

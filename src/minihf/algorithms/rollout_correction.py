@@ -19,8 +19,9 @@ biased. With ``log_ratio = old_log_prob - rollout_log_prob`` (``[B, T]``, log pi
   a token (sequence) when the statistic is <= the threshold; k1 takes ``"lower_upper"`` (a
   single X means ``1/X_X``) and keeps it when ``lower <= exp(k1) <= upper``, i.e. bounds
   ``pi_rollout / pi_old``. All options must keep a token; rejected tokens leave the
-  ``response_mask`` (so the advantages and losses skip them). Weights are never changed by
-  rejection.
+  ``response_mask`` the updates read (the driver applies it after the advantages, which
+  see every token: ``minihf.trainer.old_log_prob.apply_rejection``). Weights are never
+  changed by rejection.
 
 Metrics carry the ``rollout_corr/`` prefix and verl's names. Deliberate deviation: batch
 normalisation and the metrics run on the driver over the whole batch, so no distributed

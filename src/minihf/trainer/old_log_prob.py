@@ -60,13 +60,27 @@ def router_disagreement(disagree, replayed) -> dict[str, float]:
 
 def correct_rollout(rc, batch: Batch, m: dict) -> None:
     """``algorithm.rollout_correction`` (decoupled): importance weights for the policy loss
-    and rejected tokens out of the response mask; the ``rollout_corr/*`` off-policy figures
-    always."""
+    and the mask of the tokens rejection keeps (``rollout_rs_mask``, applied after the
+    advantages: :func:`apply_rejection`); the ``rollout_corr/*`` off-policy figures always."""
     weights, mask, metrics = compute_rollout_correction_and_rejection_mask(
         batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"],
         rc.rollout_is, rc.rollout_is_threshold, rc.rollout_is_batch_normalize,
         rc.rollout_rs, rc.rollout_rs_threshold)
     m.update(metrics)
-    batch.tensors["response_mask"] = mask
+    if rc.rollout_rs is not None:
+        batch.tensors[REJECTION_MASK] = mask
     if weights is not None:
         batch.tensors["rollout_is_weights"] = weights
+
+
+REJECTION_MASK = "rollout_rs_mask"
+
+
+def apply_rejection(batch: Batch) -> None:
+    """The tokens rollout correction rejected leave the response mask, after the rewards
+    and advantages were computed over every token (a sequence's score sits on its last
+    token: rejecting that one dropped the score from the returns, and ReMax pushed a right
+    answer down); the losses of the updates skip them."""
+    keep = batch.tensors.pop(REJECTION_MASK, None)
+    if keep is not None:
+        batch.tensors["response_mask"] = keep

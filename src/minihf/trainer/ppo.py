@@ -45,7 +45,7 @@ from minihf.protocol import Batch
 from minihf.trainer.common import Log, check_token_ids, every, run_dir
 from minihf.trainer.loop import RunLoop
 from minihf.trainer.metrics import data_metrics, group_metrics, sample_rows, sent_bytes, throughput
-from minihf.trainer.old_log_prob import old_log_prob_phase
+from minihf.trainer.old_log_prob import apply_rejection, old_log_prob_phase
 from minihf.trainer.phases import Call, Phase, PluginStates, StepContext, Together, apply_hooks, run_phases
 from minihf.trainer.plugins import plugin_classes
 from minihf.trainer.ppo_config import PPOConfig
@@ -154,6 +154,7 @@ class PPOTrainer(RunLoop):
                          Together((Call("ref", "actor", "compute_ref_log_prob", lambda ctx: cfg.use_ref),
                                    Call("values", "critic", "compute_values"))),
                          Phase("adv", self._adv_phase),
+                         Phase("rejection", lambda ctx, batch, m: apply_rejection(batch), timed=False),
                          Together((Call("update_critic", "critic", "update_critic"),
                                    Call("update_actor", "actor", "update_actor",
                                         lambda ctx: ctx.step > cfg.trainer.critic_warmup)))]}

@@ -32,7 +32,8 @@ LAST = 10  # steps whose mean episode cost is reported for safe_rlhf
 def run_one(recipe: str, steps: int, nproc: int, workdir: Path) -> dict:
     out = workdir / recipe
     shutil.rmtree(out, ignore_errors=True)  # a fresh run: no metrics or checkpoints of an earlier one
-    cmd = ["torchrun", "--standalone", f"--nproc_per_node={nproc}", str(ROOT / "scripts/train_ppo.py"),
+    # torchrun of this interpreter (a venv's python run without activating it has no torchrun on PATH)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(ROOT / "scripts/train_ppo.py"),
            f"recipe={recipe}", f"trainer.total_training_steps={steps}", f"trainer.test_freq={steps}",
            "trainer.save_freq=-1", f"trainer.default_local_dir={out}", "trainer.resume_mode=disable"]
     t0 = time.perf_counter()

@@ -95,6 +95,10 @@ def test_grpo_two_groups_including_a_singleton():
     # int group ids in a different order give the same groups
     adv2, _ = compute_grpo_outcome_advantage(G_REWARDS, G_MASK, np.array([7, 7, 7, 3]))
     assert_close(adv2, adv.tolist())
+    # a tensor of ids (verl's annotation): its 0-d elements hash by identity, which made every
+    # row a group of its own (the raw scores came back)
+    adv_t, _ = compute_grpo_outcome_advantage(G_REWARDS, G_MASK, torch.tensor([7, 7, 7, 3]))
+    assert_close(adv_t, adv.tolist())
     # Dr.GRPO: no division by the std
     adv3, _ = compute_grpo_outcome_advantage(G_REWARDS, G_MASK, G_INDEX, norm_adv_by_std_in_grpo=False)
     assert_close(adv3, per_row([-1, -2, 3, 5]))

@@ -29,6 +29,7 @@ from __future__ import annotations
 import inspect
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
 from minihf.algorithms.loss_agg import masked_whiten
@@ -94,7 +95,11 @@ def get_adv_estimator_fn(name: str) -> Callable:
 
 
 def _group_ids(index: Sequence, bsz: int) -> torch.Tensor:
-    """Dense group ids ``[B]`` (0, 1, ... in order of first appearance) from any hashables."""
+    """Dense group ids ``[B]`` (0, 1, ... in order of first appearance) from any hashables,
+    or a tensor or array of ids (an element of which hashes by identity, not value: every
+    row would be a group of its own)."""
+    if isinstance(index, (torch.Tensor, np.ndarray)):
+        index = index.tolist()
     if len(index) != bsz:
         raise ValueError(f"index has {len(index)} entries but the batch has {bsz} rows; "
                          "pass one group id (the prompt uid) per row")

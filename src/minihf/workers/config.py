@@ -96,7 +96,7 @@ class ActorConfig:
     clip_ratio: float = 0.2              # PPO clip epsilon (both sides unless low/high are set)
     clip_ratio_low: Optional[float] = None  # lower clip epsilon (DAPO clip-higher); null: clip_ratio
     clip_ratio_high: Optional[float] = None  # upper clip epsilon; null: clip_ratio
-    clip_ratio_c: Optional[float] = None  # dual-clip bound (e.g. 3.0); None disables
+    clip_ratio_c: Optional[float] = 3.0  # dual-clip bound (verl's default); null disables
     entropy_coeff: float = 0.0           # entropy bonus weight in the loss
     use_kl_loss: bool = False            # GRPO-style KL to the reference in the loss
     kl_loss_coef: float = 0.001          # weight of the KL-to-reference loss (use_kl_loss)

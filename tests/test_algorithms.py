@@ -89,6 +89,9 @@ def test_log_probs_entropy_kl_against_torch():
     assert kl_penalty(lp, ref, "k3")[0, 0].item() == pytest.approx(k3, rel=KL3)
     with pytest.raises(ValueError, match="kl_penalty='x'"):
         kl_penalty(lp, ref, "x")
+    # float64 (a reference computation) stays float64: 1e-12 was lost in fp32
+    tiny = kl_penalty(torch.tensor([1.0 + 1e-12], dtype=torch.float64), torch.tensor([1.0], dtype=torch.float64), "k1")
+    assert tiny.dtype == torch.float64 and tiny.item() == pytest.approx(1e-12, rel=1e-3)
 
 
 def test_logprob_rounding_bound_by_hand():

@@ -93,9 +93,13 @@ def test_rl_config_errors():
     for override, match in (("algorithm.gamma=2", r"algorithm.gamma=2.0 must be in \[0, 1\]"),
                             ("algorithm.lam=-0.1", r"algorithm.lam=-0.1 must be in \[0, 1\]"),
                             ("algorithm.kl_ctrl.kl_coef=-0.5", "kl_ctrl.kl_coef=-0.5 must be >= 0"),
+                            ("algorithm.kl_ctrl.type=adaptive,algorithm.kl_ctrl.kl_coef=0",
+                             "type=adaptive with kl_coef=0 never moves"),
+                            ("actor_rollout_ref.actor.policy_loss.loss_mode=gspo",
+                             "loss_mode=gspo aggregates per sequence .* loss_agg_mode='token-mean'"),
                             ("algorithm.kl_ctrl.horizon=0", "horizon=0 >= 1")):
         with pytest.raises(ConfigError, match=match):
-            load_config(PPOJobConfig, None, [override])
+            load_config(PPOJobConfig, None, override.split(","))
 
 
 @pytest.mark.parametrize("kind, recipe, role", [("rl", "ppo", "critic"), ("rl", "grpo", "actor"),

@@ -15,7 +15,8 @@ def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor,
     ``mse``/``k2`` = d^2 / 2; ``low_var_kl``/``k3`` = exp(-d) - 1 + d, clamped to [-10, 10]
     as verl does (unbiased, non-negative, low variance).
     """
-    d = log_prob.float() - ref_log_prob.float()                          # [B, T]
+    dtype = torch.promote_types(torch.promote_types(log_prob.dtype, ref_log_prob.dtype), torch.float32)
+    d = log_prob.to(dtype) - ref_log_prob.to(dtype)                      # [B, T] fp32 (float64 stays)
     if kl_penalty in ("kl", "k1"):
         return d
     if kl_penalty == "abs":

@@ -55,9 +55,9 @@ class AdaptiveKLController(KLController):
         if init_kl_coef < 0:
             raise ValueError(f"init_kl_coef={init_kl_coef} must be >= 0")
         if not target_kl > 0:
-            raise ValueError(f"target_kl={target_kl} must be > 0 (the KL per sequence the "
-                             "controller steers to, e.g. 0.1); use FixedKLController for a "
-                             "constant coefficient")
+            raise ValueError(f"target_kl={target_kl} must be > 0 (the KL the controller steers "
+                             "to, the batch mean of each sequence's mean token KL, e.g. 0.1); use "
+                             "FixedKLController for a constant coefficient")
         if not horizon > 0:
             raise ValueError(f"horizon={horizon} must be > 0 (samples over which the "
                              "coefficient may change by up to 20%, e.g. 10000)")

@@ -23,6 +23,9 @@ class KLCtrlConfig:
         if not self.target_kl > 0 or self.horizon < 1:
             raise ValueError(f"algorithm.kl_ctrl: target_kl={self.target_kl} must be > 0 and "
                              f"horizon={self.horizon} >= 1")
+        if self.type == "adaptive" and self.kl_coef == 0:
+            raise ValueError("algorithm.kl_ctrl.type=adaptive with kl_coef=0 never moves (each update "
+                             "multiplies the coefficient); start it above 0 (e.g. 0.001), or use type=fixed")
 
 
 @dataclass

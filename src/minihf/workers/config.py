@@ -100,7 +100,7 @@ class ActorConfig:
     entropy_coeff: float = 0.0           # entropy bonus weight in the loss
     use_kl_loss: bool = False            # GRPO-style KL to the reference in the loss
     kl_loss_coef: float = 0.001          # weight of the KL-to-reference loss (use_kl_loss)
-    kl_loss_type: str = "low_var_kl"     # KL estimator: kl (k1) | abs | mse (k2) | low_var_kl (k3) | full
+    kl_loss_type: str = "low_var_kl"     # KL estimator: kl (k1) | abs | mse (k2) | low_var_kl (k3)
     loss_agg_mode: str = "token-mean"   # seq-mean-token-sum-norm divides by the response length
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     log_prob_micro_batch_size_per_gpu: Optional[int] = 8  # for compute_log_prob
@@ -157,6 +157,10 @@ class ActorConfig:
         if self.clip_ratio_c is not None and not self.clip_ratio_c > 1:
             raise ValueError(f"clip_ratio_c={self.clip_ratio_c} must be > 1 (e.g. 3.0), or "
                              "null to disable the dual clip")
+        if self.policy_loss.loss_mode == "gspo" and self.loss_agg_mode not in ("seq-mean-token-mean",
+                                                                               "seq-mean-token-sum"):
+            raise ValueError(f"policy_loss.loss_mode=gspo aggregates per sequence (seq-mean-token-mean), "
+                             f"but loss_agg_mode={self.loss_agg_mode!r}: set loss_agg_mode=seq-mean-token-mean")
         if self.kl_loss_type not in KL_PENALTIES:
             raise ValueError(f"kl_loss_type={self.kl_loss_type!r}; choose one of "
                              f"{list(KL_PENALTIES)}")

@@ -105,14 +105,15 @@ def test_resume_keeps_the_batches_generated_ahead(tiny_job, tmp_path):  # noqa: 
     model, data = tiny_job
     full, full_hist = driver_run(model, data, tmp_path / "full", 2)
     first, first_hist = driver_run(model, data, tmp_path / "resumed", 2, stop_after=2)
-    saved = torch.load(tmp_path / "resumed" / "global_step_2" / "pending.pt", weights_only=False)
-    assert [(r["step"], r["version"]) for r in saved] == [(3, 0), (4, 1)]
+    saved = torch.load(tmp_path / "resumed" / "global_step_2" / "pending.pt", weights_only=True)  # data only
+    assert [(r["step"], r["version"]) for r in saved["batches"]] == [(3, 0), (4, 1)]
     rest, rest_hist = driver_run(model, data, tmp_path / "resumed", 2)
     assert rest.version == 5
     assert sorted(first.generated + rest.generated) == sorted(full.generated)  # none made twice
     for a, b in zip(full.trained, first.trained + rest.trained):
         assert a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a.tensors)
-        assert list(a.non_tensors["uid"]) == list(b.non_tensors["uid"])
+        assert a.non_tensors.keys() == b.non_tensors.keys() and a.meta == b.meta
+        assert all(list(a.non_tensors[k]) == list(b.non_tensors[k]) for k in a.non_tensors)
 
     def strip(h):
         return {k: v for k, v in h.items() if not k.startswith(("timing_s/", "perf/throughput"))}
@@ -163,3 +164,51 @@ def test_two_processes_reproducible_and_resumable(tiny_job, tmp_path):  # noqa: 
     assert gap[0] < 1e-5 and min(gap[1:]) > 1e-3, gap
     rows = [json.loads(x) for x in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_the_queue_gives_a_standalone_rollout_the_colocated_schedule(k):
+    """The policy version of each step's batch: the first k + 1 from the initial weights,
+    then one update behind per step past them, whether the next batch is made while the
+    step trains (a standalone rollout) or before it. With overlap, step 1 made its own batch
+    and started the next in the background, but never the ones past it, so k >= 2 ran as
+    k = 1 there."""
+    from minihf.protocol import Batch
+    from minihf.trainer.staleness import RolloutQueue
+
+    def versions(overlap, total=8):
+        queue = RolloutQueue(k, total, lambda t: (Batch({"x": torch.zeros(2)}), {}, {}), overlap=overlap)
+        out = []
+        for step in range(1, total + 1):
+            m = {}
+            out.append(int(queue.next_batch(step, m)["policy_version"][0]))
+            assert m["async/staleness/max"] == step - 1 - out[-1]
+        return out
+
+    want = [0] * (k + 1) + list(range(1, 8 - k))
+    assert versions(False) == want and versions(True) == want
+
+
+def test_a_crafted_pending_file_runs_no_code(tmp_path):
+    """pending.pt was read with weights_only=False: a checkpoint from a stranger ran its
+    pickle's code on resume (every other checkpoint file is read as data only)."""
+    import os
+
+    from minihf.trainer.staleness import RolloutQueue
+    from minihf.utils.files import CorruptFileError
+    from minihf.utils.safe_load import UnsafeCheckpointError
+
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return os.system, (f"touch {marker}",)
+
+    torch.save([{"step": 3, "payload": Payload()}], tmp_path / "pending.pt")
+    queue = RolloutQueue(1, 8, lambda t: None)
+    with pytest.raises(UnsafeCheckpointError):
+        queue.load(tmp_path / "pending.pt")
+    assert not marker.exists()
+    torch.save({"format": "something else"}, tmp_path / "other.pt")
+    with pytest.raises(CorruptFileError, match="not a pending-batch file"):
+        queue.load(tmp_path / "other.pt")

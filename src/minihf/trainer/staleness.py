@@ -25,6 +25,7 @@ weighs (``rollout_is``) or rejects (``rollout_rs``).
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -34,6 +35,11 @@ import torch
 
 from minihf.protocol import Batch
 from minihf.trainer.phases import Phase, StepContext
+from minihf.utils.files import CorruptFileError
+from minihf.utils.safe_load import load_data
+from minihf.utils.state_json import dumps, loads
+
+PENDING_FORMAT = "minihf-pending/1"
 
 # produce(target step) -> (batch, its data metrics, the time metrics of making it)
 Produce = Callable[[int], tuple[Batch, dict, dict]]
@@ -64,10 +70,13 @@ class RolloutQueue:
         targets = list(range(last + 1, min(step + self.k, self.total_steps) + 1))
         if targets:
             self.sync(m)  # a standalone rollout gets the weights of step - 1
-        for target in targets:
-            if self.overlap and target > step:  # trained later: made while this step trains
+        for i, target in enumerate(targets):
+            if self.overlap and target > step and i == len(targets) - 1:
+                # the last one, trained later: made while this step trains (the ones before
+                # it, at step 1's k + 1 or after a resume with a larger k, are made now, with
+                # the same weights as the colocated schedule gives them)
                 self._start(target, step - 1)
-                break  # one a step: targets past it exist only after a resume with a larger k
+                break
             batch, made, timing = self.produce(target)
             add(m, timing)
             self.pending.append((target, step - 1, batch, made))
@@ -107,10 +116,16 @@ class RolloutQueue:
         self.pending.append((target, version, batch, made))
 
     # -- checkpoints (RunLoop.driver_files) -------------------------------------------------
+    # The file holds data only, so a resume runs no code from it (a checkpoint may come from
+    # a stranger: minihf.utils.safe_load): per batch its tensors, and its non-tensor columns
+    # (object arrays), meta and metrics as state_json text.
     def save(self, path: Path) -> None:
+        rows = [{"step": t, "version": v, "tensors": dict(b.tensors),
+                 "rest": dumps({"non_tensors": {k: list(a) for k, a in b.non_tensors.items()},
+                                "meta": b.meta, "metrics": made}, f"pending batch of step {t}")}
+                for t, v, b, made in self.pending]
         tmp = path.with_name(path.name + ".tmp")
-        torch.save([{"step": t, "version": v, "tensors": b.tensors, "non_tensors": b.non_tensors,
-                     "meta": b.meta, "metrics": made} for t, v, b, made in self.pending], tmp)
+        torch.save({"format": PENDING_FORMAT, "batches": rows}, tmp)
         tmp.replace(path)
 
     def load(self, path: Path | None) -> None:
@@ -119,10 +134,14 @@ class RolloutQueue:
         self.pending = []
         if path is None or not path.exists():
             return
-        # our own file, written by save() above: batches hold numpy object arrays
-        for row in torch.load(path, weights_only=False):
-            batch = Batch(row["tensors"], row["non_tensors"], row["meta"])
-            self.pending.append((row["step"], row["version"], batch, row["metrics"]))
+        saved = load_data(path)
+        fix = "resume an earlier global_step_N or start fresh (trainer.resume_mode=disable)"
+        if not (isinstance(saved, dict) and saved.get("format") == PENDING_FORMAT):
+            raise CorruptFileError(f"{path} is not a pending-batch file of this minihf version; {fix}")
+        for row in saved["batches"]:
+            rest = loads(json.loads(row["rest"]), path, fix)
+            batch = Batch(row["tensors"], rest["non_tensors"], rest["meta"])
+            self.pending.append((row["step"], row["version"], batch, rest["metrics"]))
 
 
 def add(m: dict, timing: dict) -> None:

@@ -121,17 +121,23 @@ def _dump(obj) -> bytes:
     return buf.getvalue()
 
 
-def load_extra(path: str | Path) -> dict:
-    """``torch.load(path)`` of an ``extra/rank_N.pt``, data only (NumPy arrays admitted)."""
+def load_data(path: str | Path):
+    """``torch.load(path)``, data only (tensors, containers, numbers, strings, NumPy arrays):
+    a file asking for anything else is refused, a damaged one named."""
     try:
         with torch.serialization.safe_globals(NUMPY_ARRAY_GLOBALS):
-            saved = torch.load(path, weights_only=True)
+            return torch.load(path, weights_only=True)
     except pickle.UnpicklingError as exc:
         if "Weights only load failed" not in str(exc):
             raise _damaged(path, exc) from None
         raise _refuse(path, "a non-data object", str(exc).split("\n")[0]) from None
     except Exception as exc:  # empty, truncated, not a torch file (EOFError, KeyError, ...)
         raise _damaged(path, exc) from None
+
+
+def load_extra(path: str | Path) -> dict:
+    """``torch.load(path)`` of an ``extra/rank_N.pt``, data only (NumPy arrays admitted)."""
+    saved = load_data(path)
     if not isinstance(saved, dict) or not {"lr_scheduler", "rng", "extra"} <= saved.keys():
         raise CorruptFileError(f"{path} is not a minihf extra-state file (it holds "
                                f"{type(saved).__name__}); resume an earlier global_step_N or "

@@ -42,6 +42,25 @@ def test_load_checkpoint_restores_the_global_rng(tmp_path):
     assert draw() != first
 
 
+def test_a_rank_the_checkpoint_lacks_takes_rank_0s_schedule(tmp_path, monkeypatch):
+    """Resumed on more ranks than it was saved with, a rank without extra/rank_N.pt started
+    its LR schedule over (warm-up from step 0) while rank 0 went on: each rank's FSDP shard
+    of every weight moved at another learning rate. It now takes rank 0's schedule."""
+    import minihf.utils.checkpoint as ckpt
+
+    model, opt, sched, cfg = trained(False)
+    save_checkpoint(tmp_path / "ckpt", model, opt, sched)
+    fresh_opt = build_optimizer(model.parameters(), cfg)
+    fresh = build_lr_scheduler(fresh_opt, cfg)
+    monkeypatch.setattr(ckpt, "_rank", lambda group: (1, 2))          # rank 1 of 2; saved by 1
+    with pytest.warns(UserWarning, match=r"rank_1.pt missing .* RNG starts fresh; its LR schedule comes from"):
+        assert load_checkpoint(tmp_path / "ckpt", model, fresh_opt, fresh) == {}
+    assert fresh.last_epoch == sched.last_epoch == 2 and fresh.get_last_lr() == sched.get_last_lr()
+    (tmp_path / "ckpt" / "extra" / "rank_0.pt").unlink()
+    with pytest.raises(ckpt.CorruptFileError, match="has no extra/rank_0.pt"):
+        load_checkpoint(tmp_path / "ckpt", model, fresh_opt, fresh)
+
+
 def trained(tie, seed=0):
     model = init_weights(build_model(ModelArgs(**ARGS, tie_word_embeddings=tie), "lm"), seed=seed)
     cfg = OptimConfig(lr=1e-2, warmup_steps=3)

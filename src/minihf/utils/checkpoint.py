@@ -201,8 +201,9 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer=None, lr
     """Load what :func:`save_checkpoint` wrote into the (already sharded) ``model`` etc.
 
     Returns this rank's ``extra`` dict. Model and optimizer load under any world size (DCP
-    reshards); RNG and scheduler states are per rank and are restored only when this rank
-    has a file (a warning says otherwise).
+    reshards); RNG and scheduler states are per rank: a rank without a file of its own (the
+    run was saved with fewer ranks) takes rank 0's schedule, and its RNG starts fresh (a
+    warning says so), with an empty ``extra``.
     """
     path = Path(path)
     if not (path / "model").is_dir():
@@ -220,10 +221,17 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer=None, lr
             ostate = {"optim": get_optimizer_state_dict(model, optimizer)}
             _dcp_load(ostate, path / "optim", group)
             set_optimizer_state_dict(model, optimizer, ostate["optim"])
-    own = path / "extra" / f"rank_{rank}.pt"
+    own, first = path / "extra" / f"rank_{rank}.pt", path / "extra" / "rank_0.pt"
     if not own.exists():
-        warnings.warn(f"{own} missing (saved with fewer ranks?): RNG and LR-scheduler states "
-                      "start fresh on this rank")
+        # saved with fewer ranks: the LR schedule is the same on every rank, so rank 0's
+        # (this rank's own shard of every weight must move at the others' learning rate)
+        if not first.exists():
+            raise CorruptFileError(f"{path} has no extra/rank_0.pt (the LR schedule and RNG states); {CKPT_FIX}")
+        warnings.warn(f"{own} missing (saved with fewer ranks?): this rank's RNG starts fresh; its LR "
+                      f"schedule comes from {first}")
+        saved = load_extra(first)
+        if lr_scheduler is not None and saved["lr_scheduler"] is not None:
+            lr_scheduler.load_state_dict(saved["lr_scheduler"])
         return {}
     saved = load_extra(own)
     if lr_scheduler is not None and saved["lr_scheduler"] is not None:

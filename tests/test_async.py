@@ -212,3 +212,29 @@ def test_a_crafted_pending_file_runs_no_code(tmp_path):
     torch.save({"format": "something else"}, tmp_path / "other.pt")
     with pytest.raises(CorruptFileError, match="not a pending-batch file"):
         queue.load(tmp_path / "other.pt")
+
+
+def test_a_rewritten_step_dir_is_never_named_half_written(tiny_job, tmp_path):  # noqa: F811
+    """Resumed from step 4 of a run that reached step 5, the fit writes step 5 again. It was
+    written into in place while latest_checkpointed_iteration.txt named it: killed in the
+    middle of that save, the next start resumed from a step dir mixing two runs' files (and
+    kept an earlier run's stale ones). Now the pointer names this fit's own last checkpoint
+    before a step dir of another history is cleared and written."""
+    model, data = tiny_job
+    out = tmp_path / "run"
+    driver_run(model, data, out, 0)
+    (out / "global_step_5" / "actor" / "stale.pt").write_text("an earlier run's file")
+
+    class KilledAtStep5(VersionedActor):
+        def save_checkpoint(self, path):
+            super().save_checkpoint(path)
+            if "global_step_5" in str(path):
+                raise RuntimeError("killed while saving")
+
+    with pytest.raises(RuntimeError, match="killed while saving"):
+        driver_run(model, data, out, 0, actor=KilledAtStep5(), **{
+            "trainer.resume_mode": "resume_path", "trainer.resume_from_path": str(out / "global_step_4")})
+    assert (out / "latest_checkpointed_iteration.txt").read_text() == "4\n"
+    assert not (out / "global_step_5" / "actor" / "stale.pt").exists()
+    actor, _ = driver_run(model, data, out, 0)           # resumes from step 4, not the torn 5
+    assert actor.version == 5 and len(actor.trained) == 1

@@ -27,12 +27,13 @@ refused in one line.
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 
 from minihf.config import dump_yaml
-from minihf.trainer.common import (RESUME_FIX, find_resume_path, hold_run_dir, mark_latest, nothing_to_train,
-                                   resume_config_changes, save_config, write_atomic)
+from minihf.trainer.common import (LATEST, RESUME_FIX, find_resume_path, hold_run_dir, mark_latest,
+                                   nothing_to_train, resume_config_changes, save_config, write_atomic)
 from minihf.utils.files import read_json
 from minihf.utils.state_json import StateError, dumps, loads
 from minihf.utils.profiling import check_steps
@@ -156,6 +157,7 @@ class RunLoop:
     def save(self, step: int) -> Path:
         path = self.out / f"global_step_{step}"
         text = self.driver_state_text(step)  # first: a state that cannot be saved writes no shards
+        self.own_history(path)
         for name, group in self.checkpointed().items():
             group.save_checkpoint(str(path / name))
         for name, obj in self.driver_files().items():
@@ -165,6 +167,27 @@ class RunLoop:
         mark_latest(self.out, step)
         self.last_checkpoint = path
         return path
+
+    def own_history(self, path: Path) -> None:
+        """Before writing checkpoint ``path``: ``LATEST`` names this fit's last checkpoint
+        (or nothing), and an earlier history's ``path`` is gone.
+
+        A fit resumed from an earlier step (``resume_path``) or started over
+        (``resume_mode=disable``) in a run dir that holds later checkpoints writes over them.
+        Written into in place, a step dir killed mid-save mixed new shards with old ones (and
+        kept stale files, an ``extra/rank_3.pt`` of a wider run) and loaded without an error,
+        while ``LATEST`` still named it."""
+        latest, own = self.out / LATEST, self.last_checkpoint
+        ours = own is not None and own.parent.resolve() == self.out.resolve()
+        want = f"{own.name.removeprefix('global_step_')}\n" if ours else None
+        have = latest.read_text(errors="replace") if latest.is_file() else None
+        if have != want:
+            if want is None:
+                latest.unlink(missing_ok=True)
+            else:
+                write_atomic(latest, want)
+        if path.exists():
+            shutil.rmtree(path)
 
     def resume(self) -> int:
         """The step to go on from (0: a fresh start), every stateful thing restored."""

@@ -238,3 +238,19 @@ def test_a_rewritten_step_dir_is_never_named_half_written(tiny_job, tmp_path):  
     assert not (out / "global_step_5" / "actor" / "stale.pt").exists()
     actor, _ = driver_run(model, data, out, 0)           # resumes from step 4, not the torn 5
     assert actor.version == 5 and len(actor.trained) == 1
+
+
+def test_resume_from_path_names_what_it_was_given(tiny_job, tmp_path):  # noqa: F811
+    """A run dir, one role's part of a checkpoint, or a step whose save was interrupted:
+    each was called 'written in a layout this version does not read' (or, for SFT's role
+    dir, half loaded and then a KeyError)."""
+    model, data = tiny_job
+    out = tmp_path / "run"
+    driver_run(model, data, out, 0)
+    (out / "global_step_3" / "driver_state.json").unlink()
+    for given, says in ((out, r"is a run dir, not one of its checkpoints; pass .*global_step_5"),
+                        (out / "global_step_2" / "actor", r"is the 'actor' part of checkpoint .*global_step_2; pass"),
+                        (out / "global_step_3", r"global_step_3 is incomplete: .* not driver_state.json")):
+        with pytest.raises(ValueError, match=says):
+            driver_run(model, data, out, 0, **{"trainer.resume_mode": "resume_path",
+                                               "trainer.resume_from_path": str(given)})

@@ -18,6 +18,7 @@ from typing import Callable, Optional
 from minihf.utils.files import CorruptFileError, read_int, read_json
 
 LATEST = "latest_checkpointed_iteration.txt"
+STATE_FILE = "driver_state.json"  # a checkpoint's last file: the driver's state
 RESUME_FIX = ("start fresh with trainer.resume_mode=disable or a new trainer.default_local_dir, or "
               "resume an earlier checkpoint with trainer.resume_mode=resume_path "
               "trainer.resume_from_path=<run dir>/global_step_N")
@@ -141,6 +142,7 @@ def find_resume_path(default_local_dir: str, resume_mode: str,
         if not path.is_dir():
             raise FileNotFoundError(f"trainer.resume_from_path={resume_from_path!r} is not a "
                                     "checkpoint dir (global_step_N)")
+        check_step_dir(path, "trainer.resume_from_path")
         return path
     latest = Path(default_local_dir) / LATEST
     if not latest.exists():
@@ -149,6 +151,21 @@ def find_resume_path(default_local_dir: str, resume_mode: str,
     if not path.is_dir():
         raise CorruptFileError(f"{latest} points at {path.name}, which does not exist; {RESUME_FIX}")
     return path
+
+
+def check_step_dir(path: Path, key: str) -> None:
+    """A ValueError when ``path`` is a run dir or one role's part of a checkpoint, where a
+    whole ``global_step_N`` is wanted (they used to load partly, then fail on a missing key
+    or be called a layout this version does not read)."""
+    if (path / LATEST).is_file():
+        latest = (path / LATEST).read_text(errors="replace").strip()
+        raise ValueError(f"{key}={str(path)!r} is a run dir, not one of its checkpoints; pass "
+                         f"{path / ('global_step_' + latest if latest.isdigit() else 'global_step_N')}")
+    parent = path.parent
+    if (parent / STATE_FILE).is_file() or (parent.name.startswith("global_step_") and not
+                                           path.name.startswith("global_step_")):
+        raise ValueError(f"{key}={str(path)!r} is the {path.name!r} part of checkpoint {parent}; pass "
+                         f"{parent} (the whole step: every role and the driver state)")
 
 
 def flatten(cfg: dict, prefix: str = "") -> dict:

@@ -32,14 +32,14 @@ import time
 from pathlib import Path
 
 from minihf.config import dump_yaml
-from minihf.trainer.common import (LATEST, RESUME_FIX, find_resume_path, hold_run_dir, mark_latest,
-                                   nothing_to_train, resume_config_changes, save_config, write_atomic)
+from minihf.trainer.common import (LATEST, RESUME_FIX, STATE_FILE, find_resume_path, hold_run_dir,
+                                   mark_latest, nothing_to_train, resume_config_changes, save_config,
+                                   write_atomic)
 from minihf.utils.files import read_json
 from minihf.utils.state_json import StateError, dumps, loads
 from minihf.utils.profiling import check_steps
 from minihf.utils.threads import with_threads
 
-STATE_FILE = "driver_state.json"
 
 
 class RunLoop:
@@ -97,6 +97,10 @@ class RunLoop:
     def load_legacy(self, path: Path) -> dict:
         """The driver state of a checkpoint without ``driver_state.json`` (its roles
         loaded): none is readable by default."""
+        if any(p.is_dir() for p in path.iterdir()):  # roles' parts: a save that did not finish
+            raise ValueError(f"{path} is incomplete: its roles' parts are there but not {STATE_FILE}, "
+                             "the last file a save writes (the save was interrupted); resume from an "
+                             "earlier global_step_N, or start afresh with trainer.resume_mode=disable")
         raise ValueError(f"{path} has no {STATE_FILE}: it was written in a layout this version does "
                          "not read; resume from a checkpoint of this version, or start afresh with "
                          "trainer.resume_mode=disable")

@@ -263,6 +263,25 @@ def test_export_and_make_data_name_a_bad_meta_json_or_an_unwritable_target(root,
         refused(*run("export", tmp_path / "global_step_1", tmp_path / "out"), "meta.json", needle)
 
 
+def test_export_never_replaces_what_it_reads(root, tmp_path):
+    """OUT is replaced whole with --overwrite: `export run/global_step_1 run --overwrite`
+    deleted the run's every checkpoint (and --merge onto lora.base, every LoRA checkpoint's
+    base). Refused before anything is read or written."""
+    from minihf.hub.export import check_not_over
+    from minihf.models import load_hf
+    from minihf.utils.checkpoint import save_checkpoint
+
+    run_dir = tmp_path / "run"
+    ckpt = run_dir / "global_step_1" / "actor"
+    save_checkpoint(ckpt, load_hf(root / "m"), hf_source=root / "m")
+    for out, how in ((run_dir, "holds"), (ckpt, "is"), (ckpt / "hf" / "x", "is inside")):
+        refused(*run("export", run_dir / "global_step_1", out, "--overwrite"), f"export target {out} {how} the checkpoint")
+    assert (ckpt / "meta.json").is_file()
+    with pytest.raises(ValueError, match="holds its LoRA base model"):
+        check_not_over(root, [("its LoRA base model", root / "m")])
+    check_not_over(tmp_path / "elsewhere", [("the checkpoint", ckpt)])
+
+
 # ---------------------------------------------------------------------------- YAML size
 
 

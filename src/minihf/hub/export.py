@@ -56,6 +56,8 @@ def export_hf(ckpt: str | Path, out: str | Path, dtype: torch.dtype | None = Non
     ckpt = found
     check_output_dir(out, "export target")
     head, lora = read_meta(ckpt)
+    keep = [("the checkpoint", ckpt)] + ([("its LoRA base model", Path(lora["base"]))] if lora else [])
+    check_not_over(out, keep)
     if lora:
         return _export_lora(ckpt, out, head, lora, dtype, merge)
     model = build_model(load_args(ckpt / "hf"), head)
@@ -64,6 +66,21 @@ def export_hf(ckpt: str | Path, out: str | Path, dtype: torch.dtype | None = Non
     model.load_state_dict(state)
     model.tie_weights()
     return _write_model(model, ckpt / "hf", out, dtype)
+
+
+def check_not_over(out: Path, keep: list[tuple[str, Path]]) -> None:
+    """A ValueError when the export target ``out`` is, holds or lies inside a dir the export
+    reads (the checkpoint, a LoRA base): the write replaces ``out`` whole, so ``minihf export
+    outputs/run/global_step_5 outputs/run --overwrite`` deleted the run's every checkpoint,
+    and ``--merge`` onto ``lora.base`` the base of every LoRA checkpoint of the run."""
+    target = out.resolve()
+    for what, path in keep:
+        src = path.resolve()
+        how = ("is" if target == src else "holds" if target in src.parents
+               else "is inside" if src in target.parents else None)
+        if how is not None:
+            raise ValueError(f"export target {out} {how} {what} {path}, which the export reads and "
+                             f"replacing {out} would destroy; choose another dir")
 
 
 META_FIX = "the checkpoint was not written completely; export an earlier global_step_N"

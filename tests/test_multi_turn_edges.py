@@ -142,3 +142,17 @@ def test_each_sample_gets_its_own_row(tmp_path):
     batch = ds.collate([0])
     batch.non_tensors["extra_info"][0]["budget"] = 0  # a reward function writing to its row
     assert ds.records[0]["extra_info"] == {"budget": 3}
+
+
+def test_the_sandbox_setting_reaches_a_users_own_run_python(tiny, monkeypatch):
+    """multi_turn.sandbox was applied only with the built-in python tool listed: an
+    environment (or tool) of the user's calling run_python ran in the default mode whatever
+    the setting said."""
+    from minihf.multi_turn import MultiTurn, sandbox
+    from minihf.workers.config import MultiTurnConfig
+
+    monkeypatch.setattr(sandbox, "_mode", "isolated")
+    tok, _ = tiny
+    cfg = MultiTurnConfig(enable=True, environment=f"{__file__}:SixNines", sandbox="process")
+    MultiTurn(cfg, tok, (tok.eos_token_id,))
+    assert sandbox._mode == "process"

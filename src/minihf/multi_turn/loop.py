@@ -99,12 +99,13 @@ class MultiTurn:
             role = "user"
         else:
             self.tools = load_tools(cfg.tools)
-            if sandbox.python in self.tools.values():  # refused at start-up where namespaces are missing
-                sandbox.configure(cfg.sandbox)
             self.env_cls = partial(ToolEnvironment, tools=self.tools, max_parallel_calls=cfg.max_parallel_calls,
                                    max_response_length=cfg.max_tool_response_length,
                                    timeout_s=cfg.tool_timeout_s)
             role = "tool"
+        # the mode of every run_python in this process (a user's tool or environment may call
+        # it too); checked at start-up, where namespaces may be missing, for the built-in tool
+        sandbox.configure(cfg.sandbox, verify=sandbox.python in self.tools.values())
         self.env_name = getattr(self.env_cls, "__name__", "ToolEnvironment")
         # a tool-call close tag that is one token also ends a turn (else the template's end of turn does)
         close = tokenizer.convert_tokens_to_ids(CALL_CLOSE) if self.tools else None

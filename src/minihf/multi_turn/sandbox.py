@@ -168,10 +168,15 @@ def check(mode: str) -> None:
 _mode = "isolated"
 
 
-def configure(mode: str) -> None:
-    """Set the mode of the ``python`` tool in this process (``check``-ed first)."""
+def configure(mode: str, verify: bool = True) -> None:
+    """Set the mode of ``run_python`` (the ``python`` tool's) in this process, ``check``-ed
+    first (``verify=False``: only a known name; a run without the built-in tool does not
+    need namespaces until its own code calls ``run_python``)."""
     global _mode
-    check(mode)
+    if verify:
+        check(mode)
+    elif mode not in MODES:
+        raise ValueError(f"rollout.multi_turn.sandbox={mode!r}; choose one of {MODES}")
     _mode = mode
 
 

@@ -128,6 +128,23 @@ def test_a_key_twice_in_one_mapping_is_refused_naming_both_lines(tmp_path):
     assert load_config(PPOJobConfig, "safe_rlhf").cost_critic is not None  # a shipped recipe with aliases
 
 
+def test_a_number_with_underscores_is_text_unless_the_key_is_a_number():
+    """YAML 1.1 reads 0.5_2 as the number 0.52: rollout correction's IcePop window
+    'lower_upper' became a truncation cap below 1, accepted without a word. Read as YAML
+    1.2 does (no digit separators): the text, which a number key still reads as a number."""
+    from minihf.config import load_config
+    from minihf.trainer.ppo_job import PPOJobConfig
+    from minihf.utils.yaml_load import load_yaml
+
+    assert load_yaml("a: 0.5_2\nb: 1_000\nc: 1e-6\nd: 0.52\ne: 7\n", "x") == {
+        "a": "0.5_2", "b": "1_000", "c": 1e-6, "d": 0.52, "e": 7}
+    cfg = load_config(PPOJobConfig, "grpo", [
+        "trainer.total_training_steps=1_000", "actor_rollout_ref.actor.optim.lr=1_0.5e-3",
+        "algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_is_threshold=0.5_2"])
+    assert cfg.trainer.total_training_steps == 1000 and cfg.actor_rollout_ref.actor.optim.lr == 10.5e-3
+    assert cfg.algorithm.rollout_correction.rollout_is_threshold == "0.5_2"  # lower 0.5, upper 2
+
+
 # ---------------------------------------------------------------------------- launcher
 
 

@@ -97,6 +97,8 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
             return _coerce(value, options[0], path)  # the section's own error is more precise
         if float in options and isinstance(value, float) and not math.isfinite(value):
             return _coerce(value, float, path)  # the float's own error: not finite
+        if str in options and isinstance(value, str):
+            return value  # the text as written ('0.5_2' for Union[float, str] is 'lower_upper')
         for arg in options:
             try:
                 return _coerce(value, arg, path)
@@ -134,12 +136,18 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         return float(value)
     if tp is str and isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)  # `run_name=2024` means the string
+    if tp in (int, float) and isinstance(value, str) and _SEPARATED[tp].fullmatch(value):
+        return tp(value)  # a number written with digit separators, 1_000 (YAML reads it as text)
     if tp is Path and isinstance(value, (str, Path)):
         return Path(value)
     if isinstance(tp, type) and isinstance(value, tp) and not (tp is int and type(value) is bool):
         return value
     raise ConfigError(f"{path}: expected {_describe(tp)}, got {value!r} "
                       f"({type(value).__name__})")
+
+
+_SEPARATED = {int: re.compile(r"[-+]?[0-9][0-9_]*"),
+              float: re.compile(r"[-+]?[0-9][0-9_]*(\.[0-9_]*)?([eE][-+]?[0-9]+)?")}
 
 
 def _field_names(cls: type) -> list[str]:

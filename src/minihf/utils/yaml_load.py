@@ -20,7 +20,10 @@ changes, and every YAML minihf reads from a user goes through it:
   byte here), so the node count above comes only after the whole parse: a 4.5 MB recipe
   took over a minute to refuse. A file's size is known before it is read, and one over
   the bound is refused at once; minihf's recipes and profiles are a few KB;
-* a key may appear once in a mapping (PyYAML keeps the last of two silently).
+* a key may appear once in a mapping (PyYAML keeps the last of two silently);
+* a plain number written with ``_`` (``0.5_2``, ``1_000``) is text, as in YAML 1.2: YAML
+  1.1 reads ``0.5_2`` as 0.52. A config key whose type is a number reads the text as one
+  (``minihf.config``), so ``total_training_steps: 1_000`` is still 1000.
 
 Errors are ``YAMLInputError`` (a ``ValueError``), one line naming the file (or the value)
 and what to change, never PyYAML's multi-line report.
@@ -52,7 +55,20 @@ class YAMLInputError(ValueError):
 
 
 class _Loader(yaml.SafeLoader):
-    """YAML 1.1 safe loader that also reads ``1e-6`` / ``3E5`` as floats (YAML 1.2 does)."""
+    """YAML 1.1 safe loader that also reads ``1e-6`` / ``3E5`` as floats (YAML 1.2 does),
+    and a plain number written with ``_`` as the text it is (YAML 1.2 has no digit
+    separators): YAML 1.1 read rollout correction's ``0.5_2`` (lower_upper) as the number
+    0.52, a truncation cap. A key whose type is a number still takes ``1_000`` (Python's
+    int() and float() read it)."""
+
+    def resolve(self, kind, value, implicit):
+        tag = super().resolve(kind, value, implicit)
+        if kind is yaml.ScalarNode and implicit[0] and "_" in value and tag in _NUMBER_TAGS:
+            return "tag:yaml.org,2002:str"
+        return tag
+
+
+_NUMBER_TAGS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
 
 
 _Loader.add_implicit_resolver(

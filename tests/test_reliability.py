@@ -361,10 +361,18 @@ def test_a_full_disk_during_an_rl_run_keeps_the_last_checkpoint(tmp_path):
     make_task_data("sort", tmp_path / "data", 16, 4, seed=0)
     run_dir = tmp_path / "run"
     shard = run_dir / "global_step_2" / "actor" / "model" / "__0_0.distcp"
-    shard.parent.mkdir(parents=True)
-    shard.symlink_to("/dev/full")
     cmd = _args(tmp_path, run_dir, 3) + ["trainer.save_freq=1"]
-    full = _run(cmd, timeout=180)
+    # the disk is full when step 2's shard is written: the shard's path leads to /dev/full,
+    # laid once the driver has made way for the step dir (a stale one is cleared first)
+    full_disk = ("import runpy, sys\nfrom pathlib import Path\nfrom minihf.trainer.loop import RunLoop\n"
+                 "clear = RunLoop.own_history\n"
+                 "def full_at_step_2(self, path):\n    clear(self, path)\n"
+                 "    if path.name == 'global_step_2':\n"
+                 f"        shard = Path({str(shard)!r})\n"
+                 "        shard.parent.mkdir(parents=True)\n        shard.symlink_to('/dev/full')\n"
+                 "RunLoop.own_history = full_at_step_2\n"
+                 "sys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], run_name='__main__')\n")
+    full = _run([cmd[0], "-c", full_disk] + cmd[1:], timeout=180)
     assert full.returncode == 1, full.log
     assert (f"job failed: actor.save_checkpoint failed on rank 0: WriteFailedError: could not write the checkpoint "
             f"{run_dir}/global_step_2/actor: no space left on device") in full.stderr, full.log

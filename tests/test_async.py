@@ -254,3 +254,26 @@ def test_resume_from_path_names_what_it_was_given(tiny_job, tmp_path):  # noqa: 
         with pytest.raises(ValueError, match=says):
             driver_run(model, data, out, 0, **{"trainer.resume_mode": "resume_path",
                                                "trainer.resume_from_path": str(given)})
+
+
+def test_max_ckpt_to_keep_deletes_the_oldest(tiny_job, tmp_path):  # noqa: F811
+    """trainer.max_ckpt_to_keep (verl's max_actor_ckpt_to_keep): the newest N step dirs
+    stay, older ones go once the newest is named; a resumed run keeps pruning, and a step
+    dir past the resume point (an earlier history) is left until the run rewrites it."""
+    from minihf.config import load_config
+    from minihf.trainer.ppo_job import PPOJobConfig
+
+    model, data = tiny_job
+    out = tmp_path / "run"
+
+    def steps():
+        return sorted(int(p.name.removeprefix("global_step_")) for p in out.glob("global_step_*"))
+    driver_run(model, data, out, 0, stop_after=3, **{"trainer.max_ckpt_to_keep": 2})
+    assert steps() == [2, 3]
+    driver_run(model, data, out, 0, **{"trainer.max_ckpt_to_keep": 2})
+    assert steps() == [4, 5] and (out / "latest_checkpointed_iteration.txt").read_text() == "5\n"
+    driver_run(model, data, out, 0, steps=7, **{"trainer.max_ckpt_to_keep": 1, "trainer.resume_mode": "resume_path",
+                                                "trainer.resume_from_path": str(out / "global_step_4")})
+    assert steps() == [7]
+    with pytest.raises(ConfigError, match="max_ckpt_to_keep=0 must be >= 1"):
+        load_config(PPOJobConfig, "grpo", ["trainer.max_ckpt_to_keep=0"])

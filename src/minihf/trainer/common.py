@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import warnings
 from pathlib import Path
 from typing import Callable, Optional
@@ -219,6 +220,26 @@ def write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def check_keep(keep) -> None:
+    """``trainer.max_ckpt_to_keep``: null (keep every checkpoint) or at least 1."""
+    if keep is not None and keep < 1:
+        raise ValueError(f"trainer.max_ckpt_to_keep={keep} must be >= 1 (the newest checkpoints kept), or null "
+                         "to keep every one")
+
+
+def prune_checkpoints(out_dir: Path, keep: int, step: int) -> list[Path]:
+    """Delete this run's checkpoints older than its newest ``keep`` up to ``step`` (the one
+    just written and named by ``LATEST``); step dirs past ``step`` (an earlier history,
+    rewritten as the run gets there) are left. Returns what was deleted."""
+    mine = sorted((int(p.name.removeprefix("global_step_")), p) for p in Path(out_dir).glob("global_step_*")
+                  if p.is_dir() and p.name.removeprefix("global_step_").isdigit()
+                  and int(p.name.removeprefix("global_step_")) <= step)
+    old = [p for _, p in mine[:-keep]]
+    for p in old:
+        shutil.rmtree(p)
+    return old
 
 
 def mark_latest(out_dir: Path, step: int) -> None:

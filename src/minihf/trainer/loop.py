@@ -33,8 +33,8 @@ from pathlib import Path
 
 from minihf.config import dump_yaml
 from minihf.trainer.common import (LATEST, RESUME_FIX, STATE_FILE, find_resume_path, hold_run_dir,
-                                   mark_latest, nothing_to_train, resume_config_changes, save_config,
-                                   write_atomic)
+                                   mark_latest, nothing_to_train, prune_checkpoints, resume_config_changes,
+                                   save_config, write_atomic)
 from minihf.utils.files import read_json
 from minihf.utils.state_json import StateError, dumps, loads
 from minihf.utils.profiling import check_steps
@@ -170,6 +170,10 @@ class RunLoop:
         save_config(path, self.cfg)
         mark_latest(self.out, step)
         self.last_checkpoint = path
+        keep = getattr(self.cfg.trainer, "max_ckpt_to_keep", None)
+        if keep is not None:  # after LATEST names the new one: a kill leaves it named
+            for old in prune_checkpoints(self.out, keep, step):
+                self.log(f"deleted {old.name} (trainer.max_ckpt_to_keep={keep})")
         return path
 
     def own_history(self, path: Path) -> None:

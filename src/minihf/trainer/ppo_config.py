@@ -21,7 +21,7 @@ from typing import Literal, Optional, Union
 from minihf.config import ConfigError, section_of
 from minihf.trainer.algorithm_config import AlgorithmConfig
 from minihf.controller.config import ControllerConfig, RoleSpec, refuse_tp
-from minihf.trainer.common import check_run_length
+from minihf.trainer.common import check_keep, check_run_length
 from minihf.utils.profiling import check_steps
 from minihf.workers.config import ActorRolloutRefConfig, CriticConfig, LogProbConfig, RewardModelConfig
 from minihf.workers.optim import OptimConfig
@@ -180,6 +180,7 @@ class PPOTrainerConfig:
     critic_warmup: int = 0               # steps that train only the critic
     test_freq: int = -1                  # validate every N steps (and at the end); -1: never
     save_freq: int = -1                  # checkpoint every N steps (and at the end); -1: end only
+    max_ckpt_to_keep: Optional[int] = None  # keep the newest N global_step_* dirs, delete older ones; null: keep all (verl's max_actor_ckpt_to_keep)
     val_before_train: bool = True        # validate once before the first step
     # run dir (checkpoints, config.yaml, metrics.jsonl, samples.jsonl); null:
     # outputs/<project_name>/<experiment_name>
@@ -198,6 +199,7 @@ class PPOTrainerConfig:
 
     def __post_init__(self):
         check_run_length(self.total_epochs, self.total_training_steps)
+        check_keep(self.max_ckpt_to_keep)
         if self.max_skipped_steps < 0:
             raise ValueError(f"max_skipped_steps={self.max_skipped_steps} must be >= 0 (0: never stop)")
         if self.log_samples_n < 1:

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Literal, Optional, Union
 
 from minihf.controller.config import ControllerConfig, refuse_tp
-from minihf.trainer.common import MetricsLog, check_run_dir, check_run_length, check_token_ids, run_dir
+from minihf.trainer.common import (MetricsLog, check_keep, check_run_dir, check_run_length, check_token_ids,
+                                   run_dir)
 from minihf.trainer.loop import RunLoop
 from minihf.workers.optim import OptimConfig
 from minihf.workers.config import FSDPConfig, ModelConfig
@@ -61,6 +62,7 @@ class SFTTrainerConfig:
     total_training_steps: Optional[int] = None  # stop early after this many steps
     test_freq: int = 0                   # validate every N steps and at the end (0 or -1: only at the end)
     save_freq: int = 0                   # checkpoint every N steps and at the end (0 or -1: only at the end)
+    max_ckpt_to_keep: Optional[int] = None  # keep the newest N global_step_* dirs, delete older ones; null: keep all
     project_name: str = "minihf"         # run grouping name
     experiment_name: str = "sft"         # run name
     # run dir (checkpoints, config.yaml, metrics.jsonl, hf/ export); null:
@@ -73,6 +75,7 @@ class SFTTrainerConfig:
 
     def __post_init__(self):
         check_run_length(self.total_epochs, self.total_training_steps)
+        check_keep(self.max_ckpt_to_keep)
         if self.log_freq < 1:
             raise ValueError(f"trainer.log_freq={self.log_freq} must be >= 1 (a line every N steps)")
 

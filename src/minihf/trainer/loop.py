@@ -41,7 +41,6 @@ from minihf.utils.profiling import check_steps
 from minihf.utils.threads import with_threads
 
 
-
 class RunLoop:
     """Base of the trainers' drivers. The subclass sets ``cfg`` (with a ``trainer``
     section), ``out`` (the run dir), ``total_steps``, ``metrics_log``, ``log`` and

@@ -110,3 +110,45 @@ def test_characters_outside_the_vocabulary_are_refused_naming_the_row(tmp_path):
     assert len(SFTDataset(spelled, TOK)) == 1  # the text asks for the unknown token itself
     added = write_rows([{"prompt": "1+2=", "response": "3<eos>"}], tmp_path / "added.jsonl")
     assert len(SFTDataset(added, TOK)) == 1  # an added token is one token, not '<', 'e', ...
+
+
+def test_smollm2_rows_with_leading_whitespace_and_few_shot_prompts(tmp_path, smollm2_tokenizer_dir):
+    """A byte-level BPE merges the generation prompt's newline with a response's leading
+    spaces when the whole text is tokenised: "    return x" was refused as a template that
+    does not render prefix by prefix. Each piece is tokenised as the rollout does (the
+    prompt with its generation prompt, then the response), and assistant turns inside a
+    prompt (few-shot examples) are context, not trained on."""
+    from minihf.data import load_tokenizer
+
+    tok = load_tokenizer(smollm2_tokenizer_dir, padding_side="right")
+    shots = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "EXAMPLE4"},
+             {"role": "user", "content": "3+3?"}]
+    rows = [{"prompt": "Write f.", "response": "    return x + 1"}, {"prompt": shots, "response": "6"},
+            {"prompt": "Say hi.", "response": "\n\nhello"}]
+    ds = SFTDataset(write_rows(rows, tmp_path / "s.jsonl"), tok)
+    for i, (row, response) in enumerate([(rows[0], "    return x + 1"), (rows[1], "6"), (rows[2], "\n\nhello")]):
+        ids, mask = ds[i]["input_ids"], ds[i]["loss_mask"]
+        prompt = row["prompt"] if isinstance(row["prompt"], list) else [{"role": "user", "content": row["prompt"]}]
+        rollout_prompt = tok(tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True),
+                             add_special_tokens=False)["input_ids"]
+        assert ids[:len(rollout_prompt)] == rollout_prompt and not any(mask[:len(rollout_prompt)])
+        trained = tok.decode([t for t, m in zip(ids, mask) if m])
+        assert trained == response + "<|im_end|>\n", (i, trained)
+
+
+def test_a_reward_models_pair_ends_where_a_rollout_stops(tmp_path, smollm2_tokenizer_dir):
+    """ChatML renders a newline after <|im_end|>: each side ended on it, so the score head
+    was trained on the newline and read on <|im_end|>, where a rollout stops. Each side
+    now ends on its response's end-of-sequence token."""
+    from minihf.data import load_tokenizer
+    from minihf.data.sft_dataset import PairDataset
+
+    tok = load_tokenizer(smollm2_tokenizer_dir, padding_side="right")
+    path = write_rows([{"prompt": "Sort 3,1.", "chosen": "1,3", "rejected": "3,1"}], tmp_path / "p.jsonl")
+    ds = PairDataset(path, tok)
+    for side in ("chosen", "rejected"):
+        ids = ds.ids[side][0]
+        assert ids[-1] == tok.eos_token_id == tok.convert_tokens_to_ids("<|im_end|>")
+        assert tok.decode(ids).endswith(f"assistant\n{'1,3' if side == 'chosen' else '3,1'}<|im_end|>")
+    char = PairDataset(write_rows([{"prompt": "1+2=", "chosen": "3", "rejected": "4"}], tmp_path / "c.jsonl"), TOK)
+    assert char.ids["chosen"][0][-1] == TOK.eos_token_id  # a template ending on eos: unchanged

@@ -1,11 +1,12 @@
 """SFT datasets: prompt/response pairs or chat transcripts, with loss on responses only.
 
-Rows are either ``prompt`` (text or chat messages) + ``response`` (text), or ``messages``
-(a chat transcript; every assistant turn is a response). Each sequence is the chat-template
-rendering of the whole conversation; ``loss_mask`` is 1 exactly on the tokens of assistant
-turns (content and their end-of-turn token), found by rendering growing prefixes of the
-conversation and checking that each is a token prefix of the next. Batches are right padded
-(training only; generation uses the left-padded ``RLDataset``).
+Rows are either ``prompt`` (text or chat messages) + ``response`` (text; assistant turns
+inside the prompt are context), or ``messages`` (a chat transcript; every assistant turn is
+a response). Each sequence is the chat-template rendering of the whole conversation;
+``loss_mask`` is 1 exactly on the tokens of the trained assistant turns (content and their
+end-of-turn text), found by rendering growing prefixes of the conversation
+(:func:`tokenize_conversation`). Batches are right padded (training only; generation uses
+the left-padded ``RLDataset``).
 """
 
 from __future__ import annotations
@@ -23,39 +24,73 @@ from minihf.protocol import Batch
 logger = logging.getLogger(__name__)
 
 
-def _render(tokenizer, messages: list[dict], add_generation_prompt: bool, renderer=None) -> list[int]:
+def _text(tokenizer, messages: list[dict], add_generation_prompt: bool, renderer=None) -> str:
+    if not messages:
+        return ""
     if renderer is not None:  # a minihf.multi_turn.ChatRenderer: the prompts offer tools
-        text = renderer.text(messages, add_generation_prompt)
-    else:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+        return renderer.text(messages, add_generation_prompt)
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
-def tokenize_conversation(tokenizer, messages: list[dict], where: str,
-                          renderer=None) -> tuple[list[int], list[int]]:
-    """``(input_ids, loss_mask)`` for a chat with loss on every assistant turn (rendered by
-    ``renderer`` when given: a multi-turn ``ChatRenderer`` offering tools)."""
-    ids: list[int] = []
-    mask: list[int] = []
-    for k, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        before = _render(tokenizer, messages[:k], True, renderer)
-        after = _render(tokenizer, messages[:k + 1], False, renderer)
-        if after[:len(before)] != before or before[:len(ids)] != ids:
+def _encode(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+
+
+def _pieces(tokenizer, messages: list[dict], trained, where: str, renderer=None) -> list[tuple[str, int]]:
+    """The rendered conversation cut at each assistant turn's start and end: ``(text, 1 if
+    the turn is trained else 0)``, the prompt before each turn rendered as the rollout
+    renders it (with the generation prompt). A template that renders earlier turns
+    differently once later ones follow is refused."""
+    pieces, done = [], ""
+    for k in trained:
+        before = _text(tokenizer, messages[:k], True, renderer)
+        after = _text(tokenizer, messages[:k + 1], False, renderer)
+        if not (before.startswith(done) and after.startswith(before)):
             raise ValueError(
                 f"{where}: the chat template does not render conversations prefix by prefix, so the assistant "
-                "turns cannot be located in the tokens; use a template whose turns append, or prompt/response rows"
-            )
-        mask += [0] * (len(before) - len(ids)) + [1] * (len(after) - len(before))
-        ids = after
-    if not any(mask):
-        raise DataFileError(f"{where}: no assistant message to learn from; add a message with role 'assistant'")
-    full = _render(tokenizer, messages, False, renderer)
-    if full[:len(ids)] != ids:
+                "turns cannot be located in the text; use a template whose turns append")
+        pieces += [(before[len(done):], 0), (after[len(before):], 1)]
+        done = after
+    full = _text(tokenizer, messages, False, renderer)
+    if not full.startswith(done):
         raise ValueError(f"{where}: the chat template changes earlier turns when later ones are added")
-    mask += [0] * (len(full) - len(ids))  # anything after the last assistant turn
-    return full, mask
+    return pieces + [(full[len(done):], 0)]
+
+
+def tokenize_conversation(tokenizer, messages: list[dict], where: str, renderer=None,
+                          last_only: bool = False) -> tuple[list[int], list[int]]:
+    """``(input_ids, loss_mask)`` for a chat with loss on every assistant turn (``last_only``:
+    on the last one; the assistant turns of a prompt are context). Rendered by ``renderer``
+    when given (a multi-turn ``ChatRenderer`` offering tools).
+
+    Each piece (the text before a trained turn, the turn: its content and end-of-turn text)
+    is tokenised on its own, as the rollout tokenises a prompt and samples the response after
+    it: a byte-level BPE would merge the generation prompt's newline with a response's leading
+    spaces if the whole text were tokenised at once (a row answering "    return x" was
+    refused). Where a piece does not read back as its text alone (a SentencePiece tokenizer
+    adding a word-start space), the whole text is tokenised and must hold the pieces as
+    token prefixes."""
+    turns = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
+    trained = turns[-1:] if last_only else turns
+    if not trained:
+        raise DataFileError(f"{where}: no assistant message to learn from; add a message with role 'assistant'")
+    pieces = _pieces(tokenizer, messages, trained, where, renderer)
+    encoded = [_encode(tokenizer, text) for text, _ in pieces]
+    if all(tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False) == text
+           for ids, (text, _) in zip(encoded, pieces)):
+        return ([t for ids in encoded for t in ids],
+                [m for ids, (_, m) in zip(encoded, pieces) for _ in ids])
+    ids, mask, text = [], [], ""
+    for piece, m in pieces:  # token prefixes of the whole text, piece by piece
+        text += piece
+        grown = _encode(tokenizer, text)
+        if grown[:len(ids)] != ids:
+            raise ValueError(
+                f"{where}: the chat template does not render conversations prefix by prefix, so the assistant "
+                "turns cannot be located in the tokens; use a template whose turns append")
+        mask += [m] * (len(grown) - len(ids))
+        ids = grown
+    return ids, mask
 
 
 class SFTDataset:
@@ -82,10 +117,13 @@ class SFTDataset:
         entries = read_many(files)
         wheres = [f"data file {path}, row {i}" for path, i, _ in entries]
         chats = [(where, self._messages(row, where)) for where, (_, _, row) in zip(wheres, entries)]
+        # a prompt/response row trains on its response alone (assistant turns in its prompt,
+        # few-shot examples, are context); a messages row on every assistant turn
+        transcript = [row.get("messages") is None for _, _, row in entries]
         if not allow_unk:
             refuse_unknown_chars(tokenizer, [(where, m["content"]) for where, msgs in chats for m in msgs], "example")
-        for where, messages in chats:
-            ids, mask = tokenize_conversation(tokenizer, messages, where, renderer)
+        for (where, messages), last_only in zip(chats, transcript):
+            ids, mask = tokenize_conversation(tokenizer, messages, where, renderer, last_only=last_only)
             kept = fit_length(list(zip(ids, mask)), max_length, truncation, where, "max_length")
             if kept is None:
                 continue
@@ -102,7 +140,7 @@ class SFTDataset:
             raise ValueError(f"SFTDataset: every row is longer than max_length={max_length}; raise it or truncate")
 
     def _messages(self, row: dict, where: str) -> list[dict]:
-        if "messages" in row:
+        if row.get("messages") is not None:
             return to_messages(row["messages"], where, column="messages", allow_text=False)
         response = row
         for part in self.response_key.split("."):
@@ -135,11 +173,20 @@ class SFTDataset:
         return Batch.from_dict(tensors=out, non_tensors={"index": list(indices)})
 
 
+def scored_end(ids: list[int], mask: list[int], eos_id: int | None) -> int:
+    """Where a pair's side ends: just after its response's last end-of-sequence token, the
+    token a rollout stops on and the reward model reads the score at (ChatML renders a
+    newline after ``<|im_end|>``: the score head was trained on the newline and used on
+    ``<|im_end|>``); the whole sequence when the response holds none."""
+    ends = [i for i, (t, m) in enumerate(zip(ids, mask)) if m and t == eos_id]
+    return ends[-1] + 1 if ends else len(ids)
+
+
 class PairDataset:
     """Preference pairs for reward-model training: rows with ``prompt`` (text or chat
     messages), ``chosen`` and ``rejected`` (response texts). Each side is the chat-template
-    rendering of prompt + response (as ``SFTDataset`` renders it, ending with the assistant
-    turn's end token, where the score is read). ``truncation`` applies to each side; a pair
+    rendering of prompt + response (as ``SFTDataset`` renders it), cut after the response's
+    end-of-sequence token, where the score is read, as on a rollout's response. ``truncation`` applies to each side; a pair
     with a side filtered out is dropped (``num_filtered``). Optional ``chosen_sign`` and
     ``rejected_sign`` columns (+1, -1, or 0 for unlabeled) give the sign each side's score
     should have: Safe-RLHF's safety labels for a cost model (+1 unsafe)."""
@@ -170,8 +217,9 @@ class PairDataset:
                     raise DataFileError(f"{where}, column {side!r}: expected a string, got {describe(row[side])}")
             texts += [(where, m["content"]) for m in prompt] + [(f"{where} ({s})", row[s]) for s in self.SIDES]
             for side in self.SIDES:
-                ids, _ = tokenize_conversation(tokenizer, prompt + [{"role": "assistant", "content": row[side]}],
-                                               where)
+                ids, mask = tokenize_conversation(tokenizer, prompt + [{"role": "assistant", "content": row[side]}],
+                                                  where, last_only=True)
+                ids = ids[:scored_end(ids, mask, tokenizer.eos_token_id)]
                 sides[side] = fit_length(ids, max_length, truncation, f"{where} ({side})", "max_length")
             signs = self._signs(row, where)
             if any(v is None for v in sides.values()):

@@ -165,3 +165,39 @@ def test_rollout_logprobs_equal_compute_log_prob_path():
     print(f"max |engine logprob - compute_log_prob| = {worst:.2e}")
     # engine vs trainer kernels; |lp| < 5 (ulp 4.8e-7) with |z/T| < 1 here: 1e-5 is 20+ ulp
     assert worst < 1e-5
+
+
+def _ranks_plan_alike(rank, world):
+    """Each rank one group of 8 rows sharing a 50-token prompt; responses of 10 tokens on
+    rank 0, 30 on rank 1, a budget of 200: rank 1 needs 2 micro-batches, so rank 0 is forced
+    to 2, more than its one shared unit, and planned its rows alone at their unshared cost
+    (60 each: 3 micro-batches). It then ran 3 forwards to rank 1's 2 and the job hung."""
+    import torch.distributed as dist
+
+    from minihf.parallel.fsdp import apply_fsdp, fsdp_mesh
+    from minihf.workers.engine import run_micro_batches
+
+    model = init_weights(build_model(ModelArgs(**ARGS), "lm"), seed=0)
+    apply_fsdp(model, fsdp_mesh(dist.group.WORLD, "cpu"), mixed_precision="none")
+    P, R, B = 50, 30, 8
+    ids = torch.full((B, P + R), 7, dtype=torch.long)
+    ids[:, P:] = (torch.arange(B)[:, None] + torch.arange(R)) % 40 + 1
+    mask = torch.zeros(B, P + R, dtype=torch.long)
+    mask[:, :P + (10 if rank == 0 else 30)] = 1
+    data = {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
+            "responses": ids[:, P:]}
+    sizes = []
+
+    def forward(mb):
+        sizes.append(len(mb["input_ids"]))
+        return forward_log_probs(model, mb, share_prompt=True)
+    run_micro_batches(data, forward, micro_batch_size=None, max_tokens=200, group=dist.group.WORLD,
+                      model=model, share_prompt=True)
+    return sizes
+
+
+def test_ranks_run_as_many_micro_batches_with_shared_prompts():
+    from minihf.testing import spawn_ranks
+
+    first, second = spawn_ranks(_ranks_plan_alike, 2, timeout_s=120, pg_timeout_s=20)
+    assert len(first) == len(second) and sum(first) == sum(second) == 8

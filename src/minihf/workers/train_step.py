@@ -65,9 +65,19 @@ def plan_micro_batches(attention_mask: torch.Tensor, *, micro_batch_size: int | 
             raise ValueError("give micro_batch_size or max_tokens_per_micro_batch")
         return plan_fixed(n, micro_batch_size)
     seq_lens = attention_mask.sum(-1).tolist()
-    k = torch.tensor([count_token_budget(seq_lens, max_tokens, groups)], device=attention_mask.device)
-    all_reduce_(k, group, dist.ReduceOp.MAX)
-    return plan_token_budget(seq_lens, max_tokens, num_micro_batches=int(k.item()), groups=groups)
+    count = count_token_budget(seq_lens, max_tokens, groups)
+    while True:  # until every rank plans the agreed count (each pass can only raise it)
+        k = torch.tensor([count], device=attention_mask.device)
+        all_reduce_(k, group, dist.ReduceOp.MAX)
+        plan = plan_token_budget(seq_lens, max_tokens, num_micro_batches=int(k.item()), groups=groups)
+        # a forced count past a rank's shared-prompt units plans its rows alone, each paying
+        # for its prompt: that may take more micro-batches than agreed (its ranks then ran
+        # more forwards than the others and the job hung in a collective)
+        mine = torch.tensor([len(plan)], device=attention_mask.device)
+        all_reduce_(mine, group, dist.ReduceOp.MAX)
+        if int(mine.item()) == int(k.item()):
+            return plan
+        count = int(mine.item())
 
 
 def take_rows(data: dict, rows: Sequence[int]) -> dict:

@@ -72,3 +72,32 @@ def test_balance_batch_weighs_a_shared_prompt_once():
     out = balance_batch(batch, m, dp=2, group_size=2, mini_batch_size=4, shares_prompt=False)
     assert out["row"].tolist() == [0, 1, 2, 3]  # 10 vs 6, but the groups cannot split
     assert m["global_seqlen/imbalance"] == pytest.approx(2 / 8)  # float64 of integers
+
+
+def test_balancing_is_skipped_where_it_would_move_rows_between_mini_batches(tiny_job, tmp_path):
+    """Balancing keeps the actor's mini-batches: with a critic that cuts its mini-batches
+    otherwise, or sequence parallelism (an SP group pools its ranks' rows first), it moved
+    rows between that role's mini-batches (the docs said never). It is skipped there, said
+    once."""
+    from minihf.trainer.ppo import PPOTrainer
+    from test_ppo import ScriptedActor, job_config
+
+    class TwoRanks(ScriptedActor):
+        dp_size, ranks = 2, (0, 1)
+
+    class Critic:
+        dp_size, ranks = 2, (0, 1)
+
+    model, data = tiny_job
+    cases = [("grpo", {}, None),
+             ("grpo", {"actor_rollout_ref.actor.ulysses_sequence_parallel_size": 2}, "actor runs sequence parallel"),
+             ("ppo", {"critic.ppo_mini_batch_size": 2}, "critic cuts its mini-batches otherwise than the actor"),
+             ("ppo", {}, None)]
+    for recipe, extra, why in cases:
+        said = []
+        cfg = job_config(model, data, tmp_path / "run", recipe, **extra)
+        groups = {"actor": TwoRanks()} | ({"critic": Critic()} if recipe == "ppo" else {})
+        trainer = PPOTrainer(cfg, groups, log=said.append)
+        assert trainer.balance_keeps_mini_batches() == (why is None) and trainer.balance_keeps_mini_batches() == (why is None)
+        assert [s for s in said if "balance_batch" in s] == ([] if why is None else [
+            f"trainer.balance_batch: skipped ({why}: balancing would move rows between its mini-batches)"])

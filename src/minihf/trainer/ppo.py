@@ -30,6 +30,7 @@ position, step, KL controller, skipped steps, plug-in states).
 
 from __future__ import annotations
 
+
 import threading
 import time
 from contextlib import contextmanager
@@ -266,12 +267,34 @@ class PPOTrainer(RunLoop):
 
     def _balance_phase(self, ctx: StepContext, batch: Batch, m: dict) -> Batch | None:
         cfg, n = self.cfg, self.cfg.actor_rollout_ref.rollout.n
-        if not (cfg.trainer.balance_batch and self.actor.dp_size > 1):
+        if not (cfg.trainer.balance_batch and self.actor.dp_size > 1 and self.balance_keeps_mini_batches()):
             return None
         a = cfg.actor_rollout_ref.actor
         return balance_batch(batch, m, self.actor.dp_size, n, len(batch) if a.shuffle
                              else a.ppo_mini_batch_size,  # shuffled: whole chunks
                              cfg.actor_rollout_ref.model.shares_prompt)
+
+    def balance_keeps_mini_batches(self) -> bool:
+        """Whether balancing keeps every trained role's mini-batches: each one cuts the batch
+        as the actor does (its ranks, mini-batch size and shuffle), without sequence
+        parallelism (an SP group pools its ranks' rows before cutting). Otherwise rows would
+        move between mini-batches, and balance_batch would change the update; it is skipped,
+        said once."""
+        if getattr(self, "_balance_ok", None) is None:
+            a = self.cfg.actor_rollout_ref.actor
+            why = []
+            for r in (r for r in self.roles if r.trains):
+                section = section_of(self.cfg, r.trains)
+                if (self.groups[r.name].dp_size, section.ppo_mini_batch_size, getattr(section, "shuffle", False)) \
+                        != (self.actor.dp_size, a.ppo_mini_batch_size, a.shuffle):
+                    why.append(f"{r.name} cuts its mini-batches otherwise than the actor")
+                if (getattr(section, "ulysses_sequence_parallel_size", 1) or 1) > 1:
+                    why.append(f"{r.name} runs sequence parallel")
+            self._balance_ok = not why
+            if why:
+                self.log(f"trainer.balance_batch: skipped ({'; '.join(why)}: balancing would move rows "
+                         "between its mini-batches)")
+        return self._balance_ok
 
     def _samples_phase(self, ctx: StepContext, batch: Batch, m: dict) -> None:
         t = self.cfg.trainer

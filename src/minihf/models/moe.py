@@ -83,24 +83,34 @@ class RouterStats:
         self.num_experts = num_experts
         self.counts: dict[int, torch.Tensor] = {}     # layer -> [E] chosen-expert counts (float)
         self.prob_sums: dict[int, torch.Tensor] = {}  # layer -> [E] sum over rows of p (detached)
-        self.rows: dict[int, int] = {}
+        self.rows: dict[int, torch.Tensor | int] = {}
         self.weight = 0.0
+        # [N] how many tokens of the batch each routed row stands for, as the layers see the
+        # rows: 0 for padding, the number of responses sharing it for a shared prompt's
+        # token; None: 1 each. The loss is then transformers' over the batch's real tokens
+        # (its attention_mask branch), whatever the packing (minihf.workers.forward sets it).
+        self.row_weight: torch.Tensor | None = None
 
     def add(self, layer: int, probs: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Record layer ``layer``'s routing (``probs`` [N, E] fp32, ``ids`` [N, k]); returns
         ``out`` through :class:`_AuxGrad` when it needs a gradient."""
-        E = self.num_experts
-        self.counts[layer] = torch.zeros(E, dtype=torch.float32, device=ids.device).index_add_(
-            0, ids.reshape(-1), torch.ones(ids.numel(), dtype=torch.float32, device=ids.device))
-        self.rows[layer] = probs.shape[0]
-        sums = probs.sum(0)                                                   # [E]
+        E, (N, k) = self.num_experts, ids.shape
+        w = self.row_weight
+        if w is not None and w.shape[0] != N:
+            raise ValueError(f"RouterStats.row_weight has {w.shape[0]} rows, the layer routed {N}")
+        ones = torch.ones(N * k, dtype=torch.float32, device=ids.device)
+        each = ones if w is None else w.to(torch.float32)[:, None].expand(N, k).reshape(-1)
+        self.counts[layer] = torch.zeros(E, dtype=torch.float32, device=ids.device).index_add_(0, ids.reshape(-1), each)
+        self.rows[layer] = N if w is None else w.to(torch.float32).sum()
+        sums = (probs if w is None else probs * w.to(probs.dtype)[:, None]).sum(0)   # [E]
         self.prob_sums[layer] = sums.detach()
         if torch.is_grad_enabled() and sums.requires_grad:
             return _AuxGrad.apply(out, sums, self, layer)
         return out
 
-    def _total_rows(self) -> int:
-        return max(sum(self.rows.values()), 1)
+    def _total_rows(self):
+        total = sum(self.rows.values())
+        return total.clamp(min=1) if isinstance(total, torch.Tensor) else max(total, 1)
 
     def fractions(self) -> torch.Tensor:
         """``f`` [E]: chosen-expert counts per routed row, summed over layers (sums to k)."""

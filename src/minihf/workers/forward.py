@@ -138,6 +138,9 @@ def forward_log_probs(model: nn.Module, mb: dict, *, use_remove_padding: bool = 
     where_run = packed.indices if packed is not None else torch.arange(b * t, device=valid.device)
     if routes is not None:
         moe, chosen = _routing(moe, routes, mb, where_run)
+    if moe is not None and moe.stats is not None:  # the aux loss over the batch's real tokens
+        moe.stats.row_weight = (torch.bincount(packed.slot[packed.slot >= 0], minlength=packed.tokens.shape[1])
+                                if packed is not None else mb["attention_mask"].reshape(-1))
     if packed is not None:
         # logits only at the positions that predict a real response token (the token before
         # it, which for the first one may be a shared prompt's): the LM head skips the rest

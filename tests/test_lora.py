@@ -187,14 +187,17 @@ def test_resuming_with_other_lora_settings_is_refused(tmp_path):
 
     from minihf.workers.train_state import TrainState
 
-    saved = {"rank": 8, "modules": ["model.layers.0.self_attn.q_proj"]}
+    saved = {"rank": 8, "alpha": 16, "modules": ["model.layers.0.self_attn.q_proj"]}
     (tmp_path / "meta.json").write_text(json.dumps({"world_size": 1, "head": "lm", "lora": saved}))
     state = TrainState.__new__(TrainState)  # the check alone: no model needed
     state.lora = dict(saved)
     state._check_lora(str(tmp_path))  # the same settings: no error
-    state.lora = {"rank": 4, "modules": saved["modules"]}
-    with pytest.raises(ValueError, match="trained with lora_rank=8 on 1 modules, this run has "
-                                         "lora_rank=4 on 1 modules; set model.lora_rank"):
+    state.lora = {"rank": 4, "alpha": 16, "modules": saved["modules"]}
+    with pytest.raises(ValueError, match="trained with lora_rank=8, lora_alpha=16 on 1 modules, this run has "
+                                         "lora_rank=4, lora_alpha=16 on 1 modules; set model.lora_rank"):
+        state._check_lora(str(tmp_path))
+    state.lora = {**saved, "alpha": 64}  # the scale alpha / rank jumped at the resume, accepted
+    with pytest.raises(ValueError, match="lora_alpha=16 on 1 modules, this run has lora_rank=8, lora_alpha=64"):
         state._check_lora(str(tmp_path))
     state.lora = None
     with pytest.raises(ValueError, match=r"this run has full parameters \(lora_rank=0\)"):

@@ -170,17 +170,17 @@ class TrainState:
         saved = read_json(meta, "the checkpoint was not written completely; resume an earlier "
                           "global_step_N").get("lora")
 
-        def settings(lora):
-            return (lora["rank"], list(lora["modules"])) if lora else None
+        def settings(lora):  # alpha too: the adapters' scale alpha / rank would jump at the resume
+            return (lora["rank"], lora.get("alpha"), list(lora["modules"])) if lora else None
 
         if settings(saved) == settings(self.lora):
             return
 
         def said(lora):
-            return (f"lora_rank={lora['rank']} on {len(lora['modules'])} modules" if lora
-                    else "full parameters (lora_rank=0)")
+            return (f"lora_rank={lora['rank']}, lora_alpha={lora.get('alpha')} on {len(lora['modules'])} modules"
+                    if lora else "full parameters (lora_rank=0)")
         raise ValueError(f"checkpoint {path} was trained with {said(saved)}, this run has "
-                         f"{said(self.lora)}; set model.lora_rank / target_modules / "
+                         f"{said(self.lora)}; set model.lora_rank / lora_alpha / target_modules / "
                          "exclude_modules as they were, or start a new run")
 
     @contextlib.contextmanager

@@ -186,6 +186,30 @@ def test_mixtral_reads_num_local_experts_and_renormalises():
         ModelArgs.from_hf({**cfg, "num_experts_per_tok": 5})
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen"])
+def test_bf16_expert_sum_rounds_as_transformers(family):
+    """transformers' expert loop in bf16: Mixtral keeps the routing weights fp32 (each
+    expert's output times its weight in fp32, cast, then added); Qwen3-MoE casts them to
+    bf16 first. minihf cast both, which moved a bf16 Mixtral's logits by 0.03 from
+    transformers'. The grouped and the capture-safe dense paths equal that loop exactly
+    (the same operations in the same order, on CPU)."""
+    moe = SparseMoE(_args(norm_topk_prob=True), layer_idx=0, expert_names=family).bfloat16()
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.3)
+    x = torch.randn(29, 32, generator=torch.Generator().manual_seed(3)).bfloat16()
+    probs, weights, ids = moe.route(x)
+    assert weights.dtype == (torch.float32 if family == "mixtral" else torch.bfloat16)
+    want = torch.zeros_like(x)
+    with torch.no_grad():
+        for e, expert in enumerate(moe.experts):  # transformers' order: expert by expert
+            token, pos = (ids == e).nonzero(as_tuple=True)
+            if len(token):
+                want.index_add_(0, token, (expert(x[token]) * weights[token, pos, None]).to(x.dtype))
+        assert torch.equal(moe.grouped(x, weights, ids), want)
+        assert torch.equal(moe.dense(x, weights, ids), want)
+
+
 def test_implied_parameters_total_and_active():
     """The config-only count equals the built model's (less the q/k norms it leaves out);
     the active count swaps each sparse layer's 8 experts for the 2 a token uses."""

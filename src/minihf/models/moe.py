@@ -10,7 +10,8 @@ treat a dense MLP's, by name (``minihf.parallel.placement``).
 
 Routing (both families): ``p = softmax(x W_gate^T)`` in fp32, the top ``k`` experts by
 ``p``, their weights ``p_topk`` (divided by their sum when ``norm_topk_prob``; Mixtral
-always), cast to the activations' dtype. The output is ``sum_k p_k expert_k(x)``.
+always), cast to the activations' dtype (Qwen3-MoE; Mixtral keeps them fp32 and casts each
+weighted expert output, as transformers does). The output is ``sum_k p_k expert_k(x)``.
 
 The experts run grouped: the (token, choice) pairs are sorted by expert, each expert
 multiplies its rows in one matmul chain, and the weighted results are added back per
@@ -191,20 +192,23 @@ class SparseMoE(nn.Module):
         self.norm_topk_prob = args.norm_topk_prob
         H, inner = args.hidden_size, args.moe_intermediate_size
         self.gate = Linear(H, E, bias=False)
+        # the routing weights' dtype, as transformers: Mixtral's stay fp32 (each expert's
+        # output times its weight in fp32, then cast), Qwen3-MoE's are cast first
+        self.fp32_weights = expert_names == "mixtral"
         if expert_names == "mixtral":
             self.experts = nn.ModuleList(MixtralExpert(H, inner) for _ in range(E))
         else:
             self.experts = nn.ModuleList(MLP(args, inner) for _ in range(E))
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``x`` [N, H] -> (probs [N, E] fp32 (float64 stays), weights [N, k] in x's dtype,
-        ids [N, k])."""
+        """``x`` [N, H] -> (probs [N, E] fp32 (float64 stays), weights [N, k] in x's dtype
+        (Mixtral: fp32), ids [N, k])."""
         logits = self.gate(x)                                                 # [N, E]
         probs = F.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
         weights, ids = torch.topk(probs, self.top_k, dim=-1)                  # [N, k]
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
-        return probs, weights.to(x.dtype), ids
+        return probs, weights if self.fp32_weights else weights.to(x.dtype), ids
 
     def forward(self, x: torch.Tensor, moe: MoEStep | None = None) -> torch.Tensor:
         shape = x.shape
@@ -235,14 +239,14 @@ class SparseMoE(nn.Module):
                 outs.append(expert(rows[start:start + count]))
             start += count
         y = torch.cat(outs) * weights.reshape(-1).index_select(0, order)[:, None]  # [N*k, H]
-        return torch.zeros_like(x).index_add_(0, token, y)
+        return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
 
     def dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Every expert over every row, weighted by the ``[N, E]`` matrix of ``weights`` at
         ``ids`` (zero elsewhere): no data-dependent shape, for CUDA-graph capture."""
-        dense = torch.zeros(x.shape[0], self.num_experts, dtype=x.dtype, device=x.device)
+        dense = torch.zeros(x.shape[0], self.num_experts, dtype=weights.dtype, device=x.device)
         dense.scatter_(1, ids, weights)                                       # [N, E]
         out = torch.zeros_like(x)
         for e, expert in enumerate(self.experts):
-            out = out + expert(x) * dense[:, e:e + 1]
+            out = out + (expert(x) * dense[:, e:e + 1]).to(x.dtype)
         return out

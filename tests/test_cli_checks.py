@@ -282,6 +282,22 @@ def test_export_never_replaces_what_it_reads(root, tmp_path):
     check_not_over(tmp_path / "elsewhere", [("the checkpoint", ckpt)])
 
 
+def test_a_moe_lora_on_experts_and_dense_mlps_exports_merged_only(root, tmp_path):
+    """peft maps the leaf names (gate_proj, ...) onto a transformers-5 MoE's experts when it
+    loads an adapter dir, and drops the dense MLP layers' adapters (mlp_only_layers): the
+    adapter dir loaded 0.14 off the trainer's logits, without a word. Refused; --merge."""
+    import json
+
+    ckpt = tmp_path / "global_step_1" / "actor"
+    ckpt.mkdir(parents=True)
+    modules = ["model.layers.0.mlp.experts.0.gate_proj", "model.layers.1.mlp.gate_proj",
+               "model.layers.0.self_attn.q_proj"]
+    (ckpt / "meta.json").write_text(json.dumps({"head": "lm", "lora": {
+        "rank": 4, "alpha": 8, "modules": modules, "target_modules": ["gate_proj", "q_proj"], "base": str(root / "m")}}))
+    refused(*run("export", ckpt, tmp_path / "out"), "adapts the experts and the dense MLP layers",
+            "model.layers.1.mlp.gate_proj beside model.layers.0.mlp.experts.0.gate_proj", "export it with --merge")
+
+
 # ---------------------------------------------------------------------------- YAML size
 
 

@@ -15,7 +15,8 @@ weighted expert output, as transformers does). The output is ``sum_k p_k expert_
 
 The experts run grouped: the (token, choice) pairs are sorted by expert, each expert
 multiplies its rows in one matmul chain, and the weighted results are added back per
-token in expert order (the order transformers adds them in). The split sizes cost one
+token in expert order, one after the other (the order transformers adds them in, on every
+device). The split sizes cost one
 host sync per layer. While a CUDA graph is being captured (a host sync is illegal there)
 every expert runs over every row instead, weighted by a dense ``[N, E]`` matrix that is
 zero off the chosen experts: the same sum, ``E/k`` times the FLOPs, no data-dependent
@@ -238,8 +239,16 @@ class SparseMoE(nn.Module):
             if count or not skip_empty:
                 outs.append(expert(rows[start:start + count]))
             start += count
-        y = torch.cat(outs) * weights.reshape(-1).index_select(0, order)[:, None]  # [N*k, H]
-        return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
+        y = (torch.cat(outs) * weights.reshape(-1).index_select(0, order)[:, None]).to(x.dtype)  # [N*k, H]
+        # each token's k terms in expert order, added one by one: the order transformers
+        # adds them in. (One index_add_ of every term adds a token's k in any order on
+        # CUDA, where it uses atomics: not reproducible for k >= 3.)
+        slot = ids.argsort(-1).argsort(-1).reshape(-1).index_select(0, order)  # rank by expert id
+        terms = x.new_zeros(N, k, x.shape[-1]).index_put_((token, slot), y)  # [N, k, H]
+        out = terms[:, 0]
+        for j in range(1, k):
+            out = out + terms[:, j]
+        return out
 
     def dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Every expert over every row, weighted by the ``[N, E]`` matrix of ``weights`` at

@@ -182,6 +182,8 @@ def test_mixtral_reads_num_local_experts_and_renormalises():
                num_experts_per_tok=2)
     args = ModelArgs.from_hf(cfg)
     assert (args.num_experts, args.moe_intermediate_size, args.norm_topk_prob) == (4, 24, True)
+    # a config without router_aux_loss_coef: transformers' default, 0.001 (it was 0: untrained)
+    assert args.router_aux_loss_coef == 0.001 and ModelArgs.from_hf({**cfg, "router_aux_loss_coef": 0}).router_aux_loss_coef == 0
     with pytest.raises(ValueError, match="num_experts_per_tok=5 is more than the 4 experts"):
         ModelArgs.from_hf({**cfg, "num_experts_per_tok": 5})
 

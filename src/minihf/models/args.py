@@ -219,7 +219,7 @@ def _parse_moe(arch: str, cfg: dict) -> dict:
         norm_topk_prob=True if arch == "mixtral" else bool(cfg.get("norm_topk_prob")),
         decoder_sparse_step=1 if arch == "mixtral" else _get(cfg, "decoder_sparse_step", 1),
         mlp_only_layers=() if arch == "mixtral" else tuple(cfg.get("mlp_only_layers") or ()),
-        router_aux_loss_coef=float(_get(cfg, "router_aux_loss_coef", 0.0)),
+        router_aux_loss_coef=float(_get(cfg, "router_aux_loss_coef", 0.001)),  # transformers' default
     )
 
 

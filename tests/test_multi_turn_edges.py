@@ -156,3 +156,22 @@ def test_the_sandbox_setting_reaches_a_users_own_run_python(tiny, monkeypatch):
     cfg = MultiTurnConfig(enable=True, environment=f"{__file__}:SixNines", sandbox="process")
     MultiTurn(cfg, tok, (tok.eos_token_id,))
     assert sandbox._mode == "process"
+
+
+def test_response_length_counts_observation_tokens():
+    """A multi-turn response that fills max_response_length with observation tokens in it is
+    clipped: response_length/* and clip_ratio count every response token (verl's, from the
+    attention mask); from response_mask a filled row read 4 tokens, never clipped, and the
+    watcher's 'responses hit max_response_length' warning never fired."""
+    import torch
+
+    from minihf.trainer.metrics import data_metrics
+
+    R = 8
+    attention = torch.cat([torch.ones(2, 3), torch.tensor([[1.0] * 8, [1.0] * 3 + [0.0] * 5])], 1).long()
+    response_mask = torch.tensor([[1, 1, 0, 0, 0, 0, 1, 1], [1, 1, 1, 0, 0, 0, 0, 0]])
+    zeros = torch.zeros(2, R)
+    batch = Batch({"attention_mask": attention, "response_mask": response_mask, "token_level_scores": zeros,
+                   "token_level_rewards": zeros, "advantages": zeros, "returns": zeros})
+    m = data_metrics(batch)
+    assert (m["response_length/max"], m["response_length/min"], m["response_length/clip_ratio"]) == (8, 3, 0.5)

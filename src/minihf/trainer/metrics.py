@@ -37,7 +37,9 @@ def data_metrics(batch: Batch) -> dict[str, float]:
     out.update(_stats("critic/returns", batch["returns"][mask]))
     if "values" in batch.tensors:
         out.update(_stats("critic/values", batch["values"][mask]))
-    response_len = mask.sum(-1)
+    # every response token, as verl counts them (a multi-turn response's observations too;
+    # response_mask holds the model's tokens only, and rejection sampling drops some)
+    response_len = batch["attention_mask"][:, -mask.shape[1]:].sum(-1)
     out.update(_stats("response_length", response_len))
     out["response_length/clip_ratio"] = (response_len == mask.shape[1]).float().mean().item()
     prompt_len = batch["attention_mask"][:, :-mask.shape[1]].sum(-1)

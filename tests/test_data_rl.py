@@ -207,3 +207,12 @@ def test_rl_refuses_a_tokenizer_past_the_models_vocabulary(tmp_path):
             rf"{re.escape(str(model))}/config.json\); the tokenizer \(\d+ tokens\) is not this model's")
     with pytest.raises(ValueError, match=says):
         PPOTrainer(cfg, {"actor": ScriptedActor()}, log=lambda *a: None)
+
+
+def test_parquet_keeps_a_column_the_first_row_lacks(tmp_path):
+    """pyarrow's from_pylist takes the columns from the first row: a later row's extra
+    column was dropped from the .parquet file while the .jsonl copy kept it."""
+    from minihf.data.files import read_rows
+
+    rows = [{"a": 1}, {"a": 2, "b": "x"}]
+    assert read_rows(write_rows(rows, tmp_path / "r.parquet")) == [{"a": 1, "b": None}, {"a": 2, "b": "x"}]

@@ -132,8 +132,10 @@ def _write_rows(rows: list[dict], path: Path, tmp: Path) -> None:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
+        # every row's columns (from_pylist takes them from the first row and drops any other)
+        columns = list(dict.fromkeys(k for row in rows for k in row))
         try:
-            table = pa.Table.from_pylist(rows)
+            table = pa.Table.from_pylist([{k: row.get(k) for k in columns} for row in rows])
         except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
             raise DataFileError(
                 f"write_rows: cannot write {path} as parquet, a column mixes types ({exc}); "

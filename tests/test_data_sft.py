@@ -152,3 +152,28 @@ def test_a_reward_models_pair_ends_where_a_rollout_stops(tmp_path, smollm2_token
         assert tok.decode(ids).endswith(f"assistant\n{'1,3' if side == 'chosen' else '3,1'}<|im_end|>")
     char = PairDataset(write_rows([{"prompt": "1+2=", "chosen": "3", "rejected": "4"}], tmp_path / "c.jsonl"), TOK)
     assert char.ids["chosen"][0][-1] == TOK.eos_token_id  # a template ending on eos: unchanged
+
+
+def test_tool_calls_an_assistant_first_chat_and_mixed_formats(tmp_path, smollm2_tokenizer_dir):
+    """OpenAI tool_calls were dropped (an empty assistant turn trained on, the call lost):
+    they reach the template, and a template that does not render them is refused naming
+    the row. An assistant-first chat failed inside transformers naming nothing; a parquet
+    file mixing prompt/response and messages rows (messages=None) was refused."""
+    from minihf.data import load_tokenizer
+
+    call = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "calc"}}]}
+    chat = [{"role": "user", "content": "1+1="}, call, {"role": "user", "content": "2"},
+            {"role": "assistant", "content": "2"}]
+    smol = load_tokenizer(smollm2_tokenizer_dir, padding_side="right")
+    with pytest.raises(DataFileError, match=r"row 0: a message's tool_calls are not rendered by this chat template"):
+        SFTDataset(write_rows([{"messages": chat}], tmp_path / "tc.jsonl"), smol)
+    renders = build_char_tokenizer("0123456789+-=,:")
+    renders.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% if m.get('tool_calls') %}"
+                             "99{% endif %}{{ eos_token }}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    ds = SFTDataset(write_rows([{"messages": chat}], tmp_path / "tc.jsonl"), renders)
+    trained = renders.decode([t for t, m in zip(ds[0]["input_ids"], ds[0]["loss_mask"]) if m])
+    assert trained.replace(" ", "") == "99<eos>2<eos>"
+    with pytest.raises(DataFileError, match="row 0: the conversation starts with an assistant message"):
+        SFTDataset(write_rows([{"messages": chat[1:]}], tmp_path / "af.jsonl"), renders)
+    mixed = write_rows([{"prompt": "1+1=", "response": "2"}, {"messages": chat[2:]}], tmp_path / "mixed.parquet")
+    assert len(SFTDataset(mixed, TOK)) == 2

@@ -54,12 +54,25 @@ def to_messages(prompt, where: str, column: str = "prompt", allow_text: bool = T
         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt
     ):
         where = f"{where}, column {column!r}"
-        return [{"role": check_text(m["role"], where), "content": check_text(m["content"], where)} for m in prompt]
+        return [_message(m, where) for m in prompt]
     raise DataFileError(
         f"{where}, column {column!r}: expected {'a string or ' if allow_text else ''}a non-empty list of "
         "{'role': str, 'content': str} "
         f"messages, got {describe(prompt)}"
     )
+
+
+EXTRA_MESSAGE_KEYS = ("tool_calls", "name", "tool_call_id")  # OpenAI's, passed to the chat template
+
+
+def _message(m: dict, where: str) -> dict:
+    """``role`` and ``content``, and the tool keys a chat template may render (an assistant's
+    ``tool_calls``, a tool message's ``name`` / ``tool_call_id``); other keys are dropped."""
+    out = {"role": check_text(m["role"], where), "content": check_text(m["content"], where)}
+    for key in EXTRA_MESSAGE_KEYS:
+        if m.get(key) is not None:
+            out[key] = m[key].tolist() if isinstance(m[key], np.ndarray) else m[key]
+    return out
 
 
 def render_prompts(tokenizer, messages: Sequence[list[dict]], apply_chat_template: bool,

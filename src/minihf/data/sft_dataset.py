@@ -57,6 +57,19 @@ def _pieces(tokenizer, messages: list[dict], trained, where: str, renderer=None)
     return pieces + [(full[len(done):], 0)]
 
 
+def check_tool_calls_render(tokenizer, messages: list[dict], where: str, renderer=None) -> None:
+    """A message's OpenAI ``tool_calls`` go to the chat template; one that ignores them
+    would train on an empty assistant turn (the calls lost): refused, naming the row."""
+    if not any(m.get("tool_calls") for m in messages):
+        return
+    plain = [{k: v for k, v in m.items() if k != "tool_calls"} for m in messages]
+    if _text(tokenizer, messages, False, renderer) == _text(tokenizer, plain, False, renderer):
+        raise DataFileError(f"{where}: a message's tool_calls are not rendered by this chat template, so they "
+                            "would be lost; write each call in the assistant's content (hermes: "
+                            "<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>), or use a template "
+                            "that renders tool_calls")
+
+
 def tokenize_conversation(tokenizer, messages: list[dict], where: str, renderer=None,
                           last_only: bool = False) -> tuple[list[int], list[int]]:
     """``(input_ids, loss_mask)`` for a chat with loss on every assistant turn (``last_only``:
@@ -71,6 +84,10 @@ def tokenize_conversation(tokenizer, messages: list[dict], where: str, renderer=
     adding a word-start space), the whole text is tokenised and must hold the pieces as
     token prefixes."""
     turns = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
+    if turns[:1] == [0]:
+        raise DataFileError(f"{where}: the conversation starts with an assistant message, which has no prompt "
+                            "to follow (a template cannot render the empty conversation before it); start it "
+                            "with a system or user message")
     trained = turns[-1:] if last_only else turns
     if not trained:
         raise DataFileError(f"{where}: no assistant message to learn from; add a message with role 'assistant'")
@@ -123,6 +140,7 @@ class SFTDataset:
         if not allow_unk:
             refuse_unknown_chars(tokenizer, [(where, m["content"]) for where, msgs in chats for m in msgs], "example")
         for (where, messages), last_only in zip(chats, transcript):
+            check_tool_calls_render(tokenizer, messages, where, renderer)
             ids, mask = tokenize_conversation(tokenizer, messages, where, renderer, last_only=last_only)
             kept = fit_length(list(zip(ids, mask)), max_length, truncation, where, "max_length")
             if kept is None:

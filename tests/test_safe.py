@@ -277,6 +277,25 @@ def test_sampled_pairs_rank_a_models_own_answers(tmp_path):
     assert res.exit_code != 0 and "has no config.json" in flat(res)
 
 
+def test_sampled_pairs_draw_each_prompt_with_its_own_seed(tmp_path, monkeypatch):
+    """One SamplingParams(seed) for every prompt made sample j of each prompt draw with the
+    same noise (duplicate prompts got the same samples); each prompt gets its own, as eval's."""
+    import minihf.trainer.evaluate as evaluate
+    from minihf.data import make_task_data
+    from minihf.hub import init_model
+    from minihf.trainer.pairs import sampled_pairs
+
+    init_model(tmp_path / "m", size="tiny", task="sort")
+    make_task_data("sort", tmp_path / "d", 3, 0, seed=0)
+    seen = []
+    real = evaluate.generate_batch
+    monkeypatch.setattr(evaluate, "generate_batch", lambda llm, ds, params, pad: seen.append(params) or
+                        real(llm, ds, params, pad))
+    sampled_pairs(tmp_path / "m", tmp_path / "d" / "train.parquet", n=2, max_tokens=4, seed=5)
+    seeds = [p.seed for p in seen[0]]
+    assert len(seeds) == 3 and len(set(seeds)) == 3
+
+
 def safe_plugin(*overrides):
     from minihf.trainer.ppo_job import PPOJobConfig
     from minihf.trainer.phases import StepContext

@@ -197,7 +197,8 @@ def test_data_sizes_and_the_context_are_checked_at_load(tmp_path):
     for cls in (SFTConfig, RMConfig):
         for override, says in (("data.micro_batch_size_per_gpu=0", "data: micro-batch size 0 must be >= 1"),
                                ("data.max_tokens_per_micro_batch=0", "data: max_tokens_per_micro_batch=0 must be >= 1"),
-                               ("data.max_length=0", "data: max_length=0 must be >= 1")):
+                               ("data.max_length=0", "data: max_length=0 must be >= 1"),
+                               ("data.seed=-1", "data: seed=-1 must be >= 0")):
             with pytest.raises(ConfigError, match=re.escape(says)):
                 load_config(cls, None, [override])
     model = init_model(tmp_path / "m", size="tiny", task="digits", max_position_embeddings=64)

@@ -97,6 +97,7 @@ def test_rl_config_errors():
                              "type=adaptive with kl_coef=0 never moves"),
                             ("actor_rollout_ref.actor.policy_loss.loss_mode=gspo",
                              "loss_mode=gspo aggregates per sequence .* loss_agg_mode='token-mean'"),
+                            ("data.seed=-1", "data.seed=-1 must be >= 0"),
                             ("algorithm.kl_ctrl.horizon=0", "horizon=0 >= 1")):
         with pytest.raises(ConfigError, match=match):
             load_config(PPOJobConfig, None, override.split(","))

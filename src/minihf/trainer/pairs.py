@@ -23,6 +23,7 @@ def sampled_pairs(model_dir: str | Path, files, n: int = 4, by: str = "reward", 
     from minihf.data import RLDataset, compute_score, default_cost_fn, default_reward_fn, load_tokenizer
     from minihf.data.files import read_many
     from minihf.rollout import LLM, SamplingParams
+    from minihf.rollout.sampling import request_seed
     from minihf.rollout.llm import eos_ids_from_dir
     from minihf.trainer.evaluate import generate_batch
     from minihf.utils.files import read_json
@@ -38,8 +39,11 @@ def sampled_pairs(model_dir: str | Path, files, n: int = 4, by: str = "reward", 
     eos = set(eos_ids_from_dir(model_dir, read_json(Path(model_dir) / "config.json", "re-export the model dir")))
     llm = LLM(model_dir, max_model_len=max(map(len, ds.input_ids)) + max_tokens,
               eos_token_ids=tuple(sorted(eos | {tok.eos_token_id})), seed=seed)
-    rows, batch = generate_batch(llm, ds, SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens,
-                                                         seed=seed), tok.pad_token_id)
+    # a seed per prompt (as minihf eval's): one seed for all made sample j of every prompt
+    # draw with the same noise, and duplicate prompts get the same samples
+    params = [SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, seed=request_seed(seed, i))
+              for i in range(len(ds))]
+    rows, batch = generate_batch(llm, ds, params, tok.pad_token_id)
     llm.free()
     texts = RuleReward(None, tok).decode(batch)
     nt = batch.non_tensors

@@ -52,6 +52,8 @@ class DataConfig:
         for key in ("val_batch_size", "gen_batch_size"):
             if getattr(self, key) is not None and getattr(self, key) < 1:
                 raise ValueError(f"data.{key}={getattr(self, key)} must be >= 1 or null")
+        if self.seed < 0:  # numpy's generator refused it at the first batch
+            raise ValueError(f"data.seed={self.seed} must be >= 0")
 
 
 @dataclass

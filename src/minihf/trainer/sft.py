@@ -53,6 +53,8 @@ def check_data_sizes(data) -> None:
                          f"{data.val_batch_size} must be >= 1")
     if data.max_length < 1:
         raise ValueError(f"max_length={data.max_length} must be >= 1 (tokens per example)")
+    if data.seed < 0:  # numpy's generator refused it at the first batch
+        raise ValueError(f"seed={data.seed} must be >= 0")
     check_micro(data.micro_batch_size_per_gpu, data.max_tokens_per_micro_batch)
 
 

@@ -121,6 +121,10 @@ def test_lengths_past_the_models_context_are_refused_naming_both(root):
     assert 0 < fits < CONTEXT
     code, out = run("eval", root / "m", data, "-n", "1", "--greedy", "--max-tokens", str(fits))
     assert code == 0, out
+    # a prompt over --max-prompt-length: eval's own option, not the dataset's truncation key
+    code, out = run("eval", root / "m", data, "-n", "1", "--max-tokens", "2", "--max-prompt-length", "3")
+    refused(code, out, "longer than max_prompt_length=3; raise --max-prompt-length")
+    assert "truncation" not in out, out
     refused(*run("eval", root / "m", data, "-n", "1", "--max-tokens", str(fits + 1)),
             "exceeds the model's context")  # and it is the largest that fits: one more is refused
     for args in (["--max-model-len", "100", "--max-tokens", "100"],

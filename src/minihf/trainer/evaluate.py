@@ -141,6 +141,9 @@ def _template_error(exc: ValueError, model_dir: Path, name: str) -> ValueError:
     """``exc`` with the chat template's file named when the template failed (a jinja error)."""
     import jinja2
 
+    if "longer than max_prompt_length" in str(exc):  # the dataset's wording names its own options
+        return ValueError(str(exc).split("; raise the limit")[0] + "; raise --max-prompt-length (eval keeps "
+                          "every prompt whole)")
     if not isinstance(exc.__cause__, jinja2.TemplateError):
         return exc
     where = ("chat_template.jinja" if (model_dir / "chat_template.jinja").is_file()

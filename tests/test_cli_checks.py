@@ -243,10 +243,14 @@ def test_plan_checks_out_and_top_before_planning(root, tmp_path):
     refused(*run(*base, "--out", data), "exists and is not a plan `minihf plan` wrote")
     assert data.read_text() == before
     plan = tmp_path / "plan.yaml"
+    # --model with --out: the recipe would train its own models with budgets sized for these
+    refused(*run(*base, "--top", "1", "--out", plan), "--out writes a recipe that trains the recipe's models")
+    assert not plan.exists()
+    paths = [f"actor_rollout_ref.model.path={root / 'm'}", f"critic.model.path={root / 'm'}"]
     for _ in range(2):  # written, then replaced
-        code, out = run(*base, "--top", "1", "--out", plan)
+        code, out = run(*base[:6], *paths, "--top", "1", "--out", plan)
         assert code == 0 and f"wrote {plan}" in out and out.count("| 1 |") == 1 and "| 2 |" not in out, out
-    assert plan.read_text().startswith("# written by `minihf plan`")
+    assert plan.read_text().startswith("# written by `minihf plan`") and str(root / "m") in plan.read_text()
 
 
 # ---------------------------------------------------------------------------- export, make-data

@@ -129,6 +129,10 @@ def plan(
     bad = [m for m in model if "=" not in m]
     if bad:
         raise typer.BadParameter(f"--model {bad[0]!r}: give ROLE=DIR|NAME, e.g. all=llama-7b")
+    if model and out is not None:  # the written recipe would train its own models with budgets sized for these
+        raise typer.BadParameter(f"--out writes a recipe that trains the recipe's models, and --model {model[0]} "
+                                 "plans for another; give the models as overrides instead "
+                                 "(actor_rollout_ref.model.path=DIR, critic.model.path=DIR), which --out carries")
     if measure:  # --devices ranks of this machine measure it: as many as it can start
         from minihf.launcher import max_local_ranks
 

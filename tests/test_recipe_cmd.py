@@ -33,6 +33,15 @@ def test_new_builds_on_the_base_and_resolves_to_it(cwd):
     assert load_config(PPOJobConfig, "dapo").trainer.total_training_steps != 7   # the shipped one untouched
 
 
+def test_a_base_given_as_a_path_resolves_from_the_new_recipe(cwd):
+    """`recipe new g3 --base recipes/g2` wrote `base: recipes/g2`, which a recipe reads from
+    its own folder (recipes/g3/recipes/g2: not found); written relative to the new one."""
+    new_recipe("g2", "dapo")
+    for base, out_dir in (("recipes/g2", "recipes"), (str(cwd / "recipes" / "g2"), "elsewhere")):
+        target = new_recipe("g3", base, out_dir=out_dir)
+        assert asdict(load_config(PPOJobConfig, str(target))) == asdict(load_config(PPOJobConfig, "dapo"))
+
+
 def test_copy_takes_the_base_files(cwd):
     target = new_recipe("d2", "distill", out_dir="mine", copy=True)
     assert sorted(os.listdir(target)) == sorted(p.name for p in (DEFAULT_RECIPES_DIR / "distill").iterdir()

@@ -3,6 +3,7 @@ folder (``./recipes`` by default), minihf's shipped ones stay read-only examples
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 from pathlib import Path
@@ -52,10 +53,13 @@ def new_recipe(name: str, base: str, out_dir: str | Path = "recipes", copy: bool
             if f.is_file() and not f.name.endswith(".pyc"):
                 shutil.copy2(f, target / f.name)
         return target
+    # a path is read from the new recipe's folder: written relative to it (as typed, a
+    # relative --base recipes/g2 became recipes/g3/recipes/g2)
+    ref = base if "/" not in base and not Path(base).exists() else os.path.relpath(source.parent, target)
     (target / "config.yaml").write_text(
         f"# {name}: builds on the `{base}` recipe ({source}); state here only what differs.\n"
         f"# `minihf config show {name}` prints every resolved value, its help and where it came from.\n"
-        f"base: {base}\n")
+        f"base: {ref}\n")
     return target
 
 

@@ -79,6 +79,11 @@ def test_config_show():
     assert sft.exit_code == 0 and "max_length:" in sft.output
     bad = runner.invoke(app, ["config", "show", "grpo", "actor_rollout_ref.rollout.nn=4"])
     assert bad.exit_code != 0 and "did you mean 'n'" in bad.output.replace("\n", " ").replace("│", "")
+    # a typo in an SFT recipe's override names the typo (it was the RL loader's complaint
+    # about the recipe: unknown key 'model')
+    bad = runner.invoke(app, ["config", "show", "sft_sort", "optim.lrr=1"])
+    assert bad.exit_code != 0 and "unknown key 'optim.lrr'; did you mean 'lr'" in " ".join(
+        bad.output.replace("│", " ").split()), bad.output
     assert runner.invoke(app, ["config", "doc", "--check"]).exit_code == 0
     assert res.output.startswith("# the RL config of `minihf train`")
     assert sft.output.startswith("# the SFT config of `minihf sft`")

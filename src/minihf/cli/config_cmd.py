@@ -35,15 +35,19 @@ def config_show(
 
         recipe, overrides = recipe_and_overrides(ctx.args)
         recipe = recipe or DEFAULT_RECIPE
+        # the kind is the first the recipe itself loads as; the overrides' errors are then
+        # that kind's (a typo in an SFT override was reported as the RL loader's complaint
+        # about the whole recipe)
         errors = []
         for k in order:
             try:
-                cfg, sources = load_config_sources(kinds[k][0], recipe, overrides)
+                load_config_sources(kinds[k][0], recipe, [])
                 break
             except ConfigError as exc:
                 errors.append(exc)
         else:
             raise errors[0]
+        cfg, sources = load_config_sources(kinds[k][0], recipe, overrides)
     except ConfigError as exc:
         raise typer.BadParameter(str(exc)) from exc
     others = ", ".join(f"--kind {o}" for o in kinds if o != k)

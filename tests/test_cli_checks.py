@@ -271,6 +271,17 @@ def test_export_and_make_data_name_a_bad_meta_json_or_an_unwritable_target(root,
         refused(*run("export", tmp_path / "global_step_1", tmp_path / "out"), "meta.json", needle)
 
 
+def test_torchrun_spellings_are_one_line_and_h_is_help():
+    """torchrun's --nproc_per_node=2 came through as an unknown config key, --standalone as a
+    recipe name followed by 31 recipe names; -h was 'No such option'."""
+    for flag in ("--nproc_per_node=2", "--standalone"):
+        code, out = run("train", flag)
+        refused(code, out, f"{flag!r} is not an option here: minihf's launch options are --nproc-per-node")
+    for args in (("train", "-h"), ("config", "show", "-h"), ("recipe", "new", "-h")):
+        code, out = run(*args)
+        assert code == 0 and "Usage:" in out, (args, out)
+
+
 def test_export_never_replaces_what_it_reads(root, tmp_path):
     """OUT is replaced whole with --overwrite: `export run/global_step_1 run --overwrite`
     deleted the run's every checkpoint (and --merge onto lora.base, every LoRA checkpoint's

@@ -41,9 +41,14 @@ RANK_FLOOR_BYTES = 256 * 2**20
 
 def recipe_and_overrides(args: list[str]) -> tuple[str | None, list[str]]:
     """``[RECIPE] key=value ...`` (or ``recipe=NAME``) -> (recipe or None, overrides)."""
-    from minihf.config import split_cli_args
+    from minihf.config import ConfigError, split_cli_args
 
     args = list(args)
+    flags = [a for a in args if a.startswith("-")]
+    if flags:  # torchrun's spellings (--nproc_per_node, --standalone) came through as a recipe or key
+        raise ConfigError(f"{flags[0]!r} is not an option here: minihf's launch options are --nproc-per-node, "
+                          "--nnodes, --node-rank and --rdzv-endpoint (with '-', before the recipe; one node "
+                          "needs no --standalone), and the rest is [RECIPE] KEY=VALUE ...; see --help")
     if args and "=" not in args[0]:
         args[0] = f"recipe={args[0]}"
     return split_cli_args(args)

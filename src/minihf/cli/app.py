@@ -12,7 +12,8 @@ import typer
 
 from minihf import __version__
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="minihf: RL for language models in pure PyTorch.")
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="minihf: RL for language models in pure PyTorch.",
+                  context_settings={"help_option_names": ["-h", "--help"]})
 
 
 def _version(value: bool) -> None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import typer
 
-config_app = typer.Typer(no_args_is_help=True, help="Inspect configs: resolved values, defaults, help.")
+config_app = typer.Typer(no_args_is_help=True, help="Inspect configs: resolved values, defaults, help.",
+                         context_settings={"help_option_names": ["-h", "--help"]})
 
 
 @config_app.command("show", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

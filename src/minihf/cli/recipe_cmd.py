@@ -10,7 +10,8 @@ from pathlib import Path
 
 import typer
 
-recipe_app = typer.Typer(no_args_is_help=True, help="Start a recipe of your own; list the recipes found.")
+recipe_app = typer.Typer(no_args_is_help=True, help="Start a recipe of your own; list the recipes found.",
+                         context_settings={"help_option_names": ["-h", "--help"]})
 
 NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 

@@ -282,6 +282,17 @@ def test_torchrun_spellings_are_one_line_and_h_is_help():
         assert code == 0 and "Usage:" in out, (args, out)
 
 
+def test_a_wrong_model_path_is_refused_before_anything_is_built(tmp_path, monkeypatch):
+    """`minihf train` with a typo'd model.path built the task data and a model, started the
+    ranks, then failed (exit 1): now one line, exit 2, and nothing written."""
+    monkeypatch.chdir(tmp_path)
+    base = ["train", "actor_rollout_ref.model.path=/nonexistent", f"trainer.default_local_dir={tmp_path}/run"]
+    refused(*run(*base), "prepare.sft_recipe exports to outputs/sft_sort/hf, but actor_rollout_ref.model.path="
+            "'/nonexistent'; make them the same dir", "or set prepare.sft_recipe=null")
+    refused(*run(*base, "prepare.sft_recipe=null"), "actor_rollout_ref.model.path='/nonexistent' has no config.json")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_export_never_replaces_what_it_reads(root, tmp_path):
     """OUT is replaced whole with --overwrite: `export run/global_step_1 run --overwrite`
     deleted the run's every checkpoint (and --merge onto lora.base, every LoRA checkpoint's

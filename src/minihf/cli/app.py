@@ -173,7 +173,9 @@ def _job(kind: str, ctx: typer.Context, nproc: int, nnodes: int, node_rank: int,
         cfg = launcher.load(kind, ctx.args)
         if kind == "train":  # SFT/RM check it in load; RL before its ranks start too
             from minihf.trainer.common import check_run_dir, run_dir
+            from minihf.trainer.ppo_job import check_model_path
 
+            check_model_path(cfg)
             check_run_dir(run_dir(cfg.trainer), "trainer.default_local_dir")
     except ValueError as exc:  # ConfigError, and the SFT/RM missing-file checks
         typer.echo(f"[minihf] {exc}", err=True)

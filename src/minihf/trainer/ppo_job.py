@@ -51,6 +51,22 @@ def ppo_driver(cfg: PPOConfig, stop_after: int | None = None, trainer=None):
     return drive
 
 
+def check_model_path(cfg: PPOConfig) -> None:
+    """The actor's model dir: one the job's SFT warm start writes (``prepare.sft_recipe``),
+    or one that exists. Checked before anything is prepared (a typo'd path built the data
+    and a model, then failed)."""
+    if cfg.prepare.sft_recipe:
+        from minihf.trainer.prepare import sft_config
+
+        sft_config(cfg)  # its export dir must be the actor's model dir
+        return
+    model = Path(cfg.actor_rollout_ref.model.path)
+    if not (model / "config.json").is_file():
+        raise ConfigError(f"actor_rollout_ref.model.path={str(model)!r} has no config.json (relative "
+                          f"paths are from {Path.cwd()}); pass an HF checkpoint dir (offline: "
+                          "`minihf init-model DIR --task digits`, then `minihf sft`)")
+
+
 def check_paths(cfg: PPOConfig) -> None:
     """Fail before any model loads if the model dir or a data file is missing."""
     model = Path(cfg.actor_rollout_ref.model.path)
@@ -172,6 +188,7 @@ def rl_job(cfg: PPOJobConfig, device, trainer=None):
 
     def take_run_dir():  # held to the end of the job (released there, or at exit)
         check_run_dir(rl_dir, "trainer.default_local_dir")
+        check_model_path(cfg)  # before the preparation builds anything
         acquire(rl_dir, *run_dir_lock(rl_dir))
 
     on_rank0(take_run_dir, "taking the run dir")  # before anything is prepared or written

@@ -163,7 +163,8 @@ def sft_config(cfg):
     if export.resolve() != Path(cfg.actor_rollout_ref.model.path).resolve():
         raise ConfigError(f"prepare.sft_recipe exports to {export}, but "
                           f"actor_rollout_ref.model.path={cfg.actor_rollout_ref.model.path!r}; "
-                          "make them the same dir")
+                          "make them the same dir (the warm start writes the model RL trains), or set "
+                          "prepare.sft_recipe=null to train a model dir that exists")
     return sft
 
 

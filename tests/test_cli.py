@@ -93,6 +93,12 @@ def test_doctor_checks_the_threads_of_planned_ranks(monkeypatch):
                                                    "(controller.threads=auto, the default, avoids it)")
     res = CliRunner().invoke(app, ["doctor", "--nproc-per-node", "3"])
     assert "1 x 3 ranks: oversubscribed: 3 threads on 2 cores; start at most 2 ranks here" in res.output
+    # OMP_NUM_THREADS unset: the ranks get the share minihf's launcher exports, not this
+    # process's default (it called 2 ranks x 2 threads oversubscribed)
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    res = CliRunner().invoke(app, ["doctor", "--nproc-per-node", "2"])
+    lines = {line[:26].strip(): line[27:] for line in res.output.splitlines()}
+    assert lines["threads per rank (inherit)"] == "1 x 2 ranks: fits", res.output
     res = CliRunner().invoke(app, ["doctor", "--nproc-per-node", "0"])
     assert res.exit_code != 0 and "--nproc-per-node" in res.output
 

@@ -51,7 +51,13 @@ def threads_report(nproc_per_node: int = 1) -> dict[str, str]:
     env = os.environ.get("OMP_NUM_THREADS")
     ranks = f"{nproc_per_node} rank{'s' if nproc_per_node > 1 else ''}"
     out = {"usable cores": f"{cores.usable} ({cores.why})"}
-    plans = {s: plan(s, cores, nproc_per_node, torch.get_num_threads(), env) for s in ("auto", "inherit")}
+    # what a rank inherits with OMP_NUM_THREADS unset: this process's default alone, and with
+    # several ranks the share minihf's launcher exports (torchrun exports 1)
+    inherited = torch.get_num_threads()
+    if env is None and nproc_per_node > 1:
+        inherited = max(1, cores.usable // nproc_per_node)
+        env = str(inherited)
+    plans = {s: plan(s, cores, nproc_per_node, inherited, env) for s in ("auto", "inherit")}
     for setting, p in plans.items():
         verdict = (f"oversubscribed: {p.threads * nproc_per_node} threads on {cores.usable} cores"
                    if p.oversubscribed else "fits")

@@ -191,7 +191,7 @@ def _job(kind: str, ctx: typer.Context, nproc: int, nnodes: int, node_rank: int,
     raise typer.Exit(code)
 
 
-@app.command(context_settings=JOB)
+@app.command(context_settings=JOB, options_metavar="[OPTIONS] [RECIPE] [KEY=VALUE]...")
 def train(ctx: typer.Context, nproc_per_node: int = NPROC, nnodes: int = NNODES, node_rank: int = NODE_RANK,
           rdzv_endpoint: str = ENDPOINT) -> None:
     """RL training (the main job); arguments: an optional recipe name, then config overrides.
@@ -201,14 +201,14 @@ def train(ctx: typer.Context, nproc_per_node: int = NPROC, nnodes: int = NNODES,
     _job("train", ctx, nproc_per_node, nnodes, node_rank, rdzv_endpoint)
 
 
-@app.command(context_settings=JOB)
+@app.command(context_settings=JOB, options_metavar="[OPTIONS] [RECIPE] [KEY=VALUE]...")
 def sft(ctx: typer.Context, nproc_per_node: int = NPROC, nnodes: int = NNODES, node_rank: int = NODE_RANK,
         rdzv_endpoint: str = ENDPOINT) -> None:
     """Supervised fine-tuning; arguments: an optional recipe name, then config overrides."""
     _job("sft", ctx, nproc_per_node, nnodes, node_rank, rdzv_endpoint)
 
 
-@app.command(context_settings=JOB)
+@app.command(context_settings=JOB, options_metavar="[OPTIONS] [RECIPE] [KEY=VALUE]...")
 def rm(ctx: typer.Context, nproc_per_node: int = NPROC, nnodes: int = NNODES, node_rank: int = NODE_RANK,
        rdzv_endpoint: str = ENDPOINT) -> None:
     """Reward-model training on preference pairs (Bradley-Terry).

@@ -111,3 +111,21 @@ def balance_batch(batch: Batch, metrics: dict, dp: int, group_size: int, mini_ba
         metrics["global_seqlen/balanced_imbalance"] = imbalance([tokens[i] for i in order], dp,
                                                                 mini_batch_size)
     return batch[order]
+
+
+def layout_differences(cfg, roles, groups) -> list[str]:
+    """Why balancing would not keep every trained role's mini-batches (empty: it does): each
+    must cut the batch as the actor does (its ranks, mini-batch size and shuffle), without
+    sequence parallelism (an SP group pools its ranks' rows before cutting)."""
+    from minihf.config import section_of
+
+    a, actor_dp = cfg.actor_rollout_ref.actor, groups["actor"].dp_size
+    why = []
+    for r in (r for r in roles if r.trains):
+        section = section_of(cfg, r.trains)
+        if (groups[r.name].dp_size, section.ppo_mini_batch_size, getattr(section, "shuffle", False)) \
+                != (actor_dp, a.ppo_mini_batch_size, a.shuffle):
+            why.append(f"{r.name} cuts its mini-batches otherwise than the actor")
+        if (getattr(section, "ulysses_sequence_parallel_size", 1) or 1) > 1:
+            why.append(f"{r.name} runs sequence parallel")
+    return why

@@ -52,7 +52,7 @@ from minihf.trainer.plugins import plugin_classes
 from minihf.trainer.ppo_config import PPOConfig
 from minihf.trainer.reward import RuleReward, load_reward
 from minihf.trainer.advantage import estimate_advantages
-from minihf.trainer.balance import balance_batch
+from minihf.trainer.balance import balance_batch, layout_differences
 from minihf.roles import role_groups, role_table
 from minihf.trainer.staleness import RolloutQueue, WeightSync, busy_metrics
 from minihf.trainer.record import RunRecord
@@ -275,21 +275,10 @@ class PPOTrainer(RunLoop):
                              cfg.actor_rollout_ref.model.shares_prompt)
 
     def balance_keeps_mini_batches(self) -> bool:
-        """Whether balancing keeps every trained role's mini-batches: each one cuts the batch
-        as the actor does (its ranks, mini-batch size and shuffle), without sequence
-        parallelism (an SP group pools its ranks' rows before cutting). Otherwise rows would
-        move between mini-batches, and balance_batch would change the update; it is skipped,
-        said once."""
+        """``minihf.trainer.balance.layout_differences`` is empty; otherwise balancing is
+        skipped, said once."""
         if getattr(self, "_balance_ok", None) is None:
-            a = self.cfg.actor_rollout_ref.actor
-            why = []
-            for r in (r for r in self.roles if r.trains):
-                section = section_of(self.cfg, r.trains)
-                if (self.groups[r.name].dp_size, section.ppo_mini_batch_size, getattr(section, "shuffle", False)) \
-                        != (self.actor.dp_size, a.ppo_mini_batch_size, a.shuffle):
-                    why.append(f"{r.name} cuts its mini-batches otherwise than the actor")
-                if (getattr(section, "ulysses_sequence_parallel_size", 1) or 1) > 1:
-                    why.append(f"{r.name} runs sequence parallel")
+            why = layout_differences(self.cfg, self.roles, self.groups)
             self._balance_ok = not why
             if why:
                 self.log(f"trainer.balance_batch: skipped ({'; '.join(why)}: balancing would move rows "

@@ -117,10 +117,9 @@ class ActorConfig:
     # ranks; needs model.use_remove_padding and a dense model. 1: off
     ulysses_sequence_parallel_size: int = 1
     use_torch_compile: bool = False      # torch.compile (dynamic shapes) each block's norms and MLP for the update and log-probs (verl's key; attention stays eager); each process compiles once
-    # a mixture-of-experts policy's load-balancing loss weight in the update (transformers'
-    # load_balancing_loss_func; the metric actor/moe_aux_loss); null: the model config's
-    # router_aux_loss_coef (0.001 where it has none, transformers' default; transformers itself
-    # adds the term only with output_router_logits); 0: logged, not trained. Ignored for a dense model
+    # a mixture-of-experts policy's load-balancing loss weight in the update (transformers' load_balancing_loss_func,
+    # which it adds only with output_router_logits; the metric actor/moe_aux_loss); null: the model config's
+    # router_aux_loss_coef (0.001 where it has none, transformers' default); 0: logged, not trained. Dense: ignored
     router_aux_loss_coef: Optional[float] = None
     # rollout routing replay for a mixture-of-experts policy (verl's modes): disabled; R2 =
     # the old-log-prob forward records each token's experts and the update routes by them;

@@ -106,8 +106,9 @@ def test_the_aux_loss_counts_each_real_token_once_on_every_path():
     prompts x 2 responses, left-padded prompts, right-padded responses. The padded path
     counted the padding; the packed path with shared prompts counted a prompt's tokens once
     for its 2 responses. Each routed row now weighs the tokens it stands for: the value
-    matches on all three paths (transformers sums in float32: 1e-5 relative, as above), and
-    the router's gradient is the same on all three."""
+    matches on all three paths (transformers sums in float32 over 2 layers x 26 real rows:
+    52 x 2^-24 ~ 3e-6 relative, 1e-5 taken, as above), and the router's gradient is the same
+    on all three."""
     from minihf.workers.forward import forward_log_probs
 
     g = torch.Generator().manual_seed(0)
@@ -134,11 +135,13 @@ def test_the_aux_loss_counts_each_real_token_once_on_every_path():
         stats.weight = 1.0
         forward_log_probs(model, mb, moe=MoEStep(stats), **kw)["log_probs"].sum().mul(0).backward()
         grads.append(model.model.layers[0].mlp.gate.weight.grad.clone())
+    # float64 throughout: the paths add the same terms in other orders (a shared prompt's
+    # gradient summed before its norm's backward, not after), each sum of at most ~100 terms
+    # off by <= 100 * 2^-53 ~ 1e-14 of its scale; 1e-10 leaves four orders for the chain
     scale = grads[0].abs().max()
-    assert scale > 0 and (grads[1] - grads[0]).abs().max() <= 1e-10 * scale
-    # the shared-prefix attention of a float64 model rounds somewhere at float32's level (its
-    # policy-loss gradient alone differs from the unshared path's by ~1e-7 relative): 1e-6
-    assert (grads[2] - grads[0]).abs().max() <= 1e-6 * scale
+    assert scale > 0
+    for other in grads[1:]:
+        assert (other - grads[0]).abs().max() <= 1e-10 * scale
 
 
 def test_no_stats_means_no_aux_gradient():

@@ -23,7 +23,9 @@ from .rope import apply_rope
 
 
 class RMSNorm(nn.Module):
-    """y = w * x / sqrt(mean(x^2) + eps), normalised in fp32 then cast back (as HF does).
+    """y = w * x / sqrt(mean(x^2) + eps), normalised in fp32 then cast back (as HF does);
+    float64 input stays float64 (HF casts it down to fp32: a float64 reference forward then
+    rounded its norms at fp32's level).
 
     fp32 input skips the (no-op) casts. ``F.rms_norm`` was tried: on CPU it is a composite of
     the same ops and measured no faster (5M decode step, A/B within noise). So was
@@ -37,7 +39,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
+        if x.dtype in (torch.float32, torch.float64):
             return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
         dtype = x.dtype
         x = x.float()

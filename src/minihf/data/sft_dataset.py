@@ -24,6 +24,10 @@ from minihf.protocol import Batch
 logger = logging.getLogger(__name__)
 
 
+NOT_PREFIXES = ("the chat template does not render conversations prefix by prefix, so the assistant turns "
+                "cannot be located; use a template whose turns append")
+
+
 def _text(tokenizer, messages: list[dict], add_generation_prompt: bool, renderer=None) -> str:
     if not messages:
         return ""
@@ -46,9 +50,7 @@ def _pieces(tokenizer, messages: list[dict], trained, where: str, renderer=None)
         before = _text(tokenizer, messages[:k], True, renderer)
         after = _text(tokenizer, messages[:k + 1], False, renderer)
         if not (before.startswith(done) and after.startswith(before)):
-            raise ValueError(
-                f"{where}: the chat template does not render conversations prefix by prefix, so the assistant "
-                "turns cannot be located in the text; use a template whose turns append")
+            raise ValueError(f"{where}: {NOT_PREFIXES}")
         pieces += [(before[len(done):], 0), (after[len(before):], 1)]
         done = after
     full = _text(tokenizer, messages, False, renderer)
@@ -102,9 +104,7 @@ def tokenize_conversation(tokenizer, messages: list[dict], where: str, renderer=
         text += piece
         grown = _encode(tokenizer, text)
         if grown[:len(ids)] != ids:
-            raise ValueError(
-                f"{where}: the chat template does not render conversations prefix by prefix, so the assistant "
-                "turns cannot be located in the tokens; use a template whose turns append")
+            raise ValueError(f"{where}: {NOT_PREFIXES}")
         mask += [m] * (len(grown) - len(ids))
         ids = grown
     return ids, mask

@@ -100,10 +100,11 @@ class RouterStats:
         w = self.row_weight
         if w is not None and w.shape[0] != N:
             raise ValueError(f"RouterStats.row_weight has {w.shape[0]} rows, the layer routed {N}")
-        ones = torch.ones(N * k, dtype=torch.float32, device=ids.device)
-        each = ones if w is None else w.to(torch.float32)[:, None].expand(N, k).reshape(-1)
+        w32 = None if w is None else w.to(torch.float32)
+        each = (torch.ones(N * k, dtype=torch.float32, device=ids.device) if w32 is None
+                else w32[:, None].expand(N, k).reshape(-1))
         self.counts[layer] = torch.zeros(E, dtype=torch.float32, device=ids.device).index_add_(0, ids.reshape(-1), each)
-        self.rows[layer] = N if w is None else w.to(torch.float32).sum()
+        self.rows[layer] = N if w32 is None else w32.sum()
         sums = (probs if w is None else probs * w.to(probs.dtype)[:, None]).sum(0)   # [E]
         self.prob_sums[layer] = sums.detach()
         if torch.is_grad_enabled() and sums.requires_grad:

@@ -36,6 +36,7 @@ class ChatRenderer:
         self.tokenizer, self.tools = tokenizer, tools or None
         self.native_tools = bool(self.tools) and "tools" in tokenizer.chat_template
         self.system_block = system_block if self.tools and not self.native_tools else None
+        self._ends: dict[int, tuple[str, int]] = {}  # end token -> (probe text, turn end in it)
 
     def text(self, messages: list[dict], add_generation_prompt: bool) -> str:
         msgs = list(messages)
@@ -64,19 +65,27 @@ class ChatRenderer:
         the template's end-of-turn token continues after it; one that ended on another stop
         token (a tool-call close tag) gets the template's end-of-turn text first. ``check``:
         refuse a template that renders the earlier turns differently once they follow."""
-        base = self.text(_PROBE, add_generation_prompt=False)
-        content = _PROBE[-1]["content"]
-        cut = base.rfind(content) + len(content)
-        end = self.tokenizer.decode([end_token])
-        # the model sampled the end-of-turn token itself: the template's text there is that
-        # token (not only starts with its text: a turn cut at '<' is not one ended by '<|im_end|>')
-        if base[cut:].startswith(end) and self.encode(base[cut:])[:1] == [end_token]:
-            cut += len(end)
+        base, cut = self._turn_end(end_token)
         full = self.text(_PROBE + messages, add_generation_prompt=True)
         if check and not full.startswith(base[:cut]):
             raise TemplateMismatch("the chat template renders earlier turns differently once an "
                                    "observation follows (not append-only)")
         return full[cut:]
+
+    def _turn_end(self, end_token: int) -> tuple[str, int]:
+        """The probe conversation's text and where a turn ended by ``end_token`` stops in it
+        (the same for every observation: worked out once per end token)."""
+        if end_token not in self._ends:
+            base = self.text(_PROBE, add_generation_prompt=False)
+            content = _PROBE[-1]["content"]
+            cut = base.rfind(content) + len(content)
+            end = self.tokenizer.decode([end_token])
+            # the model sampled the end-of-turn token itself: the template's text there is that
+            # token (not only starts with its text: a turn cut at '<' is not one ended by '<|im_end|>')
+            if base[cut:].startswith(end) and self.encode(base[cut:])[:1] == [end_token]:
+                cut += len(end)
+            self._ends[end_token] = (base, cut)
+        return self._ends[end_token]
 
     def delta_ids(self, messages: list[dict], end_token: int, check: bool = True) -> list[int]:
         return self.encode(self.delta_text(messages, end_token, check))

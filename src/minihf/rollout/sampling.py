@@ -184,13 +184,13 @@ def sample(logits: torch.Tensor, rows: RowParams, steps: torch.Tensor) -> tuple[
 
 
 def _scaled(logits: torch.Tensor, rows: RowParams) -> torch.Tensor:
-    """``logits / temperature`` per row (greedy rows by 1): one division by a single value when
-    every row has the same temperature (an RL batch's case; the same bits as the per-row one,
-    and as the trainer's: :func:`minihf.models.temperature.over_temperature`), none at
-    temperature 1."""
+    """``logits / temperature`` per row (greedy rows by 1), by the rows' temperature tensor:
+    the same bits as the trainer's (:func:`minihf.models.temperature.over_temperature`); no
+    division when every row has temperature 1 (or 0)."""
     if rows.uniform_temperature is not None:
-        t = rows.uniform_temperature if rows.uniform_temperature > 0 else 1.0
-        return over_temperature(logits, t)
+        if rows.uniform_temperature in (0.0, 1.0):
+            return logits
+        return over_temperature(logits, rows.temperature[:, None])  # all > 0: no masking needed
     temp = torch.where(rows.temperature > 0, rows.temperature, torch.ones_like(rows.temperature))
     return over_temperature(logits, temp[:, None])
 

@@ -113,10 +113,10 @@ class TrainState:
         for rows in mini_batch_rows(num_rows, mini_batch_size, dp, epochs=epochs,
                                     shuffle=shuffle, seed=seed):
             mini = take_rows(data, rows)
-            mask = mini["response_mask"] if counted else torch.zeros_like(mini["response_mask"])
-            # (not the zeroed mask alone: seq-mean-token-sum-norm counts rows, empty or not)
-            norm = global_normalizer(mask, loss_agg_mode, self.group, counted)
-            tokens = global_token_count(mask, self.group)
+            # an SP group's rows count once, on its leader (seq-mean-token-sum-norm counts rows,
+            # empty or not: a zeroed mask on the other ranks still counted them)
+            norm = global_normalizer(mini["response_mask"], loss_agg_mode, self.group, counted)
+            tokens = global_token_count(mini["response_mask"], self.group, counted)
             groups = response_prompt_groups(mini) if share_prompt and max_tokens is not None else None
             plan = plan_micro_batches(mini["attention_mask"], micro_batch_size=micro_batch_size,
                                       max_tokens=max_tokens, group=self.group, groups=groups)

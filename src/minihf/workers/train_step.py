@@ -94,9 +94,11 @@ def global_normalizer(loss_mask: torch.Tensor, loss_agg_mode: str, group, counte
     return all_reduce_(local if counted else torch.zeros_like(local), group)
 
 
-def global_token_count(loss_mask: torch.Tensor, group) -> torch.Tensor:
-    """Masked tokens of the mini-batch over all ranks (for token-mean statistics)."""
-    return all_reduce_(loss_mask.float().sum(), group).clamp(min=1.0)
+def global_token_count(loss_mask: torch.Tensor, group, counted: bool = True) -> torch.Tensor:
+    """Masked tokens of the mini-batch over all ranks (for token-mean statistics);
+    ``counted=False`` as in :func:`global_normalizer`."""
+    local = loss_mask.float().sum()
+    return all_reduce_(local if counted else torch.zeros_like(local), group).clamp(min=1.0)
 
 
 LossFn = Callable[[dict], tuple[torch.Tensor, dict[str, torch.Tensor]]]

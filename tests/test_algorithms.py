@@ -89,7 +89,8 @@ def test_log_probs_entropy_kl_against_torch():
     assert kl_penalty(lp, ref, "k3")[0, 0].item() == pytest.approx(k3, rel=KL3)
     with pytest.raises(ValueError, match="kl_penalty='x'"):
         kl_penalty(lp, ref, "x")
-    # float64 (a reference computation) stays float64: 1e-12 was lost in fp32
+    # float64 (a reference computation) stays float64: 1e-12 was lost in fp32 (0 there). 1 + 1e-12
+    # is stored within 2^-53 ~ 1.1e-16 of itself, 1.1e-4 of 1e-12: rel 1e-3 holds it
     tiny = kl_penalty(torch.tensor([1.0 + 1e-12], dtype=torch.float64), torch.tensor([1.0], dtype=torch.float64), "k1")
     assert tiny.dtype == torch.float64 and tiny.item() == pytest.approx(1e-12, rel=1e-3)
 

@@ -9,7 +9,7 @@ libraries from the same checkpoint dir (or a real one: ``--model-dir``). Greedy 
 with ``ignore_eos`` so lengths match. Four paths run alternately (``--repeats`` rounds; the
 best round of each, the least disturbed by other load on a shared machine): minihf's eager
 step (``enforce_eager=True``), minihf's fast path (the default ``enforce_eager=False``: a
-CUDA graph per bucket on CUDA, the large weights prepacked for oneDNN on CPU), transformers'
+CUDA graph per bucket on CUDA, the large weights prepacked on CPU), transformers'
 default ``generate`` and its best path (a static cache and ``torch.compile``, compiled by
 ``generate`` itself; a warm-up call per batch compiles, untimed). Each row prints tokens/s,
 ``fast/eager``, ``fast/hf best``, the fast path's decode ms per step, and how many sequences'
@@ -162,7 +162,7 @@ def bench_fixed(name, path, device, dtype, batches, prompt_len, new, repeats, vo
     """Greedy generation of ``new`` tokens after random ``prompt_len``-token prompts at each
     batch size on four paths, alternated ``repeats`` rounds (best round each): minihf's eager
     step (``enforce_eager=True``), minihf's fast path (the default: CUDA graphs on CUDA,
-    weights prepacked for oneDNN on CPU), transformers' default generate and its best path
+    weights prepacked on CPU), transformers' default generate and its best path
     (static cache, compiled; its compilation is a warm-up call per batch, not timed)."""
     from transformers import AutoModelForCausalLM
 

@@ -21,9 +21,9 @@ Decode at a small batch is further bounded by the matmul kernels themselves: a [
 [in, out] product with rows = 16 runs far below the large-matmul peak. So
 :func:`decode_matmul_floor` also times one decode step's matmuls alone (every Linear of the
 model once, the model's own shapes, weights from DRAM) at the step's batch: as minihf's
-engine runs them (``minihf.models.linear``, column-major weights, the tied LM head
-row-major) and with oneDNN's weights reordered ahead for that batch
-(``torch.ops.mkldnn._reorder_linear_weight``), the fastest fp32 kernel torch has on CPU; no
+engine's fast path runs them (``minihf.models.linear``, column-major weights, the tied LM
+head row-major, the weights this CPU packs packed: ``PackedWeights``) and with every weight
+reordered ahead for oneDNN at that batch (``torch.ops.mkldnn._reorder_linear_weight``); no
 attention, norms or sampling. Where that floor exceeds what a bound asks, the bound is out
 of reach in fp32 on the machine, measured.
 """
@@ -78,14 +78,14 @@ def mm_peak_gflops(threads: int, device: str = "cpu") -> float:
 
 def decode_matmul_floor(model_dir: str, rows: int, threads: int, repeats: int = 7) -> dict:
     """Seconds of one decode step's matmuls alone at batch ``rows`` (median of ``repeats``;
-    see the module docstring): ``{"minihf": as the engine runs them, "prepacked": oneDNN
+    see the module docstring): ``{"minihf": as the engine's fast path runs them, "prepacked": oneDNN
     with weights reordered for the batch, or None where torch has no oneDNN}``."""
     import statistics
 
     import torch
 
     from minihf.models import load_hf
-    from minihf.models.linear import linear
+    from minihf.models.linear import PackedWeights, linear
     from minihf.rollout.model_runner import column_major_linears
 
     torch.set_num_threads(threads)
@@ -106,7 +106,9 @@ def decode_matmul_floor(model_dir: str, rows: int, threads: int, repeats: int = 
                 times.append(time.perf_counter() - t)
             return statistics.median(times)
 
-        out = {"minihf": step_s(linear, weights), "prepacked": None}
+        with PackedWeights(model) as packs:
+            packs.refresh()
+            out = {"minihf": step_s(linear, weights), "prepacked": None}
         if torch.backends.mkldnn.is_available():
             packed = [torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), rows)
                       for w in weights]
@@ -201,7 +203,7 @@ def decode_floor_lines(floor: dict | None, m: dict, shape: dict, bandwidth: floa
         f"`gen_decode` / {steps}); its bandwidth bound {1e3 * bw:.1f} ms (weights and the "
         f"half-way KV cache at the copy bandwidth), so {100 * bw / step:.0f}% of it. The "
         f"step's matmuls alone, timed apart (`decode_matmul_floor`): {1e3 * floor['minihf']:.1f} ms "
-        f"as minihf's engine runs them, {best}, the fastest fp32 kernel measured here.",
+        f"as minihf's engine runs them, {best}.",
     ]
     fastest = min(x for x in (floor["minihf"], packed) if x)
     if fastest > bw / 0.6:

@@ -2,10 +2,12 @@
 fast path: which calls take them, that they never go stale, and the engine's outputs with
 them against the eager path's.
 
-The thresholds (``PACK_MIN_NUMEL``) keep the tiny test models' weights on MKL, so these tests
-lower them to 0 and pack on any CPU (``use_prepack``: AMD's only by default): the same code
-then runs every decode linear of >= 2 rows through oneDNN's packed weights, the path
-SmolLM2-sized models take by default on AMD CPUs.
+The thresholds (``PACK_MIN_NUMEL``, ``MKL_PACK_MIN_NUMEL``) keep the tiny test models'
+weights unpacked, and which kind a weight gets goes by the CPU's vendor (``pack_kind``), so
+these tests make ``pack_kind`` give every weight one kind, each test once per kind: the same
+code then runs every decode linear of >= 2 rows through oneDNN's packed weights (the path
+SmolLM2-sized models take on AMD CPUs, and their LM head on Intel's) or MKL's (their layer
+weights on Intel CPUs).
 """
 
 import pytest
@@ -22,10 +24,13 @@ from test_rollout_engine import PROMPTS, build_tiny
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 
 
-@pytest.fixture
-def pack_all(monkeypatch):
-    monkeypatch.setattr(lin, "PACK_MIN_NUMEL", 0)
-    monkeypatch.setattr(lin, "use_prepack", lambda: True)
+@pytest.fixture(params=[lin.ONEDNN, lin.MKL])
+def pack_all(request, monkeypatch):
+    """Every fp32 CPU linear weight packed, in the layout of the kind under test."""
+    if request.param == lin.MKL and not lin._backends()[2]:
+        pytest.skip("torch built without MKL's packed sgemm")
+    monkeypatch.setattr(lin, "pack_kind", lambda *args: request.param)
+    return request.param
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +52,11 @@ def _close(got, x, w, b=None):
 
 
 def _counting(monkeypatch) -> list:
+    """The packed copies the packed ops are called with, either kind's."""
     calls = []
-    real = lin._onednn_mm_t
-    monkeypatch.setattr(lin, "_onednn_mm_t", lambda *a: calls.append(a[1]) or real(*a))
+    for name in ("_onednn_mm_t", "_mkl_mm_t"):
+        real = getattr(lin, name)
+        monkeypatch.setattr(lin, name, lambda *a, real=real: calls.append(a[1]) or real(*a))
     return calls
 
 
@@ -62,12 +69,13 @@ def test_which_calls_take_the_packed_weight(monkeypatch, pack_all):
     packed.refresh()
     w, b = model[0].weight, model[0].bias
     assert list(packed.table) == [id(w)] and packed.packs == 1  # the embedding is not packed
+    assert packed.table[id(w)][3] == pack_all
     calls = _counting(monkeypatch)
     x = torch.randn(2, 3, 16)  # 6 rows, 3-D as the model's activations are
     with torch.no_grad():
         with packed:
             y = lin.linear(x, w, b)
-            assert len(calls) == 1 and calls[0] is packed.table[id(w)][3]
+            assert len(calls) == 1 and calls[0] is packed.table[id(w)][4]
             _close(y, x, w, b)
             assert y.shape == (2, 3, 8)
             lin.linear(x[0, :1], w, b)                       # 1 row: below PACK_MIN_ROWS
@@ -82,19 +90,47 @@ def test_which_calls_take_the_packed_weight(monkeypatch, pack_all):
     assert len(calls) == 2
 
 
-def test_only_amd_cpus_pack(monkeypatch):
-    """Packing pays on AMD CPUs (MKL's generic kernels there) and not on Intel's (MKL's AVX-512
-    kernels tie oneDNN's packed ones): decided by the CPU's vendor, the same in every process
-    of a job and its resume. Where it does not pay no weight is packed, however large."""
-    assert lin.prepack_preferred("AuthenticAMD")
-    assert not lin.prepack_preferred("GenuineIntel") and not lin.prepack_preferred("")
-    monkeypatch.setattr(lin, "PACK_MIN_NUMEL", 0)
-    model = torch.nn.Sequential(lin.Linear(16, 8))
-    for pays in (False, True):
-        monkeypatch.setattr(lin, "use_prepack", lambda: pays)
+def test_the_kind_goes_by_vendor_and_size(monkeypatch):
+    """AMD CPUs pack large weights for oneDNN (MKL's generic kernels there); Intel CPUs pack
+    LM-head-sized weights for oneDNN and the layers' for MKL's packed sgemm; other CPUs, and
+    torches without the backend, pack nothing. Decided by the CPU's vendor and the weight's
+    size, the same in every process of a job and its resume. Where nothing pays no weight
+    is packed, however large."""
+    kind = lin.pack_kind
+    assert kind("AuthenticAMD", lin.PACK_MIN_NUMEL, True, True) == lin.ONEDNN
+    assert kind("AuthenticAMD", lin.PACK_MIN_NUMEL - 1, True, True) is None
+    assert kind("AuthenticAMD", lin.PACK_ONE_ROW_NUMEL, False, True) is None
+    assert kind("GenuineIntel", lin.PACK_ONE_ROW_NUMEL, True, True) == lin.ONEDNN
+    assert kind("GenuineIntel", lin.PACK_ONE_ROW_NUMEL - 1, True, True) == lin.MKL
+    assert kind("GenuineIntel", lin.MKL_PACK_MIN_NUMEL, True, True) == lin.MKL
+    assert kind("GenuineIntel", lin.MKL_PACK_MIN_NUMEL - 1, True, True) is None
+    assert kind("GenuineIntel", lin.MKL_PACK_MIN_NUMEL, True, False) is None
+    assert kind("GenuineIntel", lin.PACK_ONE_ROW_NUMEL, False, True) is None
+    assert kind("", lin.PACK_ONE_ROW_NUMEL, True, True) is None
+    model = torch.nn.Sequential(lin.Linear(16, 8), lin.Linear(8, 8).double())
+    for pays in (None, lin.ONEDNN):
+        monkeypatch.setattr(lin, "pack_kind", lambda *args: pays)
         packed = lin.PackedWeights(model)
         packed.refresh()
-        assert packed.packs == int(pays) and len(packed.table) == int(pays)
+        assert packed.packs == len(packed.table) == (pays is not None)  # never the float64 weight
+
+
+@pytest.mark.skipif(not lin._backends()[2], reason="torch built without MKL's packed sgemm")
+@pytest.mark.parametrize("shape", [(8, 16), (37, 100), (1536, 576)])
+def test_an_mkl_pack_serves_every_row_count(shape):
+    """MKL documents a packed matrix for the row count it was packed with; the engine packs at
+    PACK_ROWS and calls with each step's rows. Every count 1-40 against F.linear within the
+    rounding of both (``_close``); the weight column-major as the engine stores it, with and
+    without a bias."""
+    torch.manual_seed(0)
+    out_f, in_f = shape
+    w = torch.randn(out_f, in_f).t().contiguous().t()
+    b = torch.randn(out_f)
+    pack = lin._pack(lin.MKL, w)
+    for rows in range(1, 41):
+        x = torch.randn(rows, in_f)
+        _close(lin._mkl_mm_t(x, pack, w, b), x, w, b)
+        _close(lin._mkl_mm_t(x, pack, w, None), x, w)
 
 
 def test_refresh_repacks_only_what_changed(pack_all):
@@ -167,7 +203,7 @@ def test_packed_weights_follow_loads_and_sleep(tiny, pack_all):
 
 def test_enforce_eager_and_the_default_thresholds(tiny):
     """``enforce_eager=True`` packs nothing; by default the tiny model's weights are below
-    PACK_MIN_NUMEL, so a generate packs none of them (the main job's model likewise)."""
+    both kinds' thresholds, so a generate packs none of them (the main job's model likewise)."""
     assert LLM(str(tiny), enforce_eager=True).engine.runner.packed is None
     llm = LLM(str(tiny), max_num_seqs=4)
     llm.generate(PROMPTS, SAMPLERS["greedy"])
@@ -198,3 +234,18 @@ def test_lora_adapters_beside_packed_base_weights(tiny, pack_all):
     bases = {id(m.weight) for m in engine_model.modules() if hasattr(m, "lora_A")}
     assert bases and bases <= set(packed) and not adapters & set(packed)
     assert _worst(model, PROMPTS, got, want, sp.temperature) <= 1
+
+
+def test_weights_packed_for_mkl_stay_row_major(tiny, pack_all):
+    """The engine lays CPU weights out column-major, except those its decode packs for MKL:
+    packing copies a row-major weight as fast as a clone, a column-major one is transposed
+    first. ``enforce_eager=True`` packs nothing, so there every weight is column-major (but
+    the tied LM head, an embedding's: row lookups)."""
+    def layouts(llm):
+        model = llm.engine.model
+        tied = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+        return {m.weight.is_contiguous() for m in model.modules()
+                if isinstance(m, torch.nn.Linear) and id(m.weight) not in tied}
+    row_major = pack_all == lin.MKL
+    assert layouts(LLM(str(tiny), max_num_seqs=4)) == {row_major}
+    assert layouts(LLM(str(tiny), max_num_seqs=4, enforce_eager=True)) == {False}

@@ -118,7 +118,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if _active is not None and not torch.is_grad_enabled():
         packed = _active.get(weight, x.numel() // x.shape[-1])
         if packed is not None:
-            y = _onednn_mm_t(x.reshape(-1, x.shape[-1]), packed, bias)
+            kind, copy = packed
+            x2 = x.reshape(-1, x.shape[-1])
+            y = _mkl_mm_t(x2, copy, weight, bias) if kind == MKL else _onednn_mm_t(x2, copy, bias)
             return y.view(*x.shape[:-1], weight.shape[0])
     if not (x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu"
             and type(weight) in (torch.Tensor, nn.Parameter) and not torch.compiler.is_compiling()
@@ -142,10 +144,10 @@ class Linear(nn.Linear):
         return linear(x, self.weight, self.bias)
 
 
-# -- decode weights prepacked for oneDNN (the engine's CPU fast path) ---------------------
+# -- decode weights prepacked (the engine's CPU fast path) ---------------------------------
 #
 # A decode step multiplies a few rows by every weight; MKL's sgemm streams a large weight
-# poorly at 4-64 rows, and oneDNN with the weight reordered ahead into its blocked layout
+# poorly at 4-64 rows. On AMD CPUs oneDNN with the weight reordered ahead into its blocked layout
 # (``torch.ops.mkldnn._reorder_linear_weight``, what inductor's CPU freezing does) is much
 # faster there. Measured on a 2-core AMD EPYC (Zen 2, AVX2), 2 threads, the same run,
 # MKL (column-major) / prepacked microseconds: SmolLM2's LM head [49152, 576] 70845 /
@@ -156,36 +158,93 @@ class Linear(nn.Linear):
 # except through a very large weight (the LM head: 9130 / 7406 us; 14503 us tied, i.e.
 # row-major), hence the thresholds. The layout is chosen for PACK_ROWS rows and serves any
 # row count (measured 8-64 rows within noise of a layout chosen for that count).
-# Intel CPUs gain nothing (:func:`prepack_preferred`), so only AMD CPUs pack.
+#
+# On Intel CPUs oneDNN's packed layer weights tie MKL's own AVX-512 kernels, but MKL's packed
+# sgemm (``cblas_sgemm_pack``/``_compute``, torch's ``mkl::_mkl_linear``, inductor's other CPU
+# freezing op) streams them faster. Measured on a 2-core Intel Xeon (AMX), 2 threads, the
+# whole step's matmuls of SmolLM2 (210 layer weights, 540 MB with the LM head: not
+# cache-resident), alternated, median ms at 1 / 2 / 4 / 8 / 16 / 32 / 64 rows: column-major
+# MKL 21.6 / 25.7 / 33.6 / 45.2 / 46.6 / 58.0 / 100.0; everything oneDNN-packed 26.7 / 28.5 /
+# 31.2 / 36.7 / 43.9 / 61.0 / 101.7; everything MKL-packed 20.9 / 22.4 / 27.1 / 33.2 / 38.7 /
+# 60.8 / 103.3; layers MKL-packed and the LM head oneDNN-packed 21.1 / 22.4 / 26.4 / 32.7 /
+# 38.5 / 55.0 / 88.1, the best or within noise of it at every count, so Intel CPUs pack so
+# (the head's MKL-packed copy loses at 32-64 rows: 14.0 and 27.7 ms against 9.8 and 15.8).
+# Tiny weights lose on MKL's packed path too (the main job's [448, 128]: 0.86-0.97x), hence
+# MKL_PACK_MIN_NUMEL. MKL documents a packed B for the row count it was packed with; this
+# build's layout serves any count (``_mkl_linear`` is told the call's rows; checked against
+# F.linear for 1-40 rows in tests/test_prepack.py).
 PACK_MIN_NUMEL = 1 << 19
+MKL_PACK_MIN_NUMEL = 1 << 16
 PACK_MIN_ROWS = 2
 PACK_ONE_ROW_NUMEL = 1 << 23
 PACK_ROWS = 16
+ONEDNN, MKL = "onednn", "mkl"
 
 _active: PackedWeights | None = None  # the table `linear` reads, while one is entered
 
 
-def prepack_preferred(vendor: str) -> bool:
-    """Whether the decode's large fp32 weights are worth packing for oneDNN on a CPU of
-    ``vendor``: on AMD's, where MKL runs generic kernels (SmolLM2's decode step 1.59x faster
-    at 16 rows on a Zen 2 EPYC), not on Intel's, where MKL's own AVX-512 kernels tie the packed
-    ones and the copies would cost the weights' memory again (an Intel Xeon, SmolLM2, ms a step
-    at 1 / 16 / 64 rows: 29.9 / 62.6 / 138.2 on MKL, 31.0 / 63.4 / 149.1 packed); nor on other
-    CPUs, where it was never measured. Decided by the CPU's name, not by timing the kernels at
-    start-up: a timed choice could differ between the processes of a job, or between a run and
-    its resume, and with it the rounding of every log-prob (resume is bitwise)."""
-    return vendor == "AuthenticAMD"
+def pack_kind(vendor: str, numel: int, has_onednn: bool, has_mkl: bool) -> str | None:
+    """Which packed copy (:data:`ONEDNN`, :data:`MKL` or none) the decode gives an fp32 weight
+    of ``numel`` elements on a CPU of ``vendor``. AMD: oneDNN's from :data:`PACK_MIN_NUMEL`
+    (MKL runs generic kernels there: SmolLM2's decode step 1.59x faster at 16 rows on a Zen 2
+    EPYC). Intel: oneDNN's for an LM-head-sized weight (:data:`PACK_ONE_ROW_NUMEL`), MKL's
+    from :data:`MKL_PACK_MIN_NUMEL` (the comment above). Other CPUs: none, never measured.
+    Decided by the CPU's name, not by timing kernels at start-up: a timed choice could differ
+    between the processes of a job, or between a run and its resume, and with it the rounding
+    of every log-prob (resume is bitwise)."""
+    if vendor == "AuthenticAMD":
+        return ONEDNN if has_onednn and numel >= PACK_MIN_NUMEL else None
+    if vendor == "GenuineIntel":
+        if numel >= PACK_ONE_ROW_NUMEL:
+            return ONEDNN if has_onednn else None
+        return MKL if has_mkl and numel >= MKL_PACK_MIN_NUMEL else None
+    return None
 
 
 @functools.cache
-def use_prepack() -> bool:
-    """:func:`prepack_preferred` for this machine's CPU (``/proc/cpuinfo``)."""
-    return prepack_preferred(cpu_fields().get("vendor_id", ""))
+def _backends() -> tuple[str, bool, bool]:
+    """This machine's CPU vendor (``/proc/cpuinfo``) and whether torch has oneDNN and MKL's
+    packed sgemm."""
+    has_mkl = torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+    return cpu_fields().get("vendor_id", ""), torch.backends.mkldnn.is_available(), has_mkl
+
+
+def weight_pack_kind(weight: torch.Tensor) -> str | None:
+    """:func:`pack_kind` of ``weight`` on this machine: none unless a plain 2-D fp32 CPU tensor."""
+    return _kind(weight) if isinstance(weight, torch.Tensor) and weight.device.type == "cpu" else None
+
+
+def mkl_packed(weight: torch.Tensor) -> bool:
+    """Whether a decode on this machine packs ``weight`` for MKL once it is on the CPU (it may
+    be on the meta device still: the engine lays weights out before they are allocated)."""
+    return _kind(weight) == MKL
+
+
+def _kind(weight: torch.Tensor) -> str | None:
+    if not (type(weight) in (torch.Tensor, nn.Parameter) and weight.dtype == torch.float32
+            and weight.dim() == 2):
+        return None
+    vendor, has_onednn, has_mkl = _backends()
+    return pack_kind(vendor, weight.numel(), has_onednn, has_mkl)
+
+
+def _pack(kind: str, weight: torch.Tensor) -> torch.Tensor:
+    w = weight.contiguous()
+    if kind == MKL:
+        return torch.ops.mkl._mkl_reorder_linear_weight(w, PACK_ROWS)
+    return torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS)
+
+
+def _mkl_mm_t(a: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor,
+              bias: torch.Tensor | None) -> torch.Tensor:
+    """``a @ weight.T (+ bias)`` by MKL's packed sgemm: a [M, K] -> [M, N]."""
+    return torch.ops.mkl._mkl_linear(a.contiguous(), packed, weight, bias, a.shape[0])
 
 
 class PackedWeights:
-    """oneDNN-layout copies of a model's large fp32 CPU linear weights, for decode steps
-    (every module's 2-D ``weight`` but embeddings': a tied LM head's is packed as the head's).
+    """Packed copies (oneDNN's or MKL's layout: :func:`pack_kind`) of a model's large fp32 CPU
+    linear weights, for decode steps (every module's 2-D ``weight`` but embeddings': a tied LM
+    head's is packed as the head's).
 
     :meth:`refresh` (re)packs each weight that is new or was written since it was packed
     (its storage or version counter moved: a weight load, a wake-up), so the copies never
@@ -193,43 +252,40 @@ class PackedWeights:
     :data:`PACK_MIN_ROWS` rows, or of one row through a weight of at least
     :data:`PACK_ONE_ROW_NUMEL` elements. The copies cost the packed weights' bytes again
     while they are held; :meth:`clear` drops them. Only on CPUs where packing pays
-    (:func:`use_prepack`); elsewhere nothing is packed and every call is F.linear's."""
+    (:func:`pack_kind`); elsewhere nothing is packed and every call is F.linear's."""
 
     def __init__(self, model: nn.Module):
         self.model = model
-        self.table: dict[int, tuple[torch.Tensor, int, int, torch.Tensor]] = {}  # id -> (w, ptr, version, packed)
+        # id -> (w, ptr, version, kind, packed)
+        self.table: dict[int, tuple[torch.Tensor, int, int, str, torch.Tensor]] = {}
         self.packs = 0  # weights packed so far (tests read it)
-
-    @staticmethod
-    def packable(weight: torch.Tensor) -> bool:
-        return (type(weight) in (torch.Tensor, nn.Parameter) and weight.device.type == "cpu"
-                and weight.dtype == torch.float32 and weight.dim() == 2
-                and weight.numel() >= PACK_MIN_NUMEL and torch.backends.mkldnn.is_available() and use_prepack())
 
     def refresh(self) -> None:
         table = {}
         with torch.no_grad():
             for module in self.model.modules():
                 w = getattr(module, "weight", None)
-                if isinstance(module, nn.Embedding) or not (isinstance(w, torch.Tensor) and self.packable(w)):
+                kind = None if isinstance(module, nn.Embedding) else weight_pack_kind(w)
+                if kind is None:
                     continue
                 old = self.table.get(id(w))
-                key = (w.data_ptr(), w._version)
-                if old is not None and old[0] is w and old[1:3] == key:
+                key = (w.data_ptr(), w._version, kind)
+                if old is not None and old[0] is w and old[1:4] == key:
                     table[id(w)] = old
                 else:
-                    table[id(w)] = (w, *key, torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), PACK_ROWS))
+                    table[id(w)] = (w, *key, _pack(kind, w))
                     self.packs += 1
         self.table = table
 
     def clear(self) -> None:
         self.table = {}
 
-    def get(self, weight: torch.Tensor, rows: int) -> torch.Tensor | None:
+    def get(self, weight: torch.Tensor, rows: int) -> tuple[str, torch.Tensor] | None:
+        """``(kind, packed copy)`` for a call of ``rows`` rows through ``weight``, or None."""
         entry = self.table.get(id(weight))
         if entry is None or entry[0] is not weight or rows < 1:
             return None
-        return entry[3] if rows >= PACK_MIN_ROWS or weight.numel() >= PACK_ONE_ROW_NUMEL else None
+        return entry[3:] if rows >= PACK_MIN_ROWS or weight.numel() >= PACK_ONE_ROW_NUMEL else None
 
     def __enter__(self) -> PackedWeights:
         global _active

@@ -15,10 +15,10 @@ static step of ``minihf.rollout.decode_step``, one CUDA graph per bucket of rows
 length, captured on first use and replayed; ``enforce_eager=True``, and on CPU, it is the
 eager step over exactly the rows and cache prefix at hand (on CPU the static step computes
 the bucket's padding for nothing, with no launches to save: docs/models.md#generation).
-On CPU ``enforce_eager=False`` runs that eager step with the large weights prepacked for
-oneDNN on AMD CPUs (``minihf.models.linear.PackedWeights``: SmolLM2's decode ~1.7x faster at
-16 rows on a Zen 2 EPYC; on an Intel Xeon MKL ties the packed kernels, so Intel CPUs pack
-nothing).
+On CPU ``enforce_eager=False`` runs that eager step with the large weights prepacked
+(``minihf.models.linear.PackedWeights``): for oneDNN on AMD CPUs (SmolLM2's decode ~1.7x
+faster at 16 rows on a Zen 2 EPYC), for MKL's packed sgemm on Intel CPUs, the LM head for
+oneDNN (~1.15x at 4-16 rows on an Intel Xeon).
 Not done yet: flash-attn's KV-cache kernel (the decode runs SDPA with a mask).
 
 The KV cache is allocated lazily, sized to the work at hand (``min(max_num_seqs, #sequences)``

@@ -23,9 +23,10 @@ On CPU each row also says how hard both libraries push the machine: the model FL
 run (matmuls and attention of the prefill and every decode step, the same count for both)
 divided by wall time, next to two rates measured in the same run at the same thread count:
 ``mm peak`` (a large square matmul in the run's dtype, after each row) and ``linear`` (the model's own
-Linear layers at this batch size: the best its matmuls can do). ``ceiling`` = transformers'
-time / (FLOPs at the ``linear`` rate) is the speedup over transformers that minihf would
-reach if everything but the matmuls cost nothing; a goal above it is out of reach in that dtype.
+Linear layers at this batch size, unpacked, as transformers runs them). ``ceiling`` =
+transformers' time / (FLOPs at the ``linear`` rate) is the speedup over transformers that an
+engine would reach if everything but those matmuls cost nothing; minihf's fast path passes it
+only by faster matmuls (the weights it packs on CPU: ``minihf.models.linear.pack_kind``).
 ``--dtype bfloat16`` runs both libraries in bf16 (on a CPU it pays only where the CPU has bf16
 matmul units, such as Intel's AMX; the logits then come from a bf16 model, as on a GPU).
 """
@@ -349,7 +350,7 @@ def main():
     if device.type == "cpu":
         print("linear GF/s: the model's Linear layers alone at this batch (as transformers runs them); mm peak:\n"
               f"1024^3 {str(dtype).removeprefix('torch.')} matmul, same threads, measured after each row (a shared machine drifts); ceiling: the\n"
-              "speedup over transformers' best path if only the matmuls took time, at the linear rate")
+              "speedup over transformers' best path if only the matmuls took time, at the unpacked linear rate")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:

@@ -52,6 +52,20 @@ def test_copy_takes_the_base_files(cwd):
     assert mine.algorithm.adv_estimator.split(":")[-1] == shipped.algorithm.adv_estimator.split(":")[-1]
 
 
+def test_a_copy_of_a_recipe_with_a_relative_base_path_keeps_its_base(cwd):
+    """A copied config.yaml's `base: ../g2` was read from its new folder (another --dir: not
+    found); it is rewritten relative to the copy, and a comment beside it is kept."""
+    new_recipe("g2", "dapo", out_dir="lab")
+    Path("lab/g4").mkdir()
+    Path("lab/g4/config.yaml").write_text("base: '../g2'  # the dapo run\ntrainer:\n  total_training_steps: 7\n")
+    target = new_recipe("g5", "lab/g4", out_dir="elsewhere/deeper", copy=True)
+    assert "# the dapo run" in (target / "config.yaml").read_text()
+    got = load_config(PPOJobConfig, str(target))
+    assert got.trainer.total_training_steps == 7
+    got.trainer.total_training_steps = load_config(PPOJobConfig, "dapo").trainer.total_training_steps
+    assert asdict(got) == asdict(load_config(PPOJobConfig, "dapo"))
+
+
 @pytest.mark.parametrize("name, kwargs, message", [
     ("my exp", {}, "recipe name 'my exp': use letters"),
     ("x", {"base": "gpro"}, "recipe 'gpro' not found"),

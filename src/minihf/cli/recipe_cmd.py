@@ -30,6 +30,24 @@ def _summary(config: Path) -> str:
     return ""
 
 
+BASE_LINE = re.compile(r"""^base:[ \t]*(['"]?)([^'"#\s]+)\1""", re.M)
+
+
+def _rebase_copy(config: Path, origin: Path) -> None:
+    """A copied recipe's ``base:`` given as a relative path was read from the base's folder
+    (``origin``) and is read from the copy's now: rewritten relative to the copy. A base by
+    name, or an absolute path, reads the same from anywhere and stays."""
+    text = config.read_text()
+    m = BASE_LINE.search(text)
+    if m is None:
+        return
+    ref = m.group(2)
+    if not ("/" in ref or ref.endswith((".yaml", ".yml"))) or Path(ref).is_absolute():
+        return
+    new = os.path.relpath((origin / ref).resolve(), config.parent.resolve())
+    config.write_text(text[:m.start(2)] + new + text[m.end(2):])
+
+
 def new_recipe(name: str, base: str, out_dir: str | Path = "recipes", copy: bool = False) -> Path:
     """Write ``out_dir/name/``: a ``config.yaml`` that builds on ``base`` (``base: BASE``, so
     only what differs is stated), or with ``copy`` every file of the base recipe. Returns the
@@ -53,6 +71,8 @@ def new_recipe(name: str, base: str, out_dir: str | Path = "recipes", copy: bool
         for f in sorted(source.parent.iterdir()):
             if f.is_file() and not f.name.endswith(".pyc"):
                 shutil.copy2(f, target / f.name)
+        if source.name == "config.yaml":
+            _rebase_copy(target / "config.yaml", source.parent)
         return target
     # a path is read from the new recipe's folder: written relative to it (as typed, a
     # relative --base recipes/g2 became recipes/g3/recipes/g2)

@@ -187,7 +187,9 @@ def test_packed_weights_follow_loads_and_sleep(tiny, pack_all):
     with torch.no_grad():
         for name, p in runner.model.named_parameters():
             p.copy_(dict(other.named_parameters())[name])
+    packs = runner.packed.packs
     after = llm.generate(PROMPTS, sp)
+    assert runner.packed.packs > packs and llm.engine.last_stats["pack_s"] > 0  # repacked, timed
     assert [o.outputs[0].token_ids for o in after] == [o.outputs[0].token_ids for o in fresh]
     assert [o.outputs[0].token_ids for o in after] != [o.outputs[0].token_ids for o in before]
     llm.engine.sleep()

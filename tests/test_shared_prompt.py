@@ -231,3 +231,17 @@ def test_actor_critic_and_reward_model_workers_with_and_without_sharing(tmp_path
         a, b = ({k: v for k, v in out[s][name].items() if not k.endswith("k_proj.bias")}
                 for s in (True, False))
         assert max_diff(a, b) < tol * lr, name
+
+
+@pytest.mark.parametrize("packed, share", [(True, True), (True, False), (False, False)])
+def test_a_row_without_a_prompt_token_is_refused(packed, share):
+    """A response's first token is scored from the prompt's last: a row with none was an
+    index error deep in torch (packed) or silently scored after a pad (padded)."""
+    mb = grouped_batch([[1, 2, 3], [4, 5]], 2, 3)
+    mb["attention_mask"][2, :3] = 0
+    mb["input_ids"][2, :3] = 0
+    kw = {"use_remove_padding": packed, "share_prompt": share}
+    with pytest.raises(ValueError, match=r"row\(s\) \[2\] of the micro-batch have no prompt token"):
+        forward_log_probs(tiny("lm"), mb, **kw)
+    with pytest.raises(ValueError, match="no prompt token"):
+        forward_values(tiny("value"), mb, **kw)

@@ -129,7 +129,8 @@ def episode_outputs(out: Batch, runner, seqs, turn_rewards: bool) -> None:
 
 # replicas run at once: the slowest counts (and the most bytes one rank received)
 MAX_META = ("timing_s/reshard", "timing_s/gen", "perf/reshard_bytes", "timing_s/gen_prefill",
-            "timing_s/gen_decode", "timing_s/gen_capture", "timing_s/gen_extend", "timing_s/env", "multi_turn/evictions")
+            "timing_s/gen_decode", "timing_s/gen_capture", "timing_s/gen_pack", "timing_s/gen_extend", "timing_s/env",
+            "multi_turn/evictions")
 
 
 def collect_rollout(layout, outputs: list, ctx) -> Batch:

@@ -39,6 +39,7 @@ The runner decides nothing: which sequences run, in which slots, is the schedule
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 
@@ -137,7 +138,8 @@ class ModelRunner:
         self.decode_mode = decode
         self.capture_sizes = sorted(set(capture_sizes or default_capture_sizes(max_num_seqs)))
         self.static: StaticDecode | None = None  # the static step's buffers and graphs, per cache
-        self.stats = {"captures": 0, "capture_s": 0.0}  # static buckets prepared (engine resets it)
+        # static buckets prepared (the engine resets them) and the last repack's seconds
+        self.stats = {"captures": 0, "capture_s": 0.0, "pack_s": 0.0}
         self.cache: SlotKVCache | None = None
         self.packed = PackedWeights(model) if prepack and self.device.type == "cpu" else None
         self._rows_key: tuple | None = None
@@ -229,7 +231,9 @@ class ModelRunner:
                 self.static = StaticDecode(self.cache.num_slots, p.device, capture=self.decode_mode == "graph")
         self._rows_key = None  # ids of dead sequences may be reused by the next call's
         if self.packed is not None:  # weights may have been loaded since the last call
+            t0 = time.perf_counter()
             self.packed.refresh()   # repacks only the weights written since they were packed
+            self.stats["pack_s"] = time.perf_counter() - t0
         if self.static is not None:
             self.static.forget_rows()
         return self.cache.num_slots

@@ -236,9 +236,10 @@ class PPOTrainer(RunLoop):
         ctx.metrics["timing_s/reshard"] = ctx.metrics.get("timing_s/reshard", 0.0) + reshard
         moved = gen_meta.get("perf/reshard_bytes", 0)  # one rank's, received (LoRA: the adapters)
         ctx.metrics["perf/reshard_bytes"] = ctx.metrics.get("perf/reshard_bytes", 0) + moved
-        for key in ("timing_s/gen_prefill", "timing_s/gen_decode", "timing_s/gen_capture", "timing_s/gen_extend",
-                    "timing_s/env", "multi_turn/evictions"):
-            if key in gen_meta:  # inside gen's time: the engine's forwards (+ sampling, CUDA graph captures), environments
+        for key in ("timing_s/gen_prefill", "timing_s/gen_decode", "timing_s/gen_capture", "timing_s/gen_pack",
+                    "timing_s/gen_extend", "timing_s/env", "multi_turn/evictions"):
+            if key in gen_meta:  # inside gen's time: the engine's forwards (+ sampling, CUDA graph captures,
+                # the CPU weights' repacking), environments
                 ctx.metrics[key] = ctx.metrics.get(key, 0.0) + gen_meta[key]
         if "multi_turn_turns" in batch.tensors:
             m.update(multi_turn_metrics(batch))

@@ -39,6 +39,17 @@ def _check_sp(sp, use_remove_padding: bool) -> None:
                          "packed row: set model.use_remove_padding=true")
 
 
+def _check_prompts(mb: dict) -> None:
+    """Every row has a prompt token: a response's first token is scored from the prompt's last
+    (without one, a padded forward reads a pad's output and a packed one fails deep in torch)."""
+    prompt = mb["attention_mask"][:, :mb["input_ids"].shape[1] - mb["responses"].shape[1]]
+    empty = (~prompt.bool().any(1)).nonzero().flatten().tolist()
+    if empty:
+        raise ValueError(f"row(s) {empty[:8]} of the micro-batch have no prompt token (attention_mask "
+                         f"0 over all {prompt.shape[1]} prompt columns): a response's first token is "
+                         f"scored from the prompt's last; give every row a prompt of at least one token")
+
+
 def _run(model: nn.Module, mb: dict, use_remove_padding: bool, share_prompt: bool = False, sp=None):
     """Model outputs in the padded ``[B, T, ...]`` layout, or, if packed, on the packed
     row ``[N, ...]`` with the packing."""
@@ -101,6 +112,7 @@ def forward_log_probs(model: nn.Module, mb: dict, *, use_remove_padding: bool = 
     if sp is not None and (routes is not None or moe is not None):
         raise ValueError("sequence parallelism runs dense models only (no moe statistics or "
                          "routing replay)")
+    _check_prompts(mb)
     r = mb["responses"].shape[1]
     valid = mb["attention_mask"][:, -r:]                                     # [B, R]
     real = valid.bool()
@@ -220,6 +232,7 @@ def forward_values(model: nn.Module, mb: dict, *, use_remove_padding: bool = Tru
     """Critic values for the response tokens ``[B, R]`` (fp32): the value at the token
     before each response token, as in verl; zero at response padding. ``sp``: as in
     :func:`forward_log_probs`."""
+    _check_prompts(mb)
     r = mb["responses"].shape[1]
     out, packed = _run(model, mb, use_remove_padding, share_prompt, sp)
     if packed is not None:

@@ -119,15 +119,15 @@ def test_the_kind_goes_by_vendor_and_size(monkeypatch):
 @pytest.mark.parametrize("shape", [(8, 16), (37, 100), (1536, 576)])
 def test_an_mkl_pack_serves_every_row_count(shape):
     """MKL documents a packed matrix for the row count it was packed with; the engine packs at
-    PACK_ROWS and calls with each step's rows. Every count 1-40 against F.linear within the
-    rounding of both (``_close``); the weight column-major as the engine stores it, with and
-    without a bias."""
+    PACK_ROWS and calls with each step's rows. Every count 1-40, and a few up to past the
+    default 256 slots, against F.linear within the rounding of both (``_close``); the weight
+    column-major as the engine stores other weights, with and without a bias."""
     torch.manual_seed(0)
     out_f, in_f = shape
     w = torch.randn(out_f, in_f).t().contiguous().t()
     b = torch.randn(out_f)
     pack = lin._pack(lin.MKL, w)
-    for rows in range(1, 41):
+    for rows in [*range(1, 41), 64, 100, 257]:
         x = torch.randn(rows, in_f)
         _close(lin._mkl_mm_t(x, pack, w, b), x, w, b)
         _close(lin._mkl_mm_t(x, pack, w, None), x, w)

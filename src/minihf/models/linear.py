@@ -118,9 +118,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if _active is not None and not torch.is_grad_enabled():
         packed = _active.get(weight, x.numel() // x.shape[-1])
         if packed is not None:
-            kind, copy = packed
+            kind, w_packed = packed
             x2 = x.reshape(-1, x.shape[-1])
-            y = _mkl_mm_t(x2, copy, weight, bias) if kind == MKL else _onednn_mm_t(x2, copy, bias)
+            y = _mkl_mm_t(x2, w_packed, weight, bias) if kind == MKL else _onednn_mm_t(x2, w_packed, bias)
             return y.view(*x.shape[:-1], weight.shape[0])
     if not (x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu"
             and type(weight) in (torch.Tensor, nn.Parameter) and not torch.compiler.is_compiling()
@@ -147,9 +147,9 @@ class Linear(nn.Linear):
 # -- decode weights prepacked (the engine's CPU fast path) ---------------------------------
 #
 # A decode step multiplies a few rows by every weight; MKL's sgemm streams a large weight
-# poorly at 4-64 rows. On AMD CPUs oneDNN with the weight reordered ahead into its blocked layout
-# (``torch.ops.mkldnn._reorder_linear_weight``, what inductor's CPU freezing does) is much
-# faster there. Measured on a 2-core AMD EPYC (Zen 2, AVX2), 2 threads, the same run,
+# poorly at 4-64 rows. On AMD CPUs oneDNN with the weight reordered ahead into its blocked
+# layout (``torch.ops.mkldnn._reorder_linear_weight``, what inductor's CPU freezing does) is
+# much faster there. Measured on a 2-core AMD EPYC (Zen 2, AVX2), 2 threads, the same run,
 # MKL (column-major) / prepacked microseconds: SmolLM2's LM head [49152, 576] 70845 /
 # 19500 at 16 rows and 59461 / 9935 at 4 rows, its MLP [1536, 576] 1473 / 1001 at 16 rows;
 # the whole step's matmuls at 16 rows 254 -> 121 ms; at 2 rows [1536, 576] 315 / 157 us.

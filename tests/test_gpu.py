@@ -13,7 +13,8 @@
 * the hybrid engine's in-place all-gather (the reshard's path for a whole-tensor TP slice)
   into CUDA memory, over two ranks sharing the GPU (gloo: NCCL refuses two ranks on one GPU);
 * optimizer offload during generation: the AdamW moments sit on the host while the engine
-  generates and come back, and the next update equals the one without offload.
+  generates and come back, and the next update equals the one without offload;
+* the grouped MoE path's gradient, the same bits in three backward passes at k = 4.
 """
 
 import pytest
@@ -237,3 +238,22 @@ def test_optimizer_offload_during_generation(tiny):
           f"parameters after two updates, offload vs none: max diff {diff:.3e}")
     assert where[True].startswith("cpu -> cuda") and where[False].startswith("cuda")
     assert diff <= 1e-6   # the moments' round trip is lossless; 1e-6 allows kernel nondeterminism
+
+
+def test_moe_grouped_gradient_is_reproducible_on_cuda():
+    """The grouped MoE path's forward and its backward into x add each token's k terms one by
+    one in expert order (no index_add_ over repeated indices, whose CUDA atomics added them in
+    any order): two backward passes give the same bits at k = 4."""
+    from minihf.models.moe import SparseMoE
+    from test_moe import _args
+
+    torch.manual_seed(0)
+    moe = SparseMoE(_args(num_experts=8, num_experts_per_tok=4), layer_idx=0).cuda()
+    x = torch.randn(4096, 32, device="cuda", requires_grad=True)
+    g = torch.randn(4096, 32, device="cuda")
+    grads = []
+    for _ in range(3):
+        x.grad = None
+        (moe(x) * g).sum().backward()
+        grads.append(x.grad.clone())
+    assert all(torch.equal(grads[0], other) for other in grads[1:])

@@ -45,6 +45,33 @@ def test_dense_path_equals_grouped_path():
         assert torch.equal(moe.grouped(x, weights, ids), grouped.detach())
 
 
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_the_row_gathers_gradient_adds_each_tokens_rows_in_expert_order(k):
+    """The grouped path's backward into x adds each token's k row gradients one by one in
+    expert order (no atomics on CUDA, whose index_add_ was not reproducible for k >= 3). On
+    CPU index_select's own backward adds them in that order too: the same bits."""
+    moe = SparseMoE(_args(num_experts=6, num_experts_per_tok=k), layer_idx=0)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.3)
+    x = torch.randn(29, 32, requires_grad=True)
+    probs, weights, ids = moe.route(x)
+    weights = weights.detach()
+    g = torch.randn(29, 32)
+    (gx,) = torch.autograd.grad((moe.grouped(x, weights, ids) * g).sum(), x)
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    rows = x.index_select(0, order // k)  # what the grouped path gathered before
+    outs, start = [], 0
+    for expert, count in zip(moe.experts, torch.bincount(flat, minlength=6).tolist()):
+        outs.append(expert(rows[start:start + count]))
+        start += count
+    y = torch.cat(outs) * weights.reshape(-1).index_select(0, order)[:, None]
+    out = torch.zeros_like(x).index_add(0, order // k, y)
+    (want,) = torch.autograd.grad((out * g).sum(), x)
+    assert torch.equal(gx, want)
+
+
 def test_unchosen_experts_still_get_zero_gradients():
     """With gradients on every expert is in the graph (FSDP reduces the same parameters
     on every rank): an expert no row chose gets a zero gradient, not None."""

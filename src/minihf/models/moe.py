@@ -16,7 +16,8 @@ weighted expert output, as transformers does). The output is ``sum_k p_k expert_
 The experts run grouped: the (token, choice) pairs are sorted by expert, each expert
 multiplies its rows in one matmul chain, and the weighted results are added back per
 token in expert order, one after the other (the order transformers adds them in, on every
-device). The split sizes cost one
+device); the backward adds each token's k row gradients the same way, so a gradient is
+reproducible on CUDA too (no atomics). The split sizes cost one
 host sync per layer. While a CUDA graph is being captured (a host sync is illegal there)
 every expert runs over every row instead, weighted by a dense ``[N, E]`` matrix that is
 zero off the chosen experts: the same sum, ``E/k`` times the FLOPs, no data-dependent
@@ -176,6 +177,35 @@ class MoEStep:
         return weights, ids
 
 
+def _sum_slots(y: torch.Tensor, token: torch.Tensor, slot: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """``[N*k, H]`` terms, term i of token ``token[i]`` at rank ``slot[i]`` (0..k-1) -> their
+    sum per token ``[N, H]``, added one by one in rank order (no atomics, any device)."""
+    terms = y.new_zeros(n, k, y.shape[-1]).index_put_((token, slot), y)  # [N, k, H]
+    out = terms[:, 0]
+    for j in range(1, k):
+        out = out + terms[:, j]
+    return out
+
+
+class _GatherRows(torch.autograd.Function):
+    """``x.index_select(0, token)`` whose backward adds each token's k row gradients in
+    ``slot`` order (:func:`_sum_slots`), as the forward adds its outputs. index_select's own
+    backward is an ``index_add_`` over repeated indices: on CUDA atomics, in any order, so a
+    token's gradient was not reproducible for k >= 3. On CPU both add in the same order
+    (``token`` runs in expert order): the same bits."""
+
+    @staticmethod
+    def forward(ctx, x, token, slot, k):
+        ctx.save_for_backward(token, slot)
+        ctx.n, ctx.k = x.shape[0], k
+        return x.index_select(0, token)
+
+    @staticmethod
+    def backward(ctx, grad):
+        token, slot = ctx.saved_tensors
+        return _sum_slots(grad, token, slot, ctx.n, ctx.k), None, None, None
+
+
 def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
@@ -233,7 +263,8 @@ class SparseMoE(nn.Module):
         order = torch.argsort(flat, stable=True)                              # by expert, then token
         token = order // k                                                    # [N*k]
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()    # the host sync
-        rows = x.index_select(0, token)                                       # [N*k, H]
+        slot = ids.argsort(-1).argsort(-1).reshape(-1).index_select(0, order)  # rank by expert id
+        rows = _GatherRows.apply(x, token, slot, k)                           # [N*k, H]
         outs, start = [], 0
         skip_empty = not torch.is_grad_enabled()
         for expert, count in zip(self.experts, counts):
@@ -244,12 +275,7 @@ class SparseMoE(nn.Module):
         # each token's k terms in expert order, added one by one: the order transformers
         # adds them in. (One index_add_ of every term adds a token's k in any order on
         # CUDA, where it uses atomics: not reproducible for k >= 3.)
-        slot = ids.argsort(-1).argsort(-1).reshape(-1).index_select(0, order)  # rank by expert id
-        terms = x.new_zeros(N, k, x.shape[-1]).index_put_((token, slot), y)  # [N, k, H]
-        out = terms[:, 0]
-        for j in range(1, k):
-            out = out + terms[:, j]
-        return out
+        return _sum_slots(y, token, slot, N, k)
 
     def dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Every expert over every row, weighted by the ``[N, E]`` matrix of ``weights`` at

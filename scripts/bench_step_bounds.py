@@ -85,13 +85,14 @@ def decode_matmul_floor(model_dir: str, rows: int, threads: int, repeats: int = 
     import torch
 
     from minihf.models import load_hf
-    from minihf.models.linear import PackedWeights, linear
+    from minihf.models.linear import PackedWeights, linear, mkl_packed
     from minihf.rollout.model_runner import column_major_linears
 
     torch.set_num_threads(threads)
     model = load_hf(model_dir)
     with torch.no_grad():
-        column_major_linears(model)  # the engine's layout
+        head = model.lm_head  # the engine's layout (its fast path's)
+        column_major_linears(model, row_major=lambda m: mkl_packed(m.weight, m is head))
         weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
         xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
 

@@ -213,7 +213,7 @@ def test_generate_update_generate(llama_dir, tp):
     assert res["format_ok"], res["shapes"]
     assert res["shapes"]["responses"] == (6, 8) and res["shapes"]["input_ids"] == (6, 14)
     assert res["meta"]["temperature"] == 0.7 and res["meta"]["timing_s/gen"] > 0
-    assert 0 <= res["meta"]["timing_s/gen_pack"] < res["meta"]["timing_s/gen"]  # CPU: the fast path's
+    assert "timing_s/gen_pack" not in res["meta"]  # the tiny model's weights: none packed
     assert res["uids_differ"] and res["rows_do_not_matter"] and res["step_seeds"]
     assert res["n_samples"], (res["rc"], res["a0"])
     assert res["validate_is_greedy"]

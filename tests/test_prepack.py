@@ -29,7 +29,7 @@ def pack_all(request, monkeypatch):
     """Every fp32 CPU linear weight packed, in the layout of the kind under test."""
     if request.param == lin.MKL and not lin._backends()[2]:
         pytest.skip("torch built without MKL's packed sgemm")
-    monkeypatch.setattr(lin, "pack_kind", lambda *args: request.param)
+    monkeypatch.setattr(lin, "pack_kind", lambda *args, **kwargs: request.param)
     return request.param
 
 
@@ -62,7 +62,8 @@ def _counting(monkeypatch) -> list:
 
 def test_which_calls_take_the_packed_weight(monkeypatch, pack_all):
     """Inside the context, without autograd, at >= PACK_MIN_ROWS rows (or one row through a
-    weight of >= PACK_ONE_ROW_NUMEL), for a packed weight: the packed op; otherwise F.linear's.
+    oneDNN-packed weight of >= PACK_ONE_ROW_NUMEL), for a packed weight: the packed op;
+    otherwise F.linear's.
     Values agree with F.linear within the rounding of both (``_close``)."""
     model = torch.nn.Sequential(lin.Linear(16, 8), torch.nn.Embedding(5, 16))
     packed = lin.PackedWeights(model)
@@ -84,35 +85,64 @@ def test_which_calls_take_the_packed_weight(monkeypatch, pack_all):
     with packed:
         lin.linear(x.requires_grad_(), w, b)                 # autograd: the training path
     assert len(calls) == 1
-    monkeypatch.setattr(lin, "PACK_ONE_ROW_NUMEL", w.numel())  # one row through a weight this large
-    with torch.no_grad(), packed:
+    monkeypatch.setattr(lin, "PACK_ONE_ROW_NUMEL", w.numel())  # one row through a weight this large:
+    with torch.no_grad(), packed:                              # oneDNN's copy (MKL's only from 2 rows)
         _close(lin.linear(x[0, :1], w, b), x[0, :1], w, b)
-    assert len(calls) == 2
+    assert len(calls) == (2 if pack_all == lin.ONEDNN else 1)
 
 
 def test_the_kind_goes_by_vendor_and_size(monkeypatch):
     """AMD CPUs pack large weights for oneDNN (MKL's generic kernels there); Intel CPUs pack
-    LM-head-sized weights for oneDNN and the layers' for MKL's packed sgemm; other CPUs, and
-    torches without the backend, pack nothing. Decided by the CPU's vendor and the weight's
-    size, the same in every process of a job and its resume. Where nothing pays no weight
-    is packed, however large."""
-    kind = lin.pack_kind
+    the LM head for oneDNN and every other weight for MKL's packed sgemm, by role, not size (a
+    1B model's MLP weights are as large as a small model's head); other CPUs, and torches
+    without the backend, pack nothing. Decided by the CPU's vendor and the weight, the same in
+    every process of a job and its resume. Where nothing pays no weight is packed, however
+    large."""
+    kind, big = lin.pack_kind, lin.PACK_ONE_ROW_NUMEL
     assert kind("AuthenticAMD", lin.PACK_MIN_NUMEL, True, True) == lin.ONEDNN
+    assert kind("AuthenticAMD", lin.PACK_MIN_NUMEL, True, True, head=True) == lin.ONEDNN
     assert kind("AuthenticAMD", lin.PACK_MIN_NUMEL - 1, True, True) is None
-    assert kind("AuthenticAMD", lin.PACK_ONE_ROW_NUMEL, False, True) is None
-    assert kind("GenuineIntel", lin.PACK_ONE_ROW_NUMEL, True, True) == lin.ONEDNN
-    assert kind("GenuineIntel", lin.PACK_ONE_ROW_NUMEL - 1, True, True) == lin.MKL
+    assert kind("AuthenticAMD", big, False, True) is None
+    assert kind("GenuineIntel", big, True, True, head=True) == lin.ONEDNN
+    assert kind("GenuineIntel", lin.PACK_MIN_NUMEL, True, True, head=True) == lin.ONEDNN
+    assert kind("GenuineIntel", lin.PACK_MIN_NUMEL - 1, True, True, head=True) is None
+    assert kind("GenuineIntel", big, True, True) == lin.MKL   # an MLP weight of a 1B model
     assert kind("GenuineIntel", lin.MKL_PACK_MIN_NUMEL, True, True) == lin.MKL
     assert kind("GenuineIntel", lin.MKL_PACK_MIN_NUMEL - 1, True, True) is None
     assert kind("GenuineIntel", lin.MKL_PACK_MIN_NUMEL, True, False) is None
-    assert kind("GenuineIntel", lin.PACK_ONE_ROW_NUMEL, False, True) is None
-    assert kind("", lin.PACK_ONE_ROW_NUMEL, True, True) is None
+    assert kind("GenuineIntel", big, False, True, head=True) is None
+    assert kind("", big, True, True) is None and kind("", big, True, True, head=True) is None
     model = torch.nn.Sequential(lin.Linear(16, 8), lin.Linear(8, 8).double())
     for pays in (None, lin.ONEDNN):
-        monkeypatch.setattr(lin, "pack_kind", lambda *args: pays)
+        monkeypatch.setattr(lin, "pack_kind", lambda *args, **kwargs: pays)
         packed = lin.PackedWeights(model)
         packed.refresh()
         assert packed.packs == len(packed.table) == (pays is not None)  # never the float64 weight
+
+
+def test_the_mkl_self_check_refuses_a_pack_that_serves_one_row_count():
+    """Once per process, MKL's packed path is checked at several row counts from one pack; a
+    kernel whose results drift at other counts (simulated: one rounding-sized error too many
+    at 33 rows) is refused, so the decode would not use it."""
+    if not (torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")):
+        pytest.skip("torch built without MKL's packed sgemm")
+    assert lin.mkl_pack_serves_any_rows(lin._mkl_raw)
+
+    def drifts(x, pack, w, rows):
+        y = lin._mkl_raw(x, pack, w, rows)
+        return y + 1e-3 * y.abs().max() if rows == 33 else y
+    assert not lin.mkl_pack_serves_any_rows(drifts)
+
+
+def test_weights_the_engine_packs_by_role(monkeypatch, tiny):
+    """The engine tells the LM head apart from the other weights (Intel packs it for oneDNN,
+    the rest for MKL): every linear weight gets the kind ``pack_kind`` gives its role."""
+    monkeypatch.setattr(lin, "pack_kind", lambda *args, head=False: lin.ONEDNN if head else lin.MKL)
+    model = load_hf(tiny)
+    packed = lin.PackedWeights(model)
+    packed.refresh()
+    kinds = {entry[3] for i, entry in packed.table.items() if i != id(model.lm_head.weight)}
+    assert packed.table[id(model.lm_head.weight)][3] == lin.ONEDNN and kinds == {lin.MKL}
 
 
 @pytest.mark.skipif(not lin._backends()[2], reason="torch built without MKL's packed sgemm")

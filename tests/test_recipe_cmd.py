@@ -54,7 +54,8 @@ def test_copy_takes_the_base_files(cwd):
 
 def test_a_copy_of_a_recipe_with_a_relative_base_path_keeps_its_base(cwd):
     """A copied config.yaml's `base: ../g2` was read from its new folder (another --dir: not
-    found); it is rewritten relative to the copy, and a comment beside it is kept."""
+    found); it is rewritten relative to the copy, and a comment beside it is kept. So is a
+    `base: g2` found beside the original; a name found from anywhere (shipped) stays."""
     new_recipe("g2", "dapo", out_dir="lab")
     Path("lab/g4").mkdir()
     Path("lab/g4/config.yaml").write_text("base: '../g2'  # the dapo run\ntrainer:\n  total_training_steps: 7\n")
@@ -64,6 +65,12 @@ def test_a_copy_of_a_recipe_with_a_relative_base_path_keeps_its_base(cwd):
     assert got.trainer.total_training_steps == 7
     got.trainer.total_training_steps = load_config(PPOJobConfig, "dapo").trainer.total_training_steps
     assert asdict(got) == asdict(load_config(PPOJobConfig, "dapo"))
+    Path("lab/g6").mkdir()  # a base by name, found beside the original (not from elsewhere/)
+    Path("lab/g6/config.yaml").write_text("base: g2\ntrainer:\n  total_training_steps: 9\n")
+    target = new_recipe("g7", "lab/g6", out_dir="elsewhere", copy=True)
+    assert load_config(PPOJobConfig, str(target)).trainer.total_training_steps == 9
+    target = new_recipe("g8", "dapo", out_dir="elsewhere", copy=True)  # a name found anywhere: kept
+    assert "\nbase: grpo\n" in (target / "config.yaml").read_text()
 
 
 @pytest.mark.parametrize("name, kwargs, message", [

@@ -33,18 +33,35 @@ def _summary(config: Path) -> str:
 BASE_LINE = re.compile(r"""^base:[ \t]*(['"]?)([^'"#\s]+)\1""", re.M)
 
 
+def _base_from(folder: Path, ref: str) -> Path | None:
+    """The recipe a ``base: ref`` in ``folder``'s config.yaml names (``config.recipe_layers``'
+    rule: a relative path from the folder; a name in a folder beside it first, then as
+    ``recipe=NAME`` is), resolved; None where none is found."""
+    from minihf.config import ConfigError, find_recipe
+
+    if "/" in ref or ref.endswith((".yaml", ".yml")):
+        target = (folder / ref).resolve()
+        return target if target.exists() else None
+    sibling = folder.parent / ref / "config.yaml"
+    try:
+        return (sibling if sibling.is_file() else find_recipe(ref)).resolve().parent
+    except ConfigError:
+        return None
+
+
 def _rebase_copy(config: Path, origin: Path) -> None:
-    """A copied recipe's ``base:`` given as a relative path was read from the base's folder
-    (``origin``) and is read from the copy's now: rewritten relative to the copy. A base by
-    name, or an absolute path, reads the same from anywhere and stays."""
+    """A copied recipe's ``base:`` was read from the base's folder (``origin``) and is read
+    from the copy's now: where it would name another recipe there (a relative path; a name
+    found beside the original), it is rewritten as the path to the original's base, relative
+    to the copy. An absolute path, or a name that finds the same recipe, stays."""
     text = config.read_text()
     m = BASE_LINE.search(text)
-    if m is None:
+    if m is None or Path(m.group(2)).is_absolute():
         return
-    ref = m.group(2)
-    if not ("/" in ref or ref.endswith((".yaml", ".yml"))) or Path(ref).is_absolute():
+    was = _base_from(origin, m.group(2))
+    if was is None or was == _base_from(config.parent, m.group(2)):
         return
-    new = os.path.relpath((origin / ref).resolve(), config.parent.resolve())
+    new = os.path.relpath(was, config.parent.resolve())
     config.write_text(text[:m.start(2)] + new + text[m.end(2):])
 
 

@@ -223,7 +223,7 @@ class HybridEngine:
                          **({"timing_s/gen_capture": self.engine.last_stats["capture_s"]}
                             if self.engine.runner.decode_mode != "eager" else {}),
                          **({"timing_s/gen_pack": self.engine.last_stats["pack_s"]}
-                            if self.engine.runner.packed is not None else {}),
+                            if self.engine.runner.packed is not None and self.engine.runner.packed.table else {}),
                          **({"timing_s/env": runner.env_seconds,
                              "timing_s/gen_extend": self.engine.last_stats["extend_s"],
                              "multi_turn/evictions": self.engine.last_stats["evictions"]}

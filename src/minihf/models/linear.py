@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import platform
+import warnings
 from pathlib import Path
 
 import torch
@@ -168,11 +169,12 @@ class Linear(nn.Linear):
 # 31.2 / 36.7 / 43.9 / 61.0 / 101.7; everything MKL-packed 20.9 / 22.4 / 27.1 / 33.2 / 38.7 /
 # 60.8 / 103.3; layers MKL-packed and the LM head oneDNN-packed 21.1 / 22.4 / 26.4 / 32.7 /
 # 38.5 / 55.0 / 88.1, the best or within noise of it at every count, so Intel CPUs pack so
-# (the head's MKL-packed copy loses at 32-64 rows: 14.0 and 27.7 ms against 9.8 and 15.8).
+# (the head's MKL-packed copy loses at 32-64 rows: 14.0 and 27.7 ms against 9.8 and 15.8). By
+# role, not size: a 1B model's MLP weights are as large as SmolLM2's head.
 # Tiny weights lose on MKL's packed path too (the main job's [448, 128]: 0.86-0.97x), hence
 # MKL_PACK_MIN_NUMEL. MKL documents a packed B for the row count it was packed with; this
-# build's layout serves any count (``_mkl_linear`` is told the call's rows; checked against
-# F.linear for 1-40 rows in tests/test_prepack.py).
+# build's layout serves any count (``_mkl_linear`` is told the call's rows), checked once per
+# process (:func:`mkl_pack_serves_any_rows`) and for 1-40 rows in tests/test_prepack.py.
 PACK_MIN_NUMEL = 1 << 19
 MKL_PACK_MIN_NUMEL = 1 << 16
 PACK_MIN_ROWS = 2
@@ -183,49 +185,79 @@ ONEDNN, MKL = "onednn", "mkl"
 _active: PackedWeights | None = None  # the table `linear` reads, while one is entered
 
 
-def pack_kind(vendor: str, numel: int, has_onednn: bool, has_mkl: bool) -> str | None:
+def pack_kind(vendor: str, numel: int, has_onednn: bool, has_mkl: bool, head: bool = False) -> str | None:
     """Which packed copy (:data:`ONEDNN`, :data:`MKL` or none) the decode gives an fp32 weight
-    of ``numel`` elements on a CPU of ``vendor``. AMD: oneDNN's from :data:`PACK_MIN_NUMEL`
-    (MKL runs generic kernels there: SmolLM2's decode step 1.59x faster at 16 rows on a Zen 2
-    EPYC). Intel: oneDNN's for an LM-head-sized weight (:data:`PACK_ONE_ROW_NUMEL`), MKL's
-    from :data:`MKL_PACK_MIN_NUMEL` (the comment above). Other CPUs: none, never measured.
-    Decided by the CPU's name, not by timing kernels at start-up: a timed choice could differ
-    between the processes of a job, or between a run and its resume, and with it the rounding
-    of every log-prob (resume is bitwise)."""
-    if vendor == "AuthenticAMD":
+    of ``numel`` elements (``head``: the model's LM head) on a CPU of ``vendor``. AMD: oneDNN's
+    from :data:`PACK_MIN_NUMEL` (MKL runs generic kernels there: SmolLM2's decode step 1.59x
+    faster at 16 rows on a Zen 2 EPYC). Intel: the LM head oneDNN's from PACK_MIN_NUMEL, every
+    other weight MKL's from :data:`MKL_PACK_MIN_NUMEL` (the comment above). Other CPUs: none,
+    never measured. Decided by the CPU's name, not by timing kernels at start-up: a timed
+    choice could differ between the processes of a job, or between a run and its resume, and
+    with it the rounding of every log-prob (resume is bitwise)."""
+    if vendor == "AuthenticAMD" or (vendor == "GenuineIntel" and head):
         return ONEDNN if has_onednn and numel >= PACK_MIN_NUMEL else None
     if vendor == "GenuineIntel":
-        if numel >= PACK_ONE_ROW_NUMEL:
-            return ONEDNN if has_onednn else None
         return MKL if has_mkl and numel >= MKL_PACK_MIN_NUMEL else None
     return None
+
+
+def mkl_pack_serves_any_rows(mm) -> bool:
+    """Whether ``mm(x, pack, weight, rows)`` (MKL's packed sgemm) gives ``x @ weight.T`` from
+    one pack made for :data:`PACK_ROWS` rows at other row counts too. MKL documents a pack for
+    the row count it was made for; the decode calls with each step's rows. Checked once per
+    process on a small weight, each output within the fp32 rounding of a dot product of its
+    length (``n u sum |x w|``, doubled); where it fails MKL's packed path is not used."""
+    g = torch.Generator().manual_seed(0)
+    n = 200
+    w = torch.randn(96, n, generator=g)
+    try:
+        pack = torch.ops.mkl._mkl_reorder_linear_weight(w, PACK_ROWS)
+        for rows in (1, 2, 3, 17, 33, 100):
+            x = torch.randn(rows, n, generator=g)
+            exact = x.double() @ w.double().T
+            bound = 2 * n * 2.0 ** -24 * (x.double().abs() @ w.double().abs().T)
+            if not ((mm(x, pack, w, rows).double() - exact).abs() <= bound).all():
+                return False
+    except RuntimeError:
+        return False
+    return True
+
+
+def _mkl_raw(x, pack, weight, rows):
+    return torch.ops.mkl._mkl_linear(x, pack, weight, None, rows)
 
 
 @functools.cache
 def _backends() -> tuple[str, bool, bool]:
     """This machine's CPU vendor (``/proc/cpuinfo``) and whether torch has oneDNN and MKL's
-    packed sgemm."""
+    packed sgemm (serving any row count: :func:`mkl_pack_serves_any_rows`)."""
+    vendor = cpu_fields().get("vendor_id", "")
     has_mkl = torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
-    return cpu_fields().get("vendor_id", ""), torch.backends.mkldnn.is_available(), has_mkl
+    if has_mkl and vendor == "GenuineIntel" and not mkl_pack_serves_any_rows(_mkl_raw):
+        warnings.warn("MKL's packed sgemm in this torch gives wrong results at row counts other "
+                      "than the one it packed for; the decode's weights stay unpacked on this CPU")
+        has_mkl = False
+    return vendor, torch.backends.mkldnn.is_available(), has_mkl
 
 
-def weight_pack_kind(weight: torch.Tensor) -> str | None:
-    """:func:`pack_kind` of ``weight`` on this machine: none unless a plain 2-D fp32 CPU tensor."""
-    return _kind(weight) if isinstance(weight, torch.Tensor) and weight.device.type == "cpu" else None
+def weight_pack_kind(weight: torch.Tensor, head: bool = False) -> str | None:
+    """:func:`pack_kind` of ``weight`` (``head``: the LM head's) on this machine: none unless
+    a plain 2-D fp32 CPU tensor."""
+    return _kind(weight, head) if isinstance(weight, torch.Tensor) and weight.device.type == "cpu" else None
 
 
-def mkl_packed(weight: torch.Tensor) -> bool:
+def mkl_packed(weight: torch.Tensor, head: bool = False) -> bool:
     """Whether a decode on this machine packs ``weight`` for MKL once it is on the CPU (it may
     be on the meta device still: the engine lays weights out before they are allocated)."""
-    return _kind(weight) == MKL
+    return _kind(weight, head) == MKL
 
 
-def _kind(weight: torch.Tensor) -> str | None:
+def _kind(weight: torch.Tensor, head: bool) -> str | None:
     if not (type(weight) in (torch.Tensor, nn.Parameter) and weight.dtype == torch.float32
             and weight.dim() == 2):
         return None
     vendor, has_onednn, has_mkl = _backends()
-    return pack_kind(vendor, weight.numel(), has_onednn, has_mkl)
+    return pack_kind(vendor, weight.numel(), has_onednn, has_mkl, head=head)
 
 
 def _pack(kind: str, weight: torch.Tensor) -> torch.Tensor:
@@ -249,7 +281,7 @@ class PackedWeights:
     :meth:`refresh` (re)packs each weight that is new or was written since it was packed
     (its storage or version counter moved: a weight load, a wake-up), so the copies never
     go stale; ``with packed:`` makes :func:`linear` use them for inputs of at least
-    :data:`PACK_MIN_ROWS` rows, or of one row through a weight of at least
+    :data:`PACK_MIN_ROWS` rows, or of one row through a oneDNN-packed weight of at least
     :data:`PACK_ONE_ROW_NUMEL` elements. The copies cost the packed weights' bytes again
     while they are held; :meth:`clear` drops them. Only on CPUs where packing pays
     (:func:`pack_kind`); elsewhere nothing is packed and every call is F.linear's."""
@@ -262,10 +294,11 @@ class PackedWeights:
 
     def refresh(self) -> None:
         table = {}
+        head = getattr(self.model, "lm_head", None)
         with torch.no_grad():
             for module in self.model.modules():
                 w = getattr(module, "weight", None)
-                kind = None if isinstance(module, nn.Embedding) else weight_pack_kind(w)
+                kind = None if isinstance(module, nn.Embedding) else weight_pack_kind(w, module is head)
                 if kind is None:
                     continue
                 old = self.table.get(id(w))
@@ -285,7 +318,8 @@ class PackedWeights:
         entry = self.table.get(id(weight))
         if entry is None or entry[0] is not weight or rows < 1:
             return None
-        return entry[3:] if rows >= PACK_MIN_ROWS or weight.numel() >= PACK_ONE_ROW_NUMEL else None
+        one_row = entry[3] == ONEDNN and weight.numel() >= PACK_ONE_ROW_NUMEL
+        return entry[3:] if rows >= PACK_MIN_ROWS or one_row else None
 
     def __enter__(self) -> PackedWeights:
         global _active

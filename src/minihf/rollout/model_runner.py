@@ -63,7 +63,7 @@ def column_major_linears(model: torch.nn.Module, row_major=None) -> None:
     from DRAM (measured: 8192x256 fp32, cold, 1.13 ms -> 0.44 ms), which made the batch-1 step
     of the 5M benchmark model ~1.4x faster. ``F.linear`` accepts the transposed-view weight
     as is; loads into it (``copy_``) keep working. Not done on CUDA, where it does not help.
-    Weights for which ``row_major(weight)`` is true stay as they are.
+    Modules for which ``row_major(module)`` is true keep their weights as they are.
     """
     # a weight shared with an embedding (tied LM head) stays row-major: a batch of row lookups
     # into a column-major table is a strided gather (measured 0.34 ms per step at batch 64)
@@ -72,7 +72,7 @@ def column_major_linears(model: torch.nn.Module, row_major=None) -> None:
         for module in model.modules():
             w = getattr(module, "weight", None)
             if (isinstance(module, _LINEARS) and w.dim() == 2 and w.is_contiguous() and id(w) not in embeddings
-                    and not (row_major is not None and row_major(w))):
+                    and not (row_major is not None and row_major(module))):
                 w.data = w.data.t().contiguous().t()
 
 
@@ -127,7 +127,8 @@ class ModelRunner:
             # on meta too: wake_up keeps the strides. The weights the decode packs for MKL stay
             # row-major: a generate packs them as fast as it would copy them, where a column-
             # major weight is transposed first (SmolLM2 on an Intel Xeon: ~320 -> ~140 ms)
-            column_major_linears(model, row_major=mkl_packed if prepack else None)
+            head = getattr(model, "lm_head", None)
+            column_major_linears(model, row_major=(lambda m: mkl_packed(m.weight, m is head)) if prepack else None)
         self.max_num_seqs = max_num_seqs
         self.kv_cache_memory = kv_cache_memory
         self.gpu_memory_utilization = gpu_memory_utilization

@@ -59,7 +59,11 @@ def check_model_path(cfg: PPOConfig) -> None:
         from minihf.trainer.prepare import sft_config
 
         sft_config(cfg)  # its export dir must be the actor's model dir
-        return
+    else:
+        _check_actor_dir(cfg)
+
+
+def _check_actor_dir(cfg: PPOConfig) -> None:
     model = Path(cfg.actor_rollout_ref.model.path)
     if not (model / "config.json").is_file():
         raise ConfigError(f"actor_rollout_ref.model.path={str(model)!r} has no config.json (relative "
@@ -69,11 +73,7 @@ def check_model_path(cfg: PPOConfig) -> None:
 
 def check_paths(cfg: PPOConfig) -> None:
     """Fail before any model loads if the model dir or a data file is missing."""
-    model = Path(cfg.actor_rollout_ref.model.path)
-    if not (model / "config.json").is_file():
-        raise ConfigError(f"actor_rollout_ref.model.path={str(model)!r} has no config.json (relative "
-                          f"paths are from {Path.cwd()}); pass an HF checkpoint dir (offline: "
-                          "`minihf init-model DIR --task digits`, then `minihf sft`)")
+    _check_actor_dir(cfg)
     check_rollout_tp(cfg)
     check_lora(cfg)
     check_run_dir(run_dir(cfg.trainer), "trainer.default_local_dir")

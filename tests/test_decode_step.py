@@ -11,11 +11,12 @@ length has none), which change the summation order, not the result beyond roundi
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from logprob_reference import float64_log_probs, rounding_ratio
 from minihf.models import load_hf
 from minihf.rollout import LLM, SamplingParams
-from minihf.rollout.decode_step import bucket, default_capture_sizes, length_bucket
+from minihf.rollout.decode_step import StaticDecode, bucket, default_capture_sizes, length_bucket
 
 from test_multi_turn_engine import STOP, FixedObservations, check_against_forward
 from test_rollout_engine import PROMPTS, build_tiny, one_row
@@ -155,3 +156,92 @@ def test_each_generate_writes_its_own_sampling_parameters(tiny):
     assert runner.static._composition is not None
     runner.ensure_cache(len(PROMPTS), 8)  # the first thing each generate does
     assert runner.static._composition is None
+
+
+class HostReads(TorchDispatchMode):
+    """Records the ops that a CUDA graph cannot capture because the host waits for the
+    device's data: a value read on the host (``.item()``, ``int(t)``, ``if t:``: ``item``
+    or ``_local_scalar_dense``, whichever the mode sees), an output whose shape depends on the data (``nonzero``, a
+    boolean index, ``unique``, ``masked_select``, ``repeat_interleave`` without its size),
+    and a tensor made from Python data inside the step (a constant frozen at capture).
+    ``tolist``/``numpy`` bypass the dispatcher: the caller patches them."""
+
+    DATA_SHAPED = {"nonzero", "masked_select", "unique", "_unique2", "unique_dim", "unique_consecutive"}
+
+    def __init__(self):
+        super().__init__()
+        self.hits: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._overloadpacket.__name__
+        kwargs = kwargs or {}
+        index = args[1] if name in ("index", "index_put", "index_put_") and len(args) > 1 else ()
+        if (name in ("item", "_local_scalar_dense", "lift_fresh") or name in self.DATA_SHAPED
+                or any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in index)
+                or (name == "repeat_interleave" and kwargs.get("output_size") is None)):
+            self.hits.append(str(func))
+        return func(*args, **kwargs)
+
+
+def _watch_host_reads(monkeypatch) -> dict:
+    """Runs every static step's body under :class:`HostReads`, as if a CUDA graph were being
+    captured (what checks for that, MoE's choice of its dense path, says yes); returns the
+    tally."""
+    from minihf.models import moe
+
+    seen = {"steps": 0, "hits": []}
+    make = StaticDecode._body
+
+    def refuse(*_, **__):
+        raise AssertionError("tolist()/numpy() inside the static decode step")
+
+    def watched_body(self, key, forward, cache):
+        body = make(self, key, forward, cache)
+
+        def run():
+            with HostReads() as probe, monkeypatch.context() as m:
+                m.setattr(torch.Tensor, "tolist", refuse)
+                m.setattr(torch.Tensor, "numpy", refuse)
+                m.setattr(moe, "_capturing", lambda: True)
+                body()
+            seen["steps"] += 1
+            seen["hits"] += probe.hits
+        return run
+
+    monkeypatch.setattr(StaticDecode, "_body", watched_body)
+    return seen
+
+
+def test_the_probe_sees_what_a_graph_cannot_capture():
+    t = torch.arange(6)
+    for read in (lambda: int(t.max()), lambda: bool(t.any()), lambda: t[t > 2], lambda: t.nonzero(),
+                 lambda: torch.tensor([1, 2]), lambda: t.repeat_interleave(t), lambda: t.unique()):
+        with HostReads() as probe:
+            read()
+        assert probe.hits, read
+    with HostReads() as probe:
+        t[t.clamp(max=3)] + t.masked_fill(t > 2, 0)  # data-independent shapes: captureable
+    assert probe.hits == []
+
+
+@pytest.mark.parametrize("case", ["greedy", "top-k/top-p", "moe-routes", "lora"])
+def test_the_static_step_never_waits_on_the_device(tiny, tmp_path, monkeypatch, case):
+    """What CUDA graphs capture, checked on CPU: every op the static step runs (the model,
+    the cache's mask and writes, the sampler, MoE routing, its dense experts and the
+    routes' recording, unmerged LoRA adapters) leaves the host free. One such op would fail the capture on CUDA, or freeze
+    a value read at capture time into every replay."""
+    from minihf.models.lora import apply_lora, module_names
+    from minihf.rollout.engine import Engine
+
+    seen = _watch_host_reads(monkeypatch)
+    sp = SAMPLERS["top-k/top-p" if case == "top-k/top-p" else "greedy"]
+    if case == "moe-routes":
+        build_tiny("qwen3_moe", tmp_path / "moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+        engine = Engine(load_hf(tmp_path / "moe"), max_num_seqs=4, decode="static", record_routes=True)
+        engine.generate(PROMPTS, SamplingParams(temperature=1.0, max_tokens=6, seed=1))
+    else:
+        model = load_hf(tiny)
+        if case == "lora":
+            apply_lora(model, 4, 8.0, module_names(model, "all-linear"))
+        LLM(model, max_num_seqs=4, decode="static", cudagraph_capture_sizes=[1, 2]).generate(PROMPTS, sp)
+    assert seen["steps"] >= 10 and seen["hits"] == [], seen

@@ -63,7 +63,8 @@ class DecoderModel(nn.Module):
             full, attention_mask, cu_seqlens, h.dtype, shared_prefix)
         if sp is not None:
             meta.sp = sp
-        cos, sin = self.rope(positions, h.dtype)
+        # a cache's positions are below its length: the table covers it without reading them
+        cos, sin = self.rope(positions, h.dtype, getattr(kv_cache, "max_len", None))
         for layer in self.layers:
             h = layer(h, cos, sin, positions, meta, kv_cache, moe)
         return self.norm(h)

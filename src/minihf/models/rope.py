@@ -60,11 +60,14 @@ def rope_cos_sin(freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
 class RopeTable:
     """cos and sign-folded sin for positions ``0..len-1``, for one device and dtype.
 
-    ``table(positions, dtype)`` returns cos, sin [B, 1, T, head_dim] ready for
-    :func:`apply_rope`. On CPU the table grows to the largest position seen (a cheap host
-    check); elsewhere it covers ``max_position_embeddings`` rows (or what :meth:`reserve`
-    asked for), built once, so a forward never syncs with the device; positions beyond that
-    are out of range there.
+    ``table(positions, dtype, bound)`` returns cos, sin [B, 1, T, head_dim] ready for
+    :func:`apply_rope`. ``bound``, where the caller knows one, is a host-side upper bound on
+    the positions (a KV cache's length): the table covers it, with no look at the positions.
+    Without it, on CPU the table grows to the largest position seen (a cheap host check);
+    elsewhere it covers ``max_position_embeddings`` rows (or what :meth:`reserve` asked for),
+    built once, so a forward never syncs with the device; positions beyond that are out of
+    range there. A captured decode step reads no device value on the host, on any device
+    (``tests/test_decode_step.py`` checks it on CPU).
     """
 
     def __init__(self, args: ModelArgs):
@@ -78,12 +81,14 @@ class RopeTable:
         ``max_model_len`` exceeds ``max_position_embeddings``)."""
         self.min_len = max(self.min_len, length)
 
-    def __call__(self, positions: torch.Tensor, dtype: torch.dtype):
+    def __call__(self, positions: torch.Tensor, dtype: torch.dtype, bound: int | None = None):
         device = positions.device
-        if device.type == "cpu":
-            need = int(positions.max()) + 1 if positions.numel() else 1
+        if device.type != "cpu":
+            need = max(self.min_len, bound or 0)
+        elif bound is not None:
+            need = bound
         else:
-            need = self.min_len
+            need = int(positions.max()) + 1 if positions.numel() else 1
         if self.key != (device, dtype) or self.cos.shape[0] < need:
             self._build(device, dtype, need)
         # F.embedding is the cheapest row gather; [B, T, hd] -> [B, 1, T, hd] broadcasts over heads

@@ -26,7 +26,8 @@ What runs the function per bucket is the only device-specific part: on CUDA it i
 once as a CUDA graph (a shared memory pool; the first use of a bucket captures it, later
 steps replay it: no Python, no kernel launches but the graph's) unless
 ``rollout.enforce_eager``; elsewhere it is called as is, which is how the CPU tests cover
-the same logic. Captured graphs hold the addresses of the weights, the KV cache and these
+the same logic (and check that no op of it reads a device value on the host, which would
+fail the capture). Captured graphs hold the addresses of the weights, the KV cache and these
 buffers: :meth:`StaticDecode.clear` drops them whenever one of those is reallocated
 (sleep, wake-up, a new cache), and the next use recaptures, timed in ``capture_s``.
 """

@@ -161,16 +161,23 @@ def test_each_generate_writes_its_own_sampling_parameters(tiny):
 class HostReads(TorchDispatchMode):
     """Records the ops that a CUDA graph cannot capture because the host waits for the
     device's data: a value read on the host (``.item()``, ``int(t)``, ``if t:``: ``item``
-    or ``_local_scalar_dense``, whichever the mode sees), an output whose shape depends on the data (``nonzero``, a
-    boolean index, ``unique``, ``masked_select``, ``repeat_interleave`` without its size),
-    and a tensor made from Python data inside the step (a constant frozen at capture).
-    ``tolist``/``numpy`` bypass the dispatcher: the caller patches them."""
+    or ``_local_scalar_dense``, whichever the mode sees), an output whose shape depends on
+    the data (``nonzero``, a boolean index, ``unique``, ``masked_select``,
+    ``repeat_interleave`` without its size), and a tensor made from Python data inside the
+    step (a constant frozen at capture). ``tolist``/``numpy`` bypass the dispatcher: the
+    caller patches them.
+
+    ``reads`` collects the storages the step reads that it did not make (weights, the KV
+    cache, the static buffers, RoPE's table): a replayed graph reads them at the addresses
+    they had at capture."""
 
     DATA_SHAPED = {"nonzero", "masked_select", "unique", "_unique2", "unique_dim", "unique_consecutive"}
 
     def __init__(self):
         super().__init__()
         self.hits: list[str] = []
+        self.reads: set[int] = set()
+        self._made: set[int] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func._overloadpacket.__name__
@@ -180,16 +187,26 @@ class HostReads(TorchDispatchMode):
                 or any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in index)
                 or (name == "repeat_interleave" and kwargs.get("output_size") is None)):
             self.hits.append(str(func))
-        return func(*args, **kwargs)
+        for t in _tensors((args, kwargs)):
+            if t.untyped_storage().data_ptr() not in self._made:
+                self.reads.add(t.untyped_storage().data_ptr())
+        out = func(*args, **kwargs)
+        self._made.update(p for t in _tensors(out) if (p := t.untyped_storage().data_ptr()) not in self.reads)
+        return out
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    return [t for t in torch.utils._pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
 def _watch_host_reads(monkeypatch) -> dict:
     """Runs every static step's body under :class:`HostReads`, as if a CUDA graph were being
     captured (what checks for that, MoE's choice of its dense path, says yes); returns the
-    tally."""
+    tally: steps run, host reads, and the buckets whose later runs (replays) read storages
+    other than their first run (the capture) read."""
     from minihf.models import moe
 
-    seen = {"steps": 0, "hits": []}
+    seen = {"steps": 0, "hits": [], "moved": []}
     make = StaticDecode._body
 
     def refuse(*_, **__):
@@ -197,6 +214,7 @@ def _watch_host_reads(monkeypatch) -> dict:
 
     def watched_body(self, key, forward, cache):
         body = make(self, key, forward, cache)
+        captured: set[int] = set()
 
         def run():
             with HostReads() as probe, monkeypatch.context() as m:
@@ -206,6 +224,10 @@ def _watch_host_reads(monkeypatch) -> dict:
                 body()
             seen["steps"] += 1
             seen["hits"] += probe.hits
+            if not captured:  # the first run is the capture
+                captured.update(probe.reads)
+            elif probe.reads != captured:
+                seen["moved"].append(key)
         return run
 
     monkeypatch.setattr(StaticDecode, "_body", watched_body)
@@ -244,4 +266,33 @@ def test_the_static_step_never_waits_on_the_device(tiny, tmp_path, monkeypatch, 
         if case == "lora":
             apply_lora(model, 4, 8.0, module_names(model, "all-linear"))
         LLM(model, max_num_seqs=4, decode="static", cudagraph_capture_sizes=[1, 2]).generate(PROMPTS, sp)
-    assert seen["steps"] >= 10 and seen["hits"] == [], seen
+    assert seen["steps"] >= 10 and seen["hits"] == [] and seen["moved"] == [], seen
+
+
+def test_replays_read_what_was_captured_or_the_graphs_are_dropped(tiny, monkeypatch):
+    """Generates after the weights were written in place (as a weight sync writes them:
+    the graphs are replayed), after sleep and wake-up (new storage: recaptured) and after a
+    parameter was replaced (``load_state_dict(assign=True)``, new storage without sleep:
+    recaptured). In every case each replay reads the storages its capture read."""
+    seen = _watch_host_reads(monkeypatch)
+    model = load_hf(tiny)
+    llm = LLM(model, max_num_seqs=4, decode="static", cudagraph_capture_sizes=[1, 2])
+    sp = SAMPLERS["greedy"]
+    first = llm.generate(PROMPTS, sp)
+    saved = {n: p.detach().clone() for n, p in model.state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.5)
+    llm.generate(PROMPTS, sp)
+    assert llm.engine.last_stats["captures"] == 0  # written in place: replayed
+    llm.engine.sleep()
+    llm.engine.wake_up()
+    llm.engine.runner.model.load_state_dict(saved)
+    again = llm.generate(PROMPTS, sp)
+    assert llm.engine.last_stats["captures"] > 0
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
+    model = llm.engine.runner.model
+    model.load_state_dict({n: t * 0.5 for n, t in saved.items()}, assign=True)
+    llm.generate(PROMPTS, sp)
+    assert llm.engine.last_stats["captures"] > 0  # the weights moved: the old graphs are gone
+    assert seen["steps"] >= 20 and seen["moved"] == [], seen

@@ -29,7 +29,9 @@ steps replay it: no Python, no kernel launches but the graph's) unless
 the same logic (and check that no op of it reads a device value on the host, which would
 fail the capture). Captured graphs hold the addresses of the weights, the KV cache and these
 buffers: :meth:`StaticDecode.clear` drops them whenever one of those is reallocated
-(sleep, wake-up, a new cache), and the next use recaptures, timed in ``capture_s``.
+(sleep, wake-up, a new cache, a parameter replaced instead of written in place: each
+generate compares the weights' addresses with those captured), and the next use
+recaptures, timed in ``capture_s``.
 """
 
 from __future__ import annotations
@@ -82,6 +84,16 @@ class StaticDecode:
         self._pool = None
         self._composition: tuple | None = None
         self._flags = (True, False)
+        self._weights: list[int] | None = None  # the parameters' addresses the steps read
+
+    def follow_weights(self, model: torch.nn.Module) -> None:
+        """Drop the prepared steps if a weight's storage moved since they were prepared (a
+        parameter replaced, e.g. by ``load_state_dict(assign=True)``): a graph replayed would
+        read the old memory. Weights written in place (a weight sync) keep them."""
+        where = [p.data_ptr() for p in model.parameters()]
+        if where != self._weights:
+            self.clear()
+            self._weights = where
 
     def clear(self) -> None:
         """Forget every captured step (their addresses are about to become invalid)."""

@@ -237,6 +237,7 @@ class ModelRunner:
             self.stats["pack_s"] = time.perf_counter() - t0
         if self.static is not None:
             self.static.forget_rows()
+            self.static.follow_weights(self.model)
         return self.cache.num_slots
 
     def move(self, src: int, dst: int, length: int) -> None:

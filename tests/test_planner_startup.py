@@ -132,3 +132,21 @@ def test_a_plugins_role_and_a_trained_recipe_role_are_planned(tmp_path):
     frozen = load_config(PPOJobConfig, "distill", base + [f"roles.teacher.model.path={model}"])
     one = estimate(wp, configured_plan(prm, 2, wp), _a100()).peak_bytes[0]
     assert one > estimate(workload(frozen), configured_plan(frozen, 2, workload(frozen)), _a100()).peak_bytes[0]
+
+
+@pytest.mark.parametrize("name", ["NVIDIA H200", "NVIDIA L40S"])
+def test_the_device_profile_of_a_known_and_an_unknown_gpu(monkeypatch, name):
+    """A GPU a built-in profile names gets its rates; any other gets placeholders (the start-up
+    check reads the memory alone): both with the memory torch reports."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from minihf.planner.profiles import BUILTIN
+    from minihf.planner.startup import device_profile
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: SimpleNamespace(name=name, total_memory=48 * 2**30))
+    profile = device_profile(0)
+    assert profile.name == name and profile.memory_bytes == 48 * 2**30
+    assert (profile.flops == BUILTIN["H200"].flops) == (name == "NVIDIA H200")

@@ -54,8 +54,10 @@ def device_profile(device) -> DeviceProfile:
 
     props = torch.cuda.get_device_properties(device)
     known = next((p for key, p in BUILTIN.items() if key.split("-")[0] in props.name), None)
-    base = known or DeviceProfile(props.name, 0.0, 1e14, 1e12, 1e11, 1e10, source="torch.cuda")
-    return dataclasses.replace(base, name=props.name, memory_bytes=float(props.total_memory))
+    memory = float(props.total_memory)
+    if known is None:  # rates are placeholders: the check reads the memory alone
+        return DeviceProfile(props.name, memory, 1e14, 1e12, 1e11, 1e10, source="torch.cuda")
+    return dataclasses.replace(known, name=props.name, memory_bytes=memory)
 
 
 def check_memory(cfg, world: int, profile: DeviceProfile) -> None:

@@ -24,10 +24,11 @@ after each (a check cut short by the machine's time limit still leaves what it f
    after, wall time, within ``--main-job-limit`` seconds, and its step 100 under
    torch.profiler (``trainer.profile_steps``): the ops that take its time.
 
-The quickest section runs first, so that a window cut short still reports figures.
-``--sections`` picks some of 2-5 (the machine is always reported): with calls capped at 10
-minutes, ``--sections bench tests``, then ``memory``, then ``main-job`` (the memory and
-main-job limits together fill 10 minutes).
+The quickest section runs first, so that a window cut short still reports figures; section 2
+writes its rows as they are measured (a call stopped from outside keeps them), sections 3-5
+run under their own limits. ``--sections`` picks some of 2-5 (the machine is always
+reported): with calls capped at 10 minutes, ``--sections bench tests`` first (the issue's
+rows), then ``main-job`` (its limit alone fills a call), then ``memory``.
 
 ``--dry-run`` runs sections 1, 2 and 4 on the CPU with a tiny model in fp32 (4 at one length,
 two settings, its peak read from Linux's counters), collects the GPU tests without running
@@ -73,10 +74,15 @@ class Report:
         self.failures = 0
 
     def section(self, name: str, fn) -> None:
+        """``fn`` returns the section's lines, or yields them in chunks: the report is then
+        rewritten after each, so a call stopped from outside keeps the rows done."""
         self.lines += [f"## {name}", ""]
         t0 = time.perf_counter()
         try:
-            self.lines += fn()
+            result = fn()
+            for chunk in [result] if isinstance(result, list) else result:
+                self.lines += chunk
+                self.path.write_text("\n".join(self.lines))
             status = "ok"
         except Exception:  # noqa: BLE001 - the report must say what failed and go on
             self.failures += 1
@@ -174,12 +180,32 @@ def main_job(dry: bool, out: Path, limit_s: int) -> list[str]:
     lines = [f"`{' '.join(cmd[1:])}` in an empty directory (builds its data, model and SFT warm "
              f"start first): validation score {found.group(1)} -> {found.group(2)}, "
              f"{wall:.0f} s in all; {phases[0] if phases else ''}"]
+    lines += generation_summary(out / "main_job" / "metrics.jsonl")
     table = out / "main_job" / "profile" / f"step_{PROFILED_STEP}" / "rank0.txt"
     if table.exists():  # where the launch- and host-bound step's time goes, op by op
         lines += ["", f"Step {PROFILED_STEP} under torch.profiler (`trainer.profile_steps`; the "
                   "ops by their own GPU time, the first rows; the Chrome trace stays on the machine):",
                   "", "```", *table.read_text().splitlines()[:PROFILE_ROWS], "```"]
     return lines
+
+
+def generation_summary(path: Path) -> list[str]:
+    """The main job's generation from its metrics.jsonl: the seconds of ``gen`` and of its
+    parts over the run (the CUDA graphs' captures among them: the engine sleeps after each
+    step, so each step captures its buckets again), and the worst engine-vs-trainer
+    log-prob gap in units of its rounding bound (``check_log_probs=error`` passes at <= 1)."""
+    import json
+
+    if not path.exists():
+        return ["", f"(no {path.name}: the generation's parts are not shown)"]
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if "timing_s/gen" in r]
+    total = {k: sum(r.get(f"timing_s/{k}", 0.0) for r in rows)
+             for k in ("gen", "gen_prefill", "gen_decode", "gen_capture")}
+    ratios = [r["training/rollout_log_prob_bound_ratio"] for r in rows if "training/rollout_log_prob_bound_ratio" in r]
+    worst = f"{max(ratios):.3f} (the worst step; <= 1: `check_log_probs=error` passes)" if ratios else "not logged"
+    return ["", f"Generation over {len(rows)} steps: " + ", ".join(f"{k} {v:.1f} s" for k, v in total.items())
+            + f"; engine vs trainer log-probs, in units of their rounding bound: {worst}."]
 
 
 def memory(device: torch.device, dry: bool, out: Path, limit_s: int) -> list[str]:
@@ -226,7 +252,9 @@ def peaks(device: torch.device, dtype: torch.dtype, dry: bool) -> dict[str, floa
     return {"flops": 2 * n**3 / mm, "bandwidth": 2 * size / cp}
 
 
-def benchmark(device: torch.device, dry: bool) -> list[str]:
+def benchmark(device: torch.device, dry: bool):
+    """The 0.5B section's lines, yielded as each part is measured (the report keeps the
+    parts done if the call is stopped from outside)."""
     from minihf.models import ModelArgs, build_model, init_weights
     from minihf.models.model import compile_blocks
 
@@ -256,6 +284,7 @@ def benchmark(device: torch.device, dry: bool) -> list[str]:
     flops = 2 * (matmul - args.vocab_size * args.hidden_size) * b * t + attn_flops(b, t)
     lines.append(f"| prefill (forward) | {b} x {t} | {s * 1e3:.1f} ms | {rate(flops / s)} "
                  f"| {rate(peak['flops'])} | {flops / s / peak['flops']:.1%} |")
+    yield lines
     b, t = (2, 64) if dry else (4, 1024)
     ids = torch.randint(0, args.vocab_size, (b, t), device=device)
     model.train()
@@ -264,49 +293,61 @@ def benchmark(device: torch.device, dry: bool) -> list[str]:
         m(ids).float().logsumexp(-1).mean().backward()
     s = timed(step, device)
     model.zero_grad(set_to_none=True)
-    # actor.use_torch_compile: the same step with each block's norms and MLP compiled (a
-    # copy; its first call compiles, untimed), timed right after the eager one
-    compiled = compile_blocks(copy.deepcopy(model))
-    step(compiled)
-    sc = timed(lambda: step(compiled), device)
-    compiled = None  # frees the copy
-    model.eval()
     flops = 3 * (2 * matmul * b * t + attn_flops(b, t))
-    lines.append(f"| training (forward + backward) | {b} x {t} | {s * 1e3:.1f} ms | "
-                 f"{rate(flops / s)} | {rate(peak['flops'])} | {flops / s / peak['flops']:.1%} |")
-    lines.append(f"| training, `use_torch_compile` ({s / sc:.2f}x the row above) | {b} x {t} | {sc * 1e3:.1f} ms | "
-                 f"{rate(flops / sc)} | {rate(peak['flops'])} | {flops / sc / peak['flops']:.1%} |")
+    yield [f"| training (forward + backward) | {b} x {t} | {s * 1e3:.1f} ms | "
+           f"{rate(flops / s)} | {rate(peak['flops'])} | {flops / s / peak['flops']:.1%} |"]
+    # actor.use_torch_compile: the same step with each block's norms and MLP compiled (a
+    # copy; its first call compiles, untimed), timed right after the eager one. Inductor may
+    # be missing what it needs here (Triton, a C compiler): a failure is its row
+    row = "| training, `use_torch_compile`"
+    try:
+        compiled = compile_blocks(copy.deepcopy(model))
+        step(compiled)
+        sc = timed(lambda: step(compiled), device)
+        row += (f" ({s / sc:.2f}x the row above) | {b} x {t} | {sc * 1e3:.1f} ms | "
+                f"{rate(flops / sc)} | {rate(peak['flops'])} | {flops / sc / peak['flops']:.1%} |")
+    except Exception as exc:  # noqa: BLE001 - recorded, the other rows stand
+        row += f" | {b} x {t} | failed: {type(exc).__name__}: {str(exc).strip()[:160]!r} | | | |"
+    compiled = None  # frees the copy
+    model.zero_grad(set_to_none=True)
+    model.eval()
+    yield [row]
     weight_bytes = params * torch.finfo(dtype).bits // 8
-    lines += decode_rows(model, args, device, dtype, weight_bytes, peak["bandwidth"], dry)
+    yield from decode_rows(model, args, device, dtype, weight_bytes, peak["bandwidth"], dry)
+    lines = []
     if device.type == "cuda":
         lines += ["", f"Peak memory: {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB allocated "
                   f"({torch.cuda.max_memory_reserved(device) / 2**30:.1f} GiB reserved)"]
-    lines += ["", "MFU counts 2 FLOPs per multiply-add of the matmul parameters per token (x3 for "
-              "forward + backward) plus causal attention; the decode bound reads each weight and "
-              "the KV cache once per step at half the copy bandwidth (a copy reads and writes)."]
-    return lines
+    yield lines + ["", "MFU counts 2 FLOPs per multiply-add of the matmul parameters per token (x3 for "
+                   "forward + backward) plus causal attention; the decode bound reads each weight and "
+                   "the KV cache once per step at the copy's bytes per second (read + written: the "
+                   "memory's rate, whichever way the bytes go)."]
 
 
-def decode_rows(model, args, device, dtype, weight_bytes: int, bandwidth: float, dry: bool) -> list[str]:
+def decode_rows(model, args, device, dtype, weight_bytes: int, bandwidth: float, dry: bool):
     """Decode per batch, minihf's eager step against its fast one (``enforce_eager=False``:
     a CUDA graph per bucket; the dry run's CPU runs the same static step uncaptured) and
     transformers' static-cache generate compiled (``reduce-overhead``) where it runs: the same
     prompts and lengths, each against the bandwidth bound. The fast path's tokens are compared
     with the eager path's (bf16: a near-tie may flip a sampled token, then the sequence
-    differs) and its log-probs' largest gap on the tokens both sampled is shown."""
+    differs) and its log-probs' largest gap on the tokens both sampled is shown. Yields the
+    table's head, then each batch's rows as they are measured."""
     from minihf.rollout import LLM, SamplingParams
 
     L, kv = args.num_hidden_layers, args.num_key_value_heads
     new, prompt = (16, 16) if dry else (128, 32)
-    rows = ["", "Decode (prefill included), the same prompts and lengths on each path:", "",
-            "| batch | path | time | tokens/s | bound | of bound | vs eager |", "|---|---|---|---|---|---|---|"]
+    yield ["", "Decode (prefill included), the same prompts and lengths on each path:", "",
+           "| batch | path | time | tokens/s | bound | of bound | vs eager |", "|---|---|---|---|---|---|---|"]
     agree = []
     for batch in ((1, 4) if dry else (1, 16, 64, 256)):
+        rows = []
         prompts = [[(7 * i + j) % args.vocab_size for j in range(prompt)] for i in range(batch)]
         sp = SamplingParams(temperature=1.0, max_tokens=new, ignore_eos=True, seed=0)
         # per decode step: every weight once, plus the KV cache of all sequences so far
         kv_bytes = 2 * L * kv * args.head_dim * (prompt + new / 2) * batch * torch.finfo(dtype).bits // 8
-        bound = bandwidth / 2 / (weight_bytes + kv_bytes) * batch   # reads only: half the copy figure
+        # the copy's figure counts bytes read + written: the memory's rate, which a stream of
+        # reads alone reaches too (the first window's report halved it: its bounds read 2x low)
+        bound = bandwidth / (weight_bytes + kv_bytes) * batch
         outs, times = {}, {}
         for path, decode in (("minihf eager", "eager"), ("minihf fast", "static" if dry else "graph")):
             llm = LLM(model, dtype=dtype, device=str(device), max_num_seqs=batch, eos_token_ids=(), decode=decode)
@@ -330,33 +371,36 @@ def decode_rows(model, args, device, dtype, weight_bytes: int, bandwidth: float,
             gap = max([gap] + [abs(a - b) for a, b in zip(e.logprobs[:k + 1], f.logprobs[:k + 1])])
         agree.append(f"batch {batch}: {same}/{batch} sequences token-identical, largest log-prob gap "
                      f"{gap:.2e} up to the first differing token; buckets captured in the timed call: {captured}")
-    return rows + ["", "Fast path vs eager: " + "; ".join(agree) + "."]
+        yield rows
+    yield ["", "Fast path vs eager: " + "; ".join(agree) + "."]
 
 
 def hf_static_compiled(model, prompts, new: int, device, dtype, dry: bool) -> float:
-    """transformers' best generate on the same weights: a static KV cache and the forward
-    compiled with CUDA graphs (``reduce-overhead``); seconds of the best of two timed calls.
-    The dry run compiles with the ``eager`` backend: the same calls, none of inductor's
-    minutes on a CPU."""
+    """transformers' best generate on the same weights: a static KV cache, its decode
+    forward compiled by ``generate`` itself (``CompileConfig``: inductor, ``reduce-overhead``,
+    i.e. CUDA graphs); seconds of the best of two timed calls after the compiling one. The
+    dry run compiles with the ``eager`` backend (asked for on the CPU): the same calls, none
+    of inductor's minutes."""
     import tempfile
 
     from transformers import AutoModelForCausalLM
+    from transformers.generation.configuration_utils import CompileConfig
 
     from minihf.models import save_hf
 
     with tempfile.TemporaryDirectory() as tmp:
         save_hf(model, tmp)
         hf = AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype).to(device).eval()
-    hf.generation_config.cache_implementation = "static"
-    hf.forward = (torch.compile(hf.forward, backend="eager", fullgraph=True) if dry
-                  else torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True))
+    config = CompileConfig(backend="eager") if dry else CompileConfig(mode="reduce-overhead")
+    config._compile_all_devices = dry  # CUDA compiles by itself; the CPU only when asked
     ids = torch.tensor(prompts, device=device)
     mask = torch.ones_like(ids)
 
     def run():
         with torch.no_grad():
             hf.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=True,
-                        temperature=1.0, top_k=0, pad_token_id=0)
+                        temperature=1.0, top_k=0, pad_token_id=0, cache_implementation="static",
+                        compile_config=config)
     return timed(run, device, repeats=2)
 
 
@@ -365,7 +409,9 @@ def main() -> None:
     p.add_argument("out", help="directory for the report (gpu_check.md) and logs")
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny model, seconds")
     p.add_argument("--tests-limit", type=int, default=150, help="seconds for pytest -m gpu (71 s on an H200)")
-    p.add_argument("--main-job-limit", type=int, default=360, help="seconds for the main job (it took 296 s on an H200)")
+    p.add_argument("--main-job-limit", type=int, default=540,
+                   help="seconds for the main job (296 s on an H200 before the CUDA-graph decode; each step "
+                        "now captures its buckets again after the engine sleeps)")
     p.add_argument("--memory-limit", type=int, default=240, help="seconds for the memory rows (12 processes)")
     p.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
                    help="which sections run (the machine is always reported)")

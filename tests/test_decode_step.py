@@ -271,9 +271,10 @@ def test_the_static_step_never_waits_on_the_device(tiny, tmp_path, monkeypatch, 
 
 def test_replays_read_what_was_captured_or_the_graphs_are_dropped(tiny, monkeypatch):
     """Generates after the weights were written in place (as a weight sync writes them:
-    the graphs are replayed), after sleep and wake-up (new storage: recaptured) and after a
+    the graphs are replayed), after sleep and wake-up (new storage: recaptured), after a
     parameter was replaced (``load_state_dict(assign=True)``, new storage without sleep:
-    recaptured). In every case each replay reads the storages its capture read."""
+    recaptured) and after RoPE's table was rebuilt by a longer forward (recaptured). In
+    every case each replay reads the storages its capture read."""
     seen = _watch_host_reads(monkeypatch)
     model = load_hf(tiny)
     llm = LLM(model, max_num_seqs=4, decode="static", cudagraph_capture_sizes=[1, 2])
@@ -295,4 +296,8 @@ def test_replays_read_what_was_captured_or_the_graphs_are_dropped(tiny, monkeypa
     model.load_state_dict({n: t * 0.5 for n, t in saved.items()}, assign=True)
     llm.generate(PROMPTS, sp)
     assert llm.engine.last_stats["captures"] > 0  # the weights moved: the old graphs are gone
+    with torch.no_grad():
+        model(torch.zeros(1, 600, dtype=torch.long))  # another forward grows (rebuilds) RoPE's table
+    llm.generate(PROMPTS, sp)
+    assert llm.engine.last_stats["captures"] > 0
     assert seen["steps"] >= 20 and seen["moved"] == [], seen

@@ -2,6 +2,7 @@
 section runs (the GPU tests collected, the main job's command shown, the benchmark on a tiny
 fp32 model) and the report says each one is ok; its limits keep a run cut short readable."""
 
+import json
 import os
 import re
 import subprocess
@@ -80,7 +81,8 @@ def test_gpu_check_refuses_a_limit_below_one_second(tmp_path):
 
 def test_the_main_job_section_reports_score_phases_and_the_profiled_step(tmp_path, monkeypatch):
     """What the main job's section makes of a finished job (the job itself stubbed): the
-    validation scores, the phase line and the first rows of its profiled step's table."""
+    validation scores, the phase line, the generation's parts and log-prob check from its
+    metrics.jsonl and the first rows of its profiled step's table."""
 
     sys.path.insert(0, str(ROOT / "scripts"))
     try:
@@ -90,6 +92,12 @@ def test_the_main_job_section_reports_score_phases_and_the_profiled_step(tmp_pat
     table = tmp_path / "main_job" / "profile" / f"step_{gpu_check.PROFILED_STEP}" / "rank0.txt"
     table.parent.mkdir(parents=True)
     table.write_text("\n".join(f"row {i}" for i in range(100)))
+    metrics = [{"step": 1, "timing_s/gen": 2.0, "timing_s/gen_prefill": 0.5, "timing_s/gen_decode": 1.0,
+                "timing_s/gen_capture": 0.25, "training/rollout_log_prob_bound_ratio": 0.5},
+               {"step": 2, "val-core/mean": 0.5},
+               {"step": 3, "timing_s/gen": 3.0, "timing_s/gen_prefill": 0.5, "timing_s/gen_decode": 2.0,
+                "timing_s/gen_capture": 0.5, "training/rollout_log_prob_bound_ratio": 0.75}]
+    (tmp_path / "main_job" / "metrics.jsonl").write_text("\n".join(json.dumps(m) for m in metrics))
     ran = []
 
     def finished(cmd, cwd, log, limit_s, option):
@@ -101,6 +109,8 @@ def test_the_main_job_section_reports_score_phases_and_the_profiled_step(tmp_pat
     text = "\n".join(lines)
     assert "validation score 0.3760 -> 0.9167" in text and "wall time 270.7s; by phase: x" in text, text
     assert f"row {gpu_check.PROFILE_ROWS - 1}" in text and f"row {gpu_check.PROFILE_ROWS}\n" not in text, text
+    assert ("Generation over 2 steps: gen 5.0 s, gen_prefill 1.0 s, gen_decode 3.0 s, gen_capture 0.8 s; "
+            "engine vs trainer log-probs, in units of their rounding bound: 0.750") in text, text
 
 
 def test_gpu_check_runs_the_sections_asked(tmp_path):

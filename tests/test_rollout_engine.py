@@ -274,6 +274,19 @@ def test_memory_budget_and_free(tiny_dirs):
         llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2))
 
 
+def test_the_cuda_budget_counts_the_blocks_torch_caches_but_does_not_use(tiny_dirs, monkeypatch):
+    """``gpu_memory_utilization`` of the free CUDA memory: the driver's free bytes plus those
+    torch holds unused (freed activations, moments moved to the host); the CUDA calls faked."""
+    path, _ = tiny_dirs["llama"]
+    runner = LLM(str(path)).engine.runner
+    runner.device, runner.gpu_memory_utilization = torch.device("cuda"), 0.5
+    per_slot = 2 * 2 * 2 * 15 * 16 * 4
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (6 * per_slot, 100 * per_slot))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 9 * per_slot)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 5 * per_slot)
+    assert runner._slot_budget(15, torch.float32) == 5  # (6 + 9 - 5) / 2
+
+
 def test_length_buckets_bound_padding():
     import random
 

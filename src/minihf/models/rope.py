@@ -82,17 +82,18 @@ class RopeTable:
         self.min_len = max(self.min_len, length)
 
     def __call__(self, positions: torch.Tensor, dtype: torch.dtype, bound: int | None = None):
-        device = positions.device
-        if device.type != "cpu":
-            need = max(self.min_len, bound or 0)
-        elif bound is not None:
-            need = bound
-        else:
-            need = int(positions.max()) + 1 if positions.numel() else 1
-        if self.key != (device, dtype) or self.cos.shape[0] < need:
-            self._build(device, dtype, need)
+        if bound is None and positions.device.type == "cpu":
+            bound = int(positions.max()) + 1 if positions.numel() else 1
+        self.prepare(positions.device, dtype, bound)
         # F.embedding is the cheapest row gather; [B, T, hd] -> [B, 1, T, hd] broadcasts over heads
         return F.embedding(positions, self.cos)[:, None], F.embedding(positions, self.sin)[:, None]
+
+    def prepare(self, device: torch.device, dtype: torch.dtype, bound: int | None = None) -> None:
+        """Build the table for ``device`` and ``dtype`` unless it covers positions below
+        ``bound`` already (and, off the CPU, ``min_len``)."""
+        need = bound if device.type == "cpu" else max(self.min_len, bound or 0)
+        if self.key != (device, dtype) or self.cos.shape[0] < need:
+            self._build(device, dtype, need)
 
     def _build(self, device: torch.device, dtype: torch.dtype, need: int) -> None:
         length = max(need, self.min_len) if device.type != "cpu" \

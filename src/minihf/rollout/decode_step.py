@@ -86,11 +86,18 @@ class StaticDecode:
         self._flags = (True, False)
         self._weights: list[int] | None = None  # the parameters' addresses the steps read
 
-    def follow_weights(self, model: torch.nn.Module) -> None:
+    def follow_weights(self, model: torch.nn.Module, length: int) -> None:
         """Drop the prepared steps if a weight's storage moved since they were prepared (a
-        parameter replaced, e.g. by ``load_state_dict(assign=True)``): a graph replayed would
-        read the old memory. Weights written in place (a weight sync) keep them."""
+        parameter replaced, e.g. by ``load_state_dict(assign=True)``, or RoPE's table rebuilt
+        by another user of the model): a graph replayed would read the old memory. Weights
+        written in place (a weight sync) keep them. RoPE's table is first built to cover the
+        cache's ``length``, so no forward of the generate rebuilds it."""
         where = [p.data_ptr() for p in model.parameters()]
+        rope = getattr(getattr(model, "model", None), "rope", None)
+        if rope is not None:
+            weight = next(model.parameters())
+            rope.prepare(weight.device, weight.dtype, length)
+            where.append(rope.cos.data_ptr())
         if where != self._weights:
             self.clear()
             self._weights = where
@@ -165,6 +172,8 @@ class StaticDecode:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: the controller's receive threads may allocate or launch meanwhile
+        # (on their own streams); "global" would fail the capture for that
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             body()
         return graph.replay

@@ -200,7 +200,8 @@ class ModelRunner:
         per_slot = SlotKVCache.bytes_per_slot(layers, kv, max_len, hd, dtype)
         budget = self.kv_cache_memory
         if budget is None and self.gpu_memory_utilization is not None and self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
+            free, _ = torch.cuda.mem_get_info(self.device)  # blocks torch caches but does not use are free too
+            free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
             budget = int(free * self.gpu_memory_utilization)
         if budget is None:
             return None
@@ -237,7 +238,7 @@ class ModelRunner:
             self.stats["pack_s"] = time.perf_counter() - t0
         if self.static is not None:
             self.static.forget_rows()
-            self.static.follow_weights(self.model)
+            self.static.follow_weights(self.model, self.cache.max_len)
         return self.cache.num_slots
 
     def move(self, src: int, dst: int, length: int) -> None:

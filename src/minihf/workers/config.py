@@ -293,7 +293,7 @@ class RolloutConfig:
     max_num_seqs: int = 256              # sequences decoded at once (continuous batching slots)
     max_num_batched_tokens: Optional[int] = None  # prefill token cap per engine step; null: none
     enable_chunked_prefill: bool = False  # a context over max_num_batched_tokens is prefilled in pieces over several steps while the others decode (needs max_num_batched_tokens)
-    gpu_memory_utilization: float = 0.5  # of free CUDA memory, for the KV cache
+    gpu_memory_utilization: float = 0.5  # of free CUDA memory (torch's unused cached blocks included), for the KV cache
     free_cache_engine: bool = True       # free engine weights and KV cache after each generation
     reshard: Literal["hybrid", "naive"] = "hybrid"  # hybrid: TP slices within N/t ranks; naive: gather all
     reshard_bucket_mb: int = 32          # small tensors travel together up to this size

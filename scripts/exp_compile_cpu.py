@@ -15,9 +15,8 @@ use, and each compile's seconds are printed). Per path: seconds per generate, mi
 per new token (the prefill included), and against ``eager`` how many sequences' tokens
 differ and the largest log-prob difference.
 
-For a whole graph the experiment builds the RoPE table to the cache's length first and reads
-it without the CPU's grow-on-demand host check (a data-dependent ``int(positions.max())``:
-a graph break, and a recompile per position); everything else is the library's code.
+Everything is the library's code: a forward with a KV cache builds RoPE's table to the
+cache's length without reading the positions, so the step is one graph.
 The finding is in docs/models.md (the decode step on CPU).
 """
 
@@ -28,22 +27,10 @@ import tempfile
 import time
 
 import torch
-import torch.nn.functional as F
 
-from minihf.models import rope as rope_module
 from minihf.rollout import decode_step
 from minihf.rollout.llm import LLM
 from minihf.rollout.sampling import SamplingParams
-
-_table = rope_module.RopeTable.__call__
-
-
-def rope_without_growth(self, positions, dtype):
-    """The table's rows as they are when compiling (built to the cache's length beforehand)."""
-    if torch.compiler.is_compiling():
-        return F.embedding(positions, self.cos)[:, None], F.embedding(positions, self.sin)[:, None]
-    return _table(self, positions, dtype)
-
 
 class CompiledSteps:
     """``StaticDecode._prepare`` for the compiled LLM: each bucket's step compiled, timed."""
@@ -53,7 +40,6 @@ class CompiledSteps:
 
     def __call__(self, static, key, forward, cache):
         body = static._body(key, forward, cache)
-        forward.model.rope(torch.tensor([cache.max_len - 1]), self.dtype)  # rows for the whole cache
         step = torch.compile(body, fullgraph=True, dynamic=False, **({"mode": self.mode} if self.mode else {}))
         t0 = time.perf_counter()
         step()  # the compile; it also writes the keys and values the step would (same inputs)
@@ -97,7 +83,6 @@ def main() -> None:
 def run(path: str, args) -> None:
     dtype = getattr(torch, args.dtype)
     steps = CompiledSteps(args.mode, dtype)
-    rope_module.RopeTable.__call__ = rope_without_growth
     llms = {name: LLM(path, dtype=dtype, device="cpu", max_num_seqs=args.batch, decode=mode)
             for name, mode in (("eager", "eager"), ("static", "static"), ("compiled", "static"))}
     vocab = llms["eager"].engine.model.args.vocab_size

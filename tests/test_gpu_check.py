@@ -26,7 +26,7 @@ def test_gpu_check_dry_run(tmp_path):
     assert report.count("(ok, ") == 5 and "FAILED" not in report, report
     row = next(line for line in report.splitlines() if line.startswith("| 256 | "))  # bench_memory's table
     assert re.fullmatch(r"\| 256 \| [0-9.]+ MB, [0-9.]+ s \| [0-9.]+ MB, [0-9.]+ s \|", row), row
-    assert "9 tests collected" in report, report          # tests/test_gpu.py imports and collects
+    assert "11 tests collected" in report, report          # tests/test_gpu.py imports and collects
     for phase in ("prefill (forward)", "training (forward + backward)", "| 1 | minihf eager |", "| 1 | minihf fast |",
                   "| 4 | minihf eager |", "| 4 | minihf fast |", "| 4 | transformers static+compile |"):
         assert phase in report, report

@@ -91,7 +91,7 @@ class RopeTable:
     def prepare(self, device: torch.device, dtype: torch.dtype, bound: int | None = None) -> None:
         """Build the table for ``device`` and ``dtype`` unless it covers positions below
         ``bound`` already (and, off the CPU, ``min_len``)."""
-        need = bound if device.type == "cpu" else max(self.min_len, bound or 0)
+        need = (bound or 1) if device.type == "cpu" else max(self.min_len, bound or 0)
         if self.key != (device, dtype) or self.cos.shape[0] < need:
             self._build(device, dtype, need)
 

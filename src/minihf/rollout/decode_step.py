@@ -94,8 +94,8 @@ class StaticDecode:
         cache's ``length``, so no forward of the generate rebuilds it."""
         where = [p.data_ptr() for p in model.parameters()]
         rope = getattr(getattr(model, "model", None), "rope", None)
-        if rope is not None:
-            weight = next(model.parameters())
+        if rope is not None:  # built for the embeddings' dtype, the forward's activations'
+            weight = model.model.embed_tokens.weight
             rope.prepare(weight.device, weight.dtype, length)
             where.append(rope.cos.data_ptr())
         if where != self._weights:

@@ -163,15 +163,17 @@ class HostReads(TorchDispatchMode):
     device's data: a value read on the host (``.item()``, ``int(t)``, ``if t:``: ``item``
     or ``_local_scalar_dense``, whichever the mode sees), an output whose shape depends on
     the data (``nonzero``, a boolean index, ``unique``, ``masked_select``,
-    ``repeat_interleave`` without its size), and a tensor made from Python data inside the
-    step (a constant frozen at capture). ``tolist``/``numpy`` bypass the dispatcher: the
-    caller patches them.
+    ``repeat_interleave`` without its size, ``bincount``; ``equal`` answers on the host), and
+    a tensor made from Python data inside the step (a constant frozen at capture).
+    ``tolist``/``numpy``/``cpu`` are not seen as a device read on the CPU: the caller
+    patches them. What it does not list it does not see.
 
     ``reads`` collects the storages the step reads that it did not make (weights, the KV
     cache, the static buffers, RoPE's table): a replayed graph reads them at the addresses
     they had at capture."""
 
-    DATA_SHAPED = {"nonzero", "masked_select", "unique", "_unique2", "unique_dim", "unique_consecutive"}
+    DATA_SHAPED = {"nonzero", "masked_select", "unique", "_unique2", "unique_dim", "unique_consecutive",
+                   "bincount", "equal", "is_nonzero"}
 
     def __init__(self):
         super().__init__()
@@ -210,7 +212,7 @@ def _watch_host_reads(monkeypatch) -> dict:
     make = StaticDecode._body
 
     def refuse(*_, **__):
-        raise AssertionError("tolist()/numpy() inside the static decode step")
+        raise AssertionError("tolist()/numpy()/cpu() inside the static decode step")
 
     def watched_body(self, key, forward, cache):
         body = make(self, key, forward, cache)
@@ -220,6 +222,7 @@ def _watch_host_reads(monkeypatch) -> dict:
             with HostReads() as probe, monkeypatch.context() as m:
                 m.setattr(torch.Tensor, "tolist", refuse)
                 m.setattr(torch.Tensor, "numpy", refuse)
+                m.setattr(torch.Tensor, "cpu", refuse)
                 m.setattr(moe, "_capturing", lambda: True)
                 body()
             seen["steps"] += 1
@@ -237,7 +240,8 @@ def _watch_host_reads(monkeypatch) -> dict:
 def test_the_probe_sees_what_a_graph_cannot_capture():
     t = torch.arange(6)
     for read in (lambda: int(t.max()), lambda: bool(t.any()), lambda: t[t > 2], lambda: t.nonzero(),
-                 lambda: torch.tensor([1, 2]), lambda: t.repeat_interleave(t), lambda: t.unique()):
+                 lambda: torch.tensor([1, 2]), lambda: t.repeat_interleave(t), lambda: t.unique(),
+                 lambda: t.bincount(), lambda: torch.equal(t, t)):
         with HostReads() as probe:
             read()
         assert probe.hits, read

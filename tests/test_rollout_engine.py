@@ -275,8 +275,9 @@ def test_memory_budget_and_free(tiny_dirs):
 
 
 def test_the_cuda_budget_counts_the_blocks_torch_caches_but_does_not_use(tiny_dirs, monkeypatch):
-    """``gpu_memory_utilization`` of the free CUDA memory: the driver's free bytes plus those
-    torch holds unused (freed activations, moments moved to the host); the CUDA calls faked."""
+    """``gpu_memory_utilization`` of the free CUDA memory: the driver's free bytes plus the
+    segments torch caches with nothing in them (freed activations, moments moved to the
+    host), not the gaps between live blocks; the CUDA calls faked."""
     path, _ = tiny_dirs["llama"]
     runner = LLM(str(path)).engine.runner
     runner.device, runner.gpu_memory_utilization = torch.device("cuda"), 0.5
@@ -284,7 +285,8 @@ def test_the_cuda_budget_counts_the_blocks_torch_caches_but_does_not_use(tiny_di
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (6 * per_slot, 100 * per_slot))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 9 * per_slot)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 5 * per_slot)
-    assert runner._slot_budget(15, torch.float32) == 5  # (6 + 9 - 5) / 2
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device: {"inactive_split_bytes.all.current": 2 * per_slot})
+    assert runner._slot_budget(15, torch.float32) == 4  # (6 + 9 - 5 - 2) / 2: free gaps between live blocks not counted
 
 
 def test_length_buckets_bound_padding():

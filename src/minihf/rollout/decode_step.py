@@ -97,7 +97,7 @@ class StaticDecode:
         if rope is not None:  # built for the embeddings' dtype, the forward's activations'
             weight = model.model.embed_tokens.weight
             rope.prepare(weight.device, weight.dtype, length)
-            where.append(rope.cos.data_ptr())
+            where += [rope.cos.data_ptr(), rope.sin.data_ptr()]
         if where != self._weights:
             self.clear()
             self._weights = where

@@ -200,8 +200,11 @@ class ModelRunner:
         per_slot = SlotKVCache.bytes_per_slot(layers, kv, max_len, hd, dtype)
         budget = self.kv_cache_memory
         if budget is None and self.gpu_memory_utilization is not None and self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)  # blocks torch caches but does not use are free too
-            free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+            free, _ = torch.cuda.mem_get_info(self.device)
+            # and the segments torch caches with nothing in them (not the gaps between live
+            # blocks of a segment: a cache's tensors do not fit there)
+            idle = torch.cuda.memory_stats(self.device).get("inactive_split_bytes.all.current", 0)
+            free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device) - idle
             budget = int(free * self.gpu_memory_utilization)
         if budget is None:
             return None

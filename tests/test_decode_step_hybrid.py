@@ -3,11 +3,12 @@ captures, run uncaptured here (the CPU's engine decodes eagerly by default, so i
 not run TP's all-reduce inside this step). Over two rounds of weight sync -> generate -> sleep, with
 the weights changed between them: the same tokens as the eager step, log-probs within their
 rounding bound of a float64 forward of the full model, each round prepares its buckets
-again (the engine slept: on CUDA they would be captured again), and no op of the step reads
-a device value on the host. On NCCL the all-reduce is a kernel on the step's stream, which
+again (the engine slept: on CUDA they would be captured again), no op of the step reads a
+device value on the host, and each replay reads the storages its capture read. On NCCL the all-reduce is a kernel on the step's stream, which
 the capture records; on gloo it runs on the host, which is why the CPU runs the step as is.
 """
 
+import pytest
 import torch
 
 from logprob_reference import float64_log_probs, rounding_ratio
@@ -27,23 +28,10 @@ def _rank(rank, world, path):
     from minihf.models import load_hf
     from minihf.parallel.fsdp import apply_fsdp, fsdp_mesh
     from minihf.rollout import SamplingParams
-    from minihf.rollout.decode_step import StaticDecode
     from minihf.workers.config import RolloutConfig
-    from test_decode_step import HostReads
+    from test_decode_step import _watch_host_reads
 
-    hits, steps = [], [0]
-    make = StaticDecode._body
-
-    def watched_body(self, key, forward, cache):
-        body = make(self, key, forward, cache)
-
-        def run():
-            with HostReads() as probe:
-                body()
-            hits.extend(probe.hits)
-            steps[0] += 1
-        return run
-    StaticDecode._body = watched_body  # this process only
+    seen = _watch_host_reads(pytest.MonkeyPatch())  # this process only: never undone
 
     gather, tp_group, tp_rank = rollout_groups(2)
     out = {}
@@ -63,7 +51,7 @@ def _rank(rank, world, path):
             out[mode, i] = ([g[0].tokens for g in groups], [g[0].logprobs for g in groups],
                             eng.engine.last_stats["captures"])
             eng.sleep()
-    out["hits"], out["steps"] = hits, steps[0]
+    out["seen"] = seen
     return out
 
 
@@ -88,5 +76,6 @@ def test_static_step_in_the_hybrid_engine_at_tp2(tmp_path):
                                        pairwise=True)
                 assert worst <= 1, (i, prompt, worst)
     for res in results:
-        assert res["steps"] >= 2 * 9 and res["hits"] == [], (res["steps"], res["hits"])
+        seen = res["seen"]
+        assert seen["steps"] >= 2 * 9 and seen["hits"] == [] and seen["moved"] == [], seen
         assert res["static", 0][0] != res["static", 1][0]  # round 2's weights reached the engine

@@ -250,6 +250,24 @@ def test_bad_engine_sizes_and_a_dtype_that_would_be_ignored_are_refused(tiny_dir
     assert LLM(model, dtype=torch.float32).generate([[1, 2]], SamplingParams(max_tokens=2))
 
 
+def test_dtype_by_name_as_vllm_takes_it(tiny_dirs):
+    """``dtype`` also takes vLLM's names ("float32", "bfloat16", "auto", ...); a string torch
+    does not know was passed to ``model.to`` and failed there as an invalid device string."""
+    path = str(tiny_dirs["llama"][0])
+    for name, want in (("float32", torch.float32), ("float", torch.float32), ("bfloat16", torch.bfloat16),
+                       ("half", torch.float16), ("auto", torch.float32)):
+        llm = LLM(path, dtype=name, max_num_seqs=2)
+        assert next(llm.engine.model.parameters()).dtype == want, name
+    assert LLM(path, dtype="float32").generate([[1, 2]], SamplingParams(temperature=0, max_tokens=3)) \
+        [0].outputs[0].token_ids == LLM(path, dtype=torch.float32).generate(
+            [[1, 2]], SamplingParams(temperature=0, max_tokens=3))[0].outputs[0].token_ids
+    for bad in ("fp33", "int8", torch.int64, 32):
+        with pytest.raises(ValueError, match=re.escape(f"dtype={bad!r} is not a floating-point dtype; pass one of")):
+            LLM(path, dtype=bad)
+    with pytest.raises(ValueError, match=r"dtype=torch.bfloat16 but the model passed in is torch.float32"):
+        LLM(load_hf(path), dtype="bfloat16")
+
+
 def test_memory_budget_and_free(tiny_dirs):
     path, hf = tiny_dirs["llama"]
     llm = LLM(str(path), max_num_seqs=64)

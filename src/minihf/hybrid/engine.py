@@ -36,6 +36,7 @@ from minihf.parallel.fsdp import reshard as fsdp_reshard
 from minihf.parallel.tp import tp_rewrite
 from minihf.protocol import Batch
 from minihf.rollout import Engine, SamplingParams
+from minihf.rollout.llm import resolve_dtype
 from minihf.rollout.sampling import request_seed
 from minihf.hybrid.plan import plan_reshard
 from minihf.hybrid.reshard import reshard_into
@@ -47,9 +48,7 @@ SAMPLING_META = ("do_sample", "temperature", "top_k", "top_p", "n", "response_le
 
 
 def rollout_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+    return resolve_dtype(name, device)  # the config allows "auto", "float32" and "bfloat16"
 
 
 def _size(group) -> int:

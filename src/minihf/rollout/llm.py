@@ -80,10 +80,29 @@ def eos_ids_from_dir(path: Path, hf_config: dict) -> tuple[int, ...]:
                    where=(str(Path(path) / "config.json"), str(gen)))
 
 
+# vLLM's names for ``LLM(dtype=...)`` ("auto" is None: bf16 on CUDA, fp32 elsewhere)
+DTYPE_NAMES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+               "float16": torch.float16, "half": torch.float16}
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, device: str | torch.device) -> torch.dtype:
+    """``LLM``'s ``dtype`` (a torch dtype, one of :data:`DTYPE_NAMES`, or None / ``"auto"``)
+    as a torch dtype for ``device``."""
+    if dtype is None or dtype == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    if isinstance(dtype, str) and dtype in DTYPE_NAMES:
+        return DTYPE_NAMES[dtype]
+    if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+        return dtype
+    raise ValueError(f"dtype={dtype!r} is not a floating-point dtype; pass one of "
+                     f"{['auto', *DTYPE_NAMES]} or a torch dtype such as torch.bfloat16")
+
+
 class LLM:
     """Generate from a checkpoint dir (HF layout) or an in-memory minihf ``CausalLM``.
 
-    ``dtype``/``device`` default to bf16 on CUDA and fp32 on CPU; ``max_num_seqs`` caps the
+    ``dtype`` (a torch dtype or vLLM's names: ``"auto"``, ``"float32"``, ``"bfloat16"``,
+    ``"float16"``, ...) and ``device`` default to bf16 on CUDA and fp32 on CPU; ``max_num_seqs`` caps the
     concurrently running sequences (KV-cache slots); ``max_model_len`` caps prompt +
     completion (default: the model's ``max_position_embeddings``); ``kv_cache_memory``
     (bytes) or ``gpu_memory_utilization`` (fraction of free CUDA memory) bound the cache.
@@ -97,7 +116,7 @@ class LLM:
     ``max_num_batched_tokens`` in pieces while the other sequences decode.
     """
 
-    def __init__(self, model, tp_group=None, dtype: torch.dtype | None = None, device: str | None = None,
+    def __init__(self, model, tp_group=None, dtype: torch.dtype | str | None = None, device: str | None = None,
                  max_num_seqs: int = 256, max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
                  kv_cache_memory: int | None = None, gpu_memory_utilization: float | None = None,
                  eos_token_ids: tuple[int, ...] | None = None, seed: int = 0, cpu_column_major: bool | None = None,
@@ -108,13 +127,13 @@ class LLM:
                 device = f"cuda:{torch.cuda.current_device()}"
             else:
                 device = "cuda" if torch.cuda.is_available() else "cpu"
-        if dtype is not None and not isinstance(model, (str, Path)):
+        explicit = dtype not in (None, "auto")
+        dtype = resolve_dtype(dtype, device)
+        if explicit and not isinstance(model, (str, Path)):
             have = next(model.parameters()).dtype
             if have != dtype:  # it was ignored: dtype applies to a model this class loads
                 raise ValueError(f"dtype={dtype} but the model passed in is {have}; convert it first "
                                  f"(model.to({dtype})), or pass its checkpoint dir to load it in {dtype}")
-        if dtype is None:
-            dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
         if isinstance(model, (str, Path)):
             from minihf.models import load_hf
 

@@ -305,3 +305,57 @@ def test_replays_read_what_was_captured_or_the_graphs_are_dropped(tiny, monkeypa
     llm.generate(PROMPTS, sp)
     assert llm.engine.last_stats["captures"] > 0
     assert seen["steps"] >= 20 and seen["moved"] == [], seen
+
+
+def test_a_bucket_is_captured_at_its_second_use_and_no_step_runs_twice(tiny, monkeypatch):
+    """On CUDA a bucket's first use runs its step as is (which warms the capture up), its
+    second use captures it, later ones replay: a bucket used once is never captured, and no
+    step is computed twice. The capture is faked here (it records the call and returns the
+    body as the replay), over the static step with ``capture`` on: the CUDA path's bookkeeping
+    on the CPU. Replacing a parameter drops the graphs, and with them the uses counted."""
+    from collections import Counter
+
+    uses, runs, captured = [], [0], []
+    make, run, init = StaticDecode._body, StaticDecode.run, StaticDecode.__init__
+
+    def counted_body(self, key, forward, cache):
+        body = make(self, key, forward, cache)
+
+        def counted():
+            runs[0] += 1
+            body()
+        return counted
+
+    def recorded_run(self, rows, length, *args):
+        out = run(self, rows, length, *args)
+        uses.append((rows, length, *self._flags))
+        return out
+
+    monkeypatch.setattr(StaticDecode, "__init__", lambda self, rows, device, capture: init(self, rows, device, True))
+    monkeypatch.setattr(StaticDecode, "_body", counted_body)
+    monkeypatch.setattr(StaticDecode, "run", recorded_run)
+    monkeypatch.setattr(StaticDecode, "_capture", lambda self, body: captured.append(uses[-1:]) or body)
+    # 6 prompts over 4 slots: buckets of 4 and 2 rows used several times, of 1 row once
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (4, 4, 4, 4, 6, 7)]
+    eager = LLM(str(tiny), max_num_seqs=4).generate(PROMPTS, params)
+    llm = LLM(str(tiny), max_num_seqs=4, decode="static", cudagraph_capture_sizes=[1, 2])
+    static = lambda: llm.engine.runner.static  # noqa: E731
+    got = llm.generate(PROMPTS, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in eager]
+    counts = Counter(uses)
+    assert runs[0] == len(uses)  # every step computed once: no warm-up run beside it
+    assert set(static().steps) == {k for k, c in counts.items() if c >= 2} != set()
+    assert set(static()._first) == {k for k, c in counts.items() if c == 1} != set(), counts
+    assert llm.engine.last_stats["captures"] == len(captured) == len(static().steps)
+    once = set(static()._first)
+    uses.clear()
+    llm.generate(PROMPTS, params)  # the buckets used once are used again: captured now
+    assert llm.engine.last_stats["captures"] == len(once) and static()._first == {}
+    assert runs[0] == len(uses) + sum(counts.values())
+    llm.generate(PROMPTS, params)
+    assert llm.engine.last_stats["captures"] == 0  # every bucket replayed
+    model = llm.engine.runner.model
+    model.load_state_dict({n: t.clone() for n, t in model.state_dict().items()}, assign=True)
+    uses.clear()
+    llm.generate(PROMPTS, params)  # the weights moved: counted from scratch
+    assert llm.engine.last_stats["captures"] == len(static().steps) == len({k for k, c in Counter(uses).items() if c >= 2})

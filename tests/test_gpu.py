@@ -267,8 +267,8 @@ def test_captured_decode_of_moe_and_lora_equals_eager(tmp_path, case):
     not reach: a MoE model (its dense experts while capturing, the grouped path in the eager
     step) and unmerged LoRA adapters. fp32, greedy and sampled: the same tokens as the eager
     step (the tiny model's logits are peaky: a flip needs a near-tie at fp32's rounding) and
-    log-probs within their rounding bound of each other against a float64 forward; a second
-    generate replays the graphs (nothing captured)."""
+    log-probs within their rounding bound of each other against a float64 forward; a third
+    generate replays the graphs (nothing captured: a bucket is captured at its second use)."""
     import copy
 
     from minihf.models.lora import apply_lora, module_names
@@ -295,7 +295,8 @@ def test_captured_decode_of_moe_and_lora_equals_eager(tmp_path, case):
             llm = LLM(copy.deepcopy(model).cuda(), dtype=torch.float32, device="cuda", max_num_seqs=4, decode=decode)
             runs[decode] = llm.generate(PROMPTS, sp)
             if decode == "graph":
-                assert llm.engine.last_stats["captures"] >= 2
+                assert llm.engine.last_stats["captures"] >= 1  # the buckets used more than once
+                llm.generate(PROMPTS, sp)  # captures the buckets used once before
                 again = llm.generate(PROMPTS, sp)
                 assert llm.engine.last_stats["captures"] == 0
                 assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in runs["graph"]]

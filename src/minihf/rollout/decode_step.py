@@ -23,15 +23,18 @@ row's own are masked (stale entries included), so the bucket's extra length chan
 value.
 
 What runs the function per bucket is the only device-specific part: on CUDA it is captured
-once as a CUDA graph (a shared memory pool; the first use of a bucket captures it, later
-steps replay it: no Python, no kernel launches but the graph's) unless
-``rollout.enforce_eager``; elsewhere it is called as is, which is how the CPU tests cover
+as a CUDA graph (a shared memory pool; no Python, no kernel launches but the graph's) unless
+``rollout.enforce_eager``. A bucket's first use runs the function as is, which is also the
+capture's warm-up (kernels chosen, lazy allocations made on the device), its second use
+captures it and every later one replays it: a bucket used once (the tail of a batch whose
+rows finish at different lengths) is never captured, and no step is computed twice (a
+warm-up run apart from the step's own would be). Captured or not, it is the same function; elsewhere it is always called as is, which is how the CPU tests cover
 the same logic (and check that no op of it reads a device value on the host, which would
 fail the capture). Captured graphs hold the addresses of the weights, the KV cache and these
 buffers: :meth:`StaticDecode.clear` drops them whenever one of those is reallocated
 (sleep, wake-up, a new cache, a parameter replaced instead of written in place: each
 generate compares the weights' addresses with those captured), and the next use
-recaptures, timed in ``capture_s``.
+recaptures (at its second use again), timed in ``capture_s``.
 """
 
 from __future__ import annotations
@@ -79,7 +82,8 @@ class StaticDecode:
         self.top_p = torch.ones(max_rows, dtype=torch.float32, device=device)
         self.keys = torch.zeros(max_rows, dtype=torch.int64, device=device)
         self.steps: dict[tuple, Callable[[], None]] = {}
-        self.captures = 0       # buckets captured (or first run) since this object was made
+        self._first: dict[tuple, Callable[[], None]] = {}  # capture: buckets used once, uncaptured
+        self.captures = 0       # buckets captured (or prepared, uncaptured) since this object was made
         self.capture_s = 0.0    # seconds spent capturing them
         self._pool = None
         self._composition: tuple | None = None
@@ -105,6 +109,7 @@ class StaticDecode:
     def clear(self) -> None:
         """Forget every captured step (their addresses are about to become invalid)."""
         self.steps.clear()
+        self._first.clear()
         self._pool = None
 
     def forget_rows(self) -> None:
@@ -135,9 +140,12 @@ class StaticDecode:
         self.inputs[:, :rows].copy_(staged, non_blocking=True)
         key = (rows, length, *self._flags)
         step = self.steps.get(key)
-        if step is None:
+        if step is None and self.capture and key not in self._first:
+            step = self._first[key] = self._body(key, forward, cache)  # first use: as is
+        elif step is None:
             t0 = time.perf_counter()
-            step = self.steps[key] = self._prepare(key, forward, cache)
+            body = self._first.pop(key, None) or self._body(key, forward, cache)
+            step = self.steps[key] = self._capture(body) if self.capture else body
             self.captures += 1
             self.capture_s += time.perf_counter() - t0
         step()
@@ -158,17 +166,9 @@ class StaticDecode:
             out.copy_(torch.stack([tok.double(), logp.double()]))
         return body
 
-    def _prepare(self, key: tuple, forward: Callable, cache) -> Callable[[], None]:
-        body = self._body(key, forward, cache)
-        if not self.capture:
-            return body
-        # warm-up on a side stream (kernel selection, lazy allocations), then capture; the
-        # warm-up writes the same keys and values the step itself writes
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            body()
-        torch.cuda.current_stream(self.device).wait_stream(side)
+    def _capture(self, body: Callable[[], None]) -> Callable[[], None]:
+        """``body`` captured as a CUDA graph (it ran once before, uncaptured: its warm-up);
+        returns the graph's replay. Capturing launches nothing: the caller replays it."""
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()

@@ -12,7 +12,7 @@ host sees the sampled tokens once per forward (one device->host copy), nothing e
 
 The decode step: with ``enforce_eager=False`` (the default, vLLM's key) on CUDA it is the
 static step of ``minihf.rollout.decode_step``, one CUDA graph per bucket of rows and cache
-length, captured on first use and replayed; ``enforce_eager=True``, and on CPU, it is the
+length, captured at its second use and replayed; ``enforce_eager=True``, and on CPU, it is the
 eager step over exactly the rows and cache prefix at hand (on CPU the static step computes
 the bucket's padding for nothing, with no launches to save: docs/models.md#generation).
 On CPU ``enforce_eager=False`` runs that eager step with the large weights prepacked

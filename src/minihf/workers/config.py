@@ -301,7 +301,7 @@ class RolloutConfig:
     seed: int = 0                        # base of every sample's seed (with step, uid, sample index)
     check_log_probs: Literal["off", "warn", "error"] = "off"  # engine vs trainer log-probs within rounding, every step
     free_base_weights: bool = False      # LoRA actor: sleeping frees the engine's base weights too (gathered again each step); default keeps them, so only the adapters move
-    enforce_eager: bool = False          # false: on CUDA the decode step is a CUDA graph per bucket (captured on first use, again after each sleep); CPU: the eager step with large weights prepacked, for oneDNN on AMD CPUs, for MKL on Intel's (models/linear.py: pack_kind); true: eager, no packing
+    enforce_eager: bool = False          # false: on CUDA the decode step is a CUDA graph per bucket (captured at its second use, again after each sleep); CPU: the eager step with large weights prepacked, for oneDNN on AMD CPUs, for MKL on Intel's (models/linear.py: pack_kind); true: eager, no packing
     cudagraph_capture_sizes: Optional[list[int]] = None  # the decode step's batch buckets; null: powers of two up to max_num_seqs, and max_num_seqs
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)

@@ -205,7 +205,8 @@ def _watch_host_reads(monkeypatch) -> dict:
     """Runs every static step's body under :class:`HostReads`, as if a CUDA graph were being
     captured (what checks for that, MoE's choice of its dense path, says yes); returns the
     tally: steps run, host reads, and the buckets whose later runs (replays) read storages
-    other than their first run (the capture) read."""
+    other than their first run read (on CUDA the first run is the uncaptured warm-up
+    and the second the capture: every run must read the same storages)."""
     from minihf.models import moe
 
     seen = {"steps": 0, "hits": [], "moved": []}
@@ -227,7 +228,7 @@ def _watch_host_reads(monkeypatch) -> dict:
                 body()
             seen["steps"] += 1
             seen["hits"] += probe.hits
-            if not captured:  # the first run is the capture
+            if not captured:  # the first run: what every later one, the capture too, must read
                 captured.update(probe.reads)
             elif probe.reads != captured:
                 seen["moved"].append(key)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from logprob_reference import float64_log_probs, rounding_ratio
-from minihf.models import load_hf
+from minihf.models import load_hf, save_hf
 from minihf.rollout import LLM, SamplingParams
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
@@ -223,7 +223,7 @@ def test_out_of_vocab_prompt_is_rejected(tiny_dirs):
         llm.generate([[1, 2, 128]], SamplingParams(max_tokens=2))
     # text, or transformers 5's apply_chat_template dict, instead of token ids: named, with the fix
     for prompt, kind in (("What is 2 + 2?", "str"), ({"input_ids": [1, 2], "attention_mask": [1, 1]}, "str")):
-        with pytest.raises(ValueError, match=f"prompt 0 is not a list of token ids .*{kind}; tokenize it"):
+        with pytest.raises(ValueError, match=rf"prompt 0 is not a list of token ids .*'{kind}'\]; tokenize it"):
             llm.generate([prompt], SamplingParams(max_tokens=2))
     out = llm.generate([torch.tensor([1, 2, 3])], SamplingParams(max_tokens=2))  # a tensor still works
     assert len(out[0].outputs[0].token_ids) == 2
@@ -262,10 +262,53 @@ def test_dtype_by_name_as_vllm_takes_it(tiny_dirs):
         [0].outputs[0].token_ids == LLM(path, dtype=torch.float32).generate(
             [[1, 2]], SamplingParams(temperature=0, max_tokens=3))[0].outputs[0].token_ids
     for bad in ("fp33", "int8", torch.int64, 32):
-        with pytest.raises(ValueError, match=re.escape(f"dtype={bad!r} is not a floating-point dtype; pass one of")):
+        with pytest.raises(ValueError, match=re.escape(f"dtype={bad!r} is neither a floating-point torch dtype nor the name of one; pass one of")):
             LLM(path, dtype=bad)
     with pytest.raises(ValueError, match=r"dtype=torch.bfloat16 but the model passed in is torch.float32"):
         LLM(load_hf(path), dtype="bfloat16")
+
+
+def test_prompts_params_and_settings_of_the_wrong_kind_are_refused_by_name(tiny_dirs):
+    """What failed deep inside (a 2-D tensor of prompts: "Boolean value of Tensor ... is
+    ambiguous"; a tokenizer's dict: KeyError 0; a None among the params: no attribute 'n'; a
+    seed of None: at the first generate, in the sampler) or passed silently (float token ids,
+    truncated; an eos id past the vocabulary, never matched)."""
+    import numpy as np
+
+    path = str(tiny_dirs["llama"][0])
+    llm = LLM(path, max_num_seqs=2)
+    sp = SamplingParams(max_tokens=2)
+    for prompts, says in ((torch.ones(2, 3, dtype=torch.long), "prompts is a 2-D Tensor: pass a list of token-id "
+                                                                "lists; one list per prompt, without padding"),
+                          (np.ones((2, 3), dtype=np.int64), "prompts is a 2-D ndarray"),
+                          (torch.ones(3, dtype=torch.long), "prompts is a 1-D Tensor: pass a list of token-id lists; "
+                                                             "wrap one prompt as [ids]"),
+                          ({"input_ids": [[1, 2]]}, "prompts is a dict (a tokenizer's output?): pass its input_ids"),
+                          ((p for p in [[1, 2]]), "prompts must be a list of token-id lists, got generator"),
+                          ([[1.5, 2.7]], "prompt 0 is not a list of token ids (ints): it holds ['float']"),
+                          ([[1, 2], [True]], "prompt 1 is not a list of token ids (ints): it holds ['bool']")):
+        with pytest.raises((TypeError, ValueError), match=re.escape(says)):
+            llm.generate(prompts, sp)
+    for params in ([None], [dict(max_tokens=2)]):
+        with pytest.raises(TypeError, match="sampling params 0 is a .*: pass SamplingParams"):
+            llm.generate([[1, 2]], params)
+    assert len(llm.generate([torch.tensor([1, 2, 3]), np.array([4, 5]), (6,)], sp)) == 3  # one per prompt
+    for kw, says in ((dict(seed=None), "seed=None must be an int"),
+                     (dict(eos_token_ids=2), "eos_token_ids=2 must be a list of token ids in [0, 128)"),
+                     (dict(eos_token_ids=[128]), "eos_token_ids=[128] must be a list of token ids in [0, 128)"),
+                     (dict(kv_cache_memory="1GB"), "kv_cache_memory='1GB' must be a number of bytes"),
+                     (dict(gpu_memory_utilization=5), "gpu_memory_utilization=5 must be a fraction of the free "
+                                                      "memory in (0, 1]")):
+        with pytest.raises(ValueError, match=re.escape(says)):
+            LLM(path, **kw)
+    for model in (None, torch.nn.Linear(2, 2)):
+        with pytest.raises(TypeError, match="LLM takes a checkpoint dir or a minihf model"):
+            LLM(model)
+    with pytest.raises(TypeError, match="save_hf writes a minihf model"):
+        save_hf(torch.nn.Linear(2, 2), tiny_dirs["llama"][0].parent / "nope")
+    with pytest.raises(ValueError, match="dtype='bf16' is neither a floating-point torch dtype nor the name of one"):
+        load_hf(path, dtype="bf16")
+    assert next(load_hf(path, dtype="bfloat16").parameters()).dtype == torch.bfloat16
 
 
 def test_memory_budget_and_free(tiny_dirs):

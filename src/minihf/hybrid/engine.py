@@ -31,12 +31,12 @@ import torch
 import torch.distributed as dist
 
 from minihf.models import build_model
+from minihf.models.hf_io import resolve_dtype
 from minihf.models.lora import apply_lora, is_lora_param, lora_modules
 from minihf.parallel.fsdp import reshard as fsdp_reshard
 from minihf.parallel.tp import tp_rewrite
 from minihf.protocol import Batch
 from minihf.rollout import Engine, SamplingParams
-from minihf.rollout.llm import resolve_dtype
 from minihf.rollout.sampling import request_seed
 from minihf.hybrid.plan import plan_reshard
 from minihf.hybrid.reshard import reshard_into

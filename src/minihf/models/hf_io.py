@@ -28,19 +28,39 @@ SINGLE = "model.safetensors"
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 
 
+# vLLM's names for ``LLM(dtype=...)`` and ``load_hf`` ("auto" is None: bf16 on CUDA, fp32 elsewhere)
+DTYPE_NAMES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+               "float16": torch.float16, "half": torch.float16}
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, device: str | torch.device) -> torch.dtype:
+    """A ``dtype`` as ``LLM`` and :func:`load_hf` take it (a torch dtype, one of
+    :data:`DTYPE_NAMES`, or None / ``"auto"``) as a torch dtype for ``device``."""
+    if dtype is None or dtype == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    if isinstance(dtype, str) and dtype in DTYPE_NAMES:
+        return DTYPE_NAMES[dtype]
+    if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+        return dtype
+    raise ValueError(f"dtype={dtype!r} is neither a floating-point torch dtype nor the name of one; pass one of "
+                     f"{['auto', *DTYPE_NAMES]} or a torch dtype such as torch.bfloat16")
+
+
 def load_args(path: str | Path) -> ModelArgs:
     """ModelArgs from ``path/config.json``."""
     return ModelArgs.from_hf(path)
 
 
-def load_hf(path: str | Path, dtype: torch.dtype = torch.float32,
+def load_hf(path: str | Path, dtype: torch.dtype | str = torch.float32,
             device: torch.device | str = "cpu", head: str = "lm") -> torch.nn.Module:
     """Load an HF checkpoint dir as a minihf model with ``head`` (lm|value|score).
 
     Built on the meta device, materialised on ``device`` and filled from the safetensors
     files, cast to ``dtype``. The shapes are checked against the checkpoint's before any
     memory is allocated, so a config.json that disagrees with its weights (say a vocab_size
-    with an extra digit) is one line, not an allocation of the size it claims."""
+    with an extra digit) is one line, not an allocation of the size it claims. ``dtype`` may
+    also be one of :data:`DTYPE_NAMES` or ``"auto"`` (bf16 on CUDA, fp32 elsewhere)."""
+    dtype = resolve_dtype(dtype, device)
     reader = CheckpointReader(path, head)
     model = build_model(reader.args, head, device="meta", dtype=dtype)
     reader.check({n: tuple(p.shape) for n, p in model.named_parameters()})  # dedups tied lm_head
@@ -184,7 +204,12 @@ def save_hf(model: torch.nn.Module, path: str | Path, max_shard_size: int | str 
     FSDP shards by the caller). Shards above ``max_shard_size`` (bytes or "500MB"/"5GB")
     are split with an index. Previous ``model*.safetensors`` files in ``path`` are removed
     so a re-save never mixes old and new shards."""
+    if not isinstance(getattr(model, "args", None), ModelArgs):
+        raise TypeError(f"save_hf writes a minihf model (minihf.models.load_hf / build_model), got "
+                        f"{type(model).__name__}; a transformers model saves itself (save_pretrained)")
     path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise FileExistsError(f"{path} is a file; save_hf writes a checkpoint dir: pass a dir path")
     path.mkdir(parents=True, exist_ok=True)
     args: ModelArgs = model.args
     head = model.head

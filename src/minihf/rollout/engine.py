@@ -79,6 +79,43 @@ def check_sizes(**sizes: int | None) -> None:
             raise ValueError(f"{name}={value!r} must be an int >= 1{unset}")
 
 
+def as_prompts(prompts) -> list:
+    """``generate``'s prompts as a list of token-id lists (tensors and arrays per prompt made
+    lists); refuses what would be read wrong: a tokenizer's output, one 2-D tensor (its
+    padding would be read as tokens), an iterator (read once)."""
+    if hasattr(prompts, "keys"):
+        raise TypeError("prompts is a dict (a tokenizer's output?): pass its input_ids as a list of "
+                        "token-id lists, one per prompt, without padding")
+    if hasattr(prompts, "ndim"):
+        fix = ("wrap one prompt as [ids]" if prompts.ndim == 1 else
+               "one list per prompt, without padding (a row's padding would be read as tokens)")
+        raise TypeError(f"prompts is a {prompts.ndim}-D {type(prompts).__name__}: pass a list of token-id "
+                        f"lists; {fix}")
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
+    return [p.tolist() if hasattr(p, "tolist") else p for p in prompts]
+
+
+def check_settings(seed, eos_token_ids, kv_cache_memory, gpu_memory_utilization, vocab: int) -> None:
+    """The engine's other settings, each named with the fix where it is wrong (a wrong type
+    failed at the first generate, deep in the sampler or the cache sizing; an eos id past the
+    vocabulary never matched)."""
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed={seed!r} must be an int")
+    ids = list(eos_token_ids) if isinstance(eos_token_ids, (list, tuple, set, frozenset)) else None
+    if ids is None or any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+        raise ValueError(f"eos_token_ids={eos_token_ids!r} must be a list of token ids in [0, {vocab}) "
+                         f"(the model's vocabulary); [] for none")
+    if kv_cache_memory is not None and (isinstance(kv_cache_memory, bool) or not isinstance(kv_cache_memory, int)
+                                        or kv_cache_memory < 1):
+        raise ValueError(f"kv_cache_memory={kv_cache_memory!r} must be a number of bytes (an int >= 1), or "
+                         "None for no cap")
+    g = gpu_memory_utilization
+    if g is not None and (isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 < g <= 1):
+        raise ValueError(f"gpu_memory_utilization={g!r} must be a fraction of the free memory in (0, 1], "
+                         "or None")
+
+
 class Engine:
     """Runs generation for one model (possibly TP-sharded) with a slot KV cache.
 
@@ -109,6 +146,7 @@ class Engine:
                                   decode=decode, capture_sizes=cudagraph_capture_sizes, prepack=not enforce_eager,
                                   record_routes=record_routes)
         args = model.args
+        check_settings(seed, eos_token_ids, kv_cache_memory, gpu_memory_utilization, args.vocab_size)
         limit = args.max_position_embeddings
         message = context_error(f"max_model_len={max_model_len}", max_model_len or limit, limit, "the model's config",
                                 f"pass at most {limit}, or None for the model's context")
@@ -165,7 +203,12 @@ class Engine:
         if not self.awake:
             raise RuntimeError("this engine is asleep (weights freed); call wake_up() and load "
                                "the weights before generating")
+        prompts = as_prompts(prompts)
         plist = params if isinstance(params, list) else [params] * len(prompts)
+        bad = next((i for i, sp in enumerate(plist) if not isinstance(sp, SamplingParams)), None)
+        if bad is not None:
+            raise TypeError(f"sampling params {bad} is a {type(plist[bad]).__name__}: pass SamplingParams(...), "
+                            "one for every prompt or one list entry per prompt")
         if len(plist) != len(prompts):
             raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts; pass one or one per prompt")
         if turns is not None and any(sp.n != 1 for sp in plist):
@@ -225,12 +268,11 @@ class Engine:
             if len(prompt) >= self.max_model_len:
                 raise ValueError(f"prompt {i} has {len(prompt)} tokens but max_model_len is {self.max_model_len}; "
                                  "shorten it or raise max_model_len")
-            try:
-                bad = [t for t in prompt if not 0 <= t < vocab]
-            except TypeError:  # e.g. text, or a tokenizer's dict (its keys)
-                raise ValueError(f"prompt {i} is not a list of token ids (ints): its items are "
-                                 f"{type(next(iter(prompt))).__name__}; tokenize it first (the "
-                                 "tokenizer's input_ids)") from None
+            kinds = {type(t).__name__ for t in prompt if isinstance(t, bool) or not isinstance(t, int)}
+            if kinds:  # e.g. text, a tokenizer's dict (its keys), float ids (they were truncated)
+                raise ValueError(f"prompt {i} is not a list of token ids (ints): it holds {sorted(kinds)}; "
+                                 "tokenize it first (the tokenizer's input_ids)")
+            bad = [t for t in prompt if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"prompt {i} has token ids {bad[:5]} outside the vocabulary [0, {vocab})")
 

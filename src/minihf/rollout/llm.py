@@ -18,9 +18,10 @@ from pathlib import Path
 
 import torch
 
-from .engine import Engine
+from .engine import Engine, as_prompts
 from .sampling import SamplingParams
 
+from minihf.models.hf_io import resolve_dtype
 from minihf.utils.files import read_json
 
 
@@ -80,24 +81,6 @@ def eos_ids_from_dir(path: Path, hf_config: dict) -> tuple[int, ...]:
                    where=(str(Path(path) / "config.json"), str(gen)))
 
 
-# vLLM's names for ``LLM(dtype=...)`` ("auto" is None: bf16 on CUDA, fp32 elsewhere)
-DTYPE_NAMES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
-               "float16": torch.float16, "half": torch.float16}
-
-
-def resolve_dtype(dtype: torch.dtype | str | None, device: str | torch.device) -> torch.dtype:
-    """``LLM``'s ``dtype`` (a torch dtype, one of :data:`DTYPE_NAMES`, or None / ``"auto"``)
-    as a torch dtype for ``device``."""
-    if dtype is None or dtype == "auto":
-        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-    if isinstance(dtype, str) and dtype in DTYPE_NAMES:
-        return DTYPE_NAMES[dtype]
-    if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
-        return dtype
-    raise ValueError(f"dtype={dtype!r} is not a floating-point dtype; pass one of "
-                     f"{['auto', *DTYPE_NAMES]} or a torch dtype such as torch.bfloat16")
-
-
 class LLM:
     """Generate from a checkpoint dir (HF layout) or an in-memory minihf ``CausalLM``.
 
@@ -127,6 +110,10 @@ class LLM:
                 device = f"cuda:{torch.cuda.current_device()}"
             else:
                 device = "cuda" if torch.cuda.is_available() else "cpu"
+        if not isinstance(model, (str, Path)) and not (isinstance(model, torch.nn.Module) and hasattr(model, "args")):
+            raise TypeError(f"LLM takes a checkpoint dir or a minihf model (minihf.models.load_hf(dir)), "
+                            f"got {type(model).__name__}; for a transformers model, save it "
+                            f"(save_pretrained) and pass its dir")
         explicit = dtype not in (None, "auto")
         dtype = resolve_dtype(dtype, device)
         if explicit and not isinstance(model, (str, Path)):
@@ -152,7 +139,7 @@ class LLM:
             model, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
             max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory=kv_cache_memory,
             gpu_memory_utilization=gpu_memory_utilization,
-            eos_token_ids=default_eos if eos_token_ids is None else tuple(eos_token_ids), seed=seed,
+            eos_token_ids=default_eos if eos_token_ids is None else eos_token_ids, seed=seed,
             cpu_column_major=owned if cpu_column_major is None else cpu_column_major,
             enforce_eager=enforce_eager, cudagraph_capture_sizes=cudagraph_capture_sizes, decode=decode,
             enable_chunked_prefill=enable_chunked_prefill,
@@ -160,8 +147,9 @@ class LLM:
 
     def generate(self, prompts: list[list[int]], sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
         """One RequestOutput per prompt (token-id lists), each with ``n`` completions."""
-        if prompts and isinstance(prompts[0], int):
+        if isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int):
             raise TypeError("prompts must be a list of token-id lists; wrap a single prompt as [ids]")
+        prompts = as_prompts(prompts)
         groups = self.engine.generate(prompts, sampling_params or SamplingParams())
         return [
             RequestOutput(

@@ -58,6 +58,14 @@ def uniforms(keys: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     return _srl(z, 11).to(torch.float64) * (1.0 / (1 << 53))
 
 
+def _int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 @dataclass
 class SamplingParams:
     """How to sample one request (vLLM's names and defaults, a subset).
@@ -83,23 +91,28 @@ class SamplingParams:
     def __post_init__(self):
         if not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"SamplingParams.n must be an int >= 1, got {self.n!r}")
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):  # nan compares False
-            raise ValueError(f"SamplingParams.temperature must be finite and >= 0 (0 = greedy), got "
-                             f"{self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"SamplingParams.top_p must be in (0, 1] (1 = off), got {self.top_p}")
+        if not (_real(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"SamplingParams.temperature must be a finite number >= 0 (0 = greedy), got "
+                             f"{self.temperature!r}")
+        if not (_real(self.top_p) and 0.0 < self.top_p <= 1.0):  # nan compares False
+            raise ValueError(f"SamplingParams.top_p must be a number in (0, 1] (1 = off), got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < -1:
             raise ValueError(f"SamplingParams.top_k must be an int; -1 or 0 disables it, got {self.top_k!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"SamplingParams.max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if isinstance(self.stop_token_ids, (int, str)) or not hasattr(self.stop_token_ids, "__iter__"):
+            raise ValueError(f"SamplingParams.stop_token_ids must be a list of token ids, got "
+                             f"{self.stop_token_ids!r}; write [{self.stop_token_ids!r}] for one id")
         self.stop_token_ids = list(self.stop_token_ids or [])
-        bad = [t for t in self.stop_token_ids if not isinstance(t, int) or t < 0]
+        bad = [t for t in self.stop_token_ids if not _int(t) or t < 0]
         if bad:
             raise ValueError(f"SamplingParams.stop_token_ids must be non-negative ints, got {bad}")
         if self.max_turn_tokens is not None and (not isinstance(self.max_turn_tokens, int) or self.max_turn_tokens < 1):
             raise ValueError(f"SamplingParams.max_turn_tokens must be an int >= 1 or None, got {self.max_turn_tokens!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
+        if self.seed is not None and not _int(self.seed):
             raise ValueError(f"SamplingParams.seed must be an int or None, got {self.seed!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"SamplingParams.ignore_eos must be True or False, got {self.ignore_eos!r}")
 
     @property
     def greedy(self) -> bool:

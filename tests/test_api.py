@@ -73,3 +73,25 @@ def test_train_sft_and_rm_in_process(tmp_path, monkeypatch, no_process_wide_effe
     with pytest.raises(ValueError, match="not with a config object"):
         from minihf.trainer.sft import SFTConfig
         minihf.train_sft(SFTConfig(), ["trainer.total_training_steps=2"])
+
+
+def test_arguments_of_the_wrong_kind_are_refused_before_anything_runs():
+    """A string of overrides was iterated by character ("override 't' must look like
+    key.sub=value"), a dict kept only its keys, a list of tuples failed on ``startswith``, and
+    overrides passed as the recipe failed inside pathlib."""
+    for call, says in ((lambda: minihf.train("grpo", "trainer.total_training_steps=1"), "overrides must be a list of"),
+                       (lambda: minihf.train("grpo", {"trainer.total_training_steps": 1}), "overrides must be a list"),
+                       (lambda: minihf.train("grpo", [("trainer.total_training_steps", 1)]), "overrides must be a"),
+                       (lambda: minihf.train(["trainer.total_training_steps=1"]), "recipe must be a name, a folder or "
+                                                                                   "a YAML path"),
+                       (lambda: minihf.train_sft(5), "recipe must be a name"),
+                       (lambda: minihf.train_rm(None, "x=1"), "overrides must be a list")):
+        with pytest.raises(TypeError, match=says):
+            call()
+
+
+def test_a_reward_past_floats_range_is_named():
+    from minihf.data.rewards import RewardError, _as_float
+
+    with pytest.raises(RewardError, match="for sample 3 .*it must be a number"):
+        _as_float(10 ** 400, 3, "sort", "score")

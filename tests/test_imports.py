@@ -39,6 +39,10 @@ def test_code_refs(tmp_path):
     failing.write_text("raise RuntimeError('module-level code failed')\n")
     with pytest.raises(RuntimeError, match="module-level code failed"):   # its own traceback
         import_file(failing)
+    exits = tmp_path / "exits.py"
+    exits.write_text("import sys\nsys.exit(4)\n")
+    with pytest.raises(RuntimeError, match=r"exits.py called sys.exit\(4\) while it was imported; recipe code"):
+        import_file(exits)  # a SystemExit ended an in-process minihf.train without a word
 
 
 def test_recipe_relative_paths(tmp_path, monkeypatch):

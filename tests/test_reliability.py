@@ -283,6 +283,10 @@ def test_lengths_past_the_models_context_fail_at_start_up(model_dir, tmp_path):
     with pytest.raises(ConfigError, match=rf"max_prompt_length \+ data.max_response_length = \d+ \+ 100000 "
                                           rf"exceeds the model's context, max_position_embeddings={context}"):
         check_paths(cfg)
+    cfg = load_config(PPOJobConfig, "grpo", common + ["actor_rollout_ref.rollout.response_length=100000"])
+    with pytest.raises(ConfigError, match=r"data.max_prompt_length \+ actor_rollout_ref.rollout.response_length "
+                                          r"= \d+ \+ 100000 exceeds"):  # the key that set it, not the data's
+        check_paths(cfg)
     check_paths(load_config(PPOJobConfig, "grpo", common))   # the recipe's own lengths fit
 
 

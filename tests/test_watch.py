@@ -26,6 +26,9 @@ def test_each_warning_once():
         assert text in joined, text
     assert w.check({"step": 3, "actor/entropy": 0.01, "response_length/clip_ratio": 1.0,
                     "actor/pg_loss": math.inf, "actor/kl_loss": 9.0}) == []  # said already
+    rollout = RunWatch(5, "actor_rollout_ref.rollout.response_length")  # set apart from the data's
+    assert "hit actor_rollout_ref.rollout.response_length=5;" in rollout.check(
+        {"step": 1, "response_length/clip_ratio": 0.9})[0]
 
 
 def test_entropy_collapse_needs_a_stalled_score():

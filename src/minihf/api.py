@@ -37,6 +37,12 @@ def _config(cls, recipe, overrides):
             raise ValueError("pass overrides with a recipe name, not with a config object "
                              "(change the object's fields instead)")
         return recipe
+    if isinstance(recipe, (list, tuple)) or recipe is not None and not isinstance(recipe, (str, Path)):
+        raise TypeError(f"recipe must be a name, a folder or a YAML path (or None for the default), got "
+                        f"{type(recipe).__name__} {recipe!r}; overrides go second: train(recipe, ['key=value', ...])")
+    if isinstance(overrides, (str, dict)) or not all(isinstance(o, str) for o in overrides):
+        raise TypeError(f"overrides must be a list of 'key=value' strings, got {overrides!r}; e.g. "
+                        "['trainer.total_training_steps=2']")
     return load_config(cls, recipe, list(overrides))
 
 

@@ -242,7 +242,7 @@ def _as_float(value: Any, index: int, source: str, key: str) -> float:
         if isinstance(value, (str, bytes)):
             raise TypeError
         number = float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: an int past float's range
         raise RewardError(
             f"reward function returned {key}={value!r} ({type(value).__name__}) for sample {index} "
             f"(data_source={source!r}); it must be a number"

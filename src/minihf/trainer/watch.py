@@ -83,8 +83,8 @@ class SkipCounter:
 
 
 class RunWatch:
-    def __init__(self, max_response_length: int):
-        self.max_response_length = max_response_length
+    def __init__(self, max_response_length: int, key: str = "data.max_response_length"):
+        self.max_response_length, self.key = max_response_length, key
         self.said: set[str] = set()
         self.first_entropy: float | None = None
         self.scores: deque[float] = deque(maxlen=2 * STALL_WINDOW)  # recent critic/score/mean
@@ -114,8 +114,8 @@ class RunWatch:
                        "gradient overflowed (lower the learning rate, check the reward)", out)
         clip = m.get("response_length/clip_ratio")
         if clip is not None and clip > CLIP_RATIO:
-            self._once("clip", f"step {step}: {clip:.0%} of responses hit data.max_response_"
-                       f"length={self.max_response_length}; answers are cut off (raise it or "
+            self._once("clip", f"step {step}: {clip:.0%} of responses hit {self.key}="
+                       f"{self.max_response_length}; answers are cut off (raise it or "
                        "penalise length)", out)
         score = m.get("critic/score/mean")
         if score is not None and math.isfinite(score):

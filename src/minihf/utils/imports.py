@@ -61,6 +61,10 @@ def import_file(path: str | Path) -> ModuleType:
         del sys.modules[key]
         line = f": {e.text.strip()}" if e.text else ""
         raise ValueError(f"{path}, line {e.lineno}: {e.msg}{line}; fix the file") from e
+    except SystemExit as e:  # would end the job (or an in-process caller) without a word
+        del sys.modules[key]
+        raise RuntimeError(f"{path} called sys.exit({e.code!r}) while it was imported; recipe code "
+                           "must not exit the process (raise an exception instead)") from e
     except BaseException:
         del sys.modules[key]
         raise

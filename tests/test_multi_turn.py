@@ -4,6 +4,7 @@ check, and the environment loop with the engine: masks, rewards, prompts from re
 and environments that raise, hang or return the wrong thing."""
 
 import json
+import re
 import sys
 import time
 
@@ -128,6 +129,24 @@ def test_config_errors_name_the_key():
         MultiTurnConfig(max_assistant_turns=0)
     with pytest.raises(ValueError, match="only hermes"):
         MultiTurnConfig(format="json")
+
+
+
+def test_tool_and_environment_references_are_checked_at_load(tmp_path):
+    """A tool name that is neither built in nor a file reference, or a reference to a file or
+    name that does not exist, failed on the rollout ranks after start-up, without naming the
+    built-in tools; now the config refuses it (without running the file)."""
+    (tmp_path / "tools.py").write_text("def add(a, b):\n    return a + b\n\nclass Env:\n    pass\n")
+    for kw, says in ((dict(tools=["calc"]), "tools: 'calc' is neither a built-in tool (calculator, python) nor a "
+                                            "file.py:function reference"),
+                     (dict(tools=[f"{tmp_path}/nope.py:add"]), "tools: .*nope.py does not exist"),
+                     (dict(tools=[f"{tmp_path}/tools.py:sub"]), "tools: .*tools.py has no tool function 'sub'"),
+                     (dict(environment="Env"), "environment: 'Env' is not a file.py:Class reference"),
+                     (dict(environment=f"{tmp_path}/tools.py:World"), "environment: .*has no environment class")):
+        with pytest.raises(ValueError, match=says if ".*" in says else re.escape(says)):
+            MultiTurnConfig(enable=True, **kw)
+    MultiTurnConfig(enable=True, tools=["calculator", "python", f"{tmp_path}/tools.py:add"])
+    MultiTurnConfig(enable=True, environment=f"{tmp_path}/tools.py:Env")
 
 
 # -- the environment loop with the engine ---------------------------------------------------

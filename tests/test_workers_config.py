@@ -83,6 +83,11 @@ def test_rl_config_errors():
 
     with pytest.raises(ConfigError, match=r"unknown advantage estimator 'grp'; did you mean 'grpo'"):
         load_config(PPOJobConfig, None, ["algorithm.adv_estimator=grp"])
+    # the policy loss's name too, at load (it failed on every actor rank after start-up)
+    with pytest.raises(ConfigError, match=r"policy_loss: unknown policy loss 'foo'; choose one of \['gspo', 'vanilla'\]"):
+        load_config(PPOJobConfig, None, ["actor_rollout_ref.actor.policy_loss.loss_mode=foo"])
+    with pytest.raises(ConfigError, match=r"policy_loss: /nope/algo.py does not exist"):
+        load_config(PPOJobConfig, None, ["actor_rollout_ref.actor.policy_loss.loss_mode=/nope/algo.py:fn"])
     with pytest.raises(ConfigError, match="adv_estimator=gae reads values, which need a critic"):
         load_config(PPOJobConfig, None, ["critic.enable=false"])
     with pytest.raises(ConfigError, match=r"rollout.prompt_length=8 is below data.max_prompt_length=16"):

@@ -81,6 +81,18 @@ class PolicyLossConfig:
     recipe registers."""
     loss_mode: str = "vanilla"           # a registered loss (vanilla, gspo) or file.py:function
 
+    def __post_init__(self):
+        from minihf.algorithms import get_policy_loss_fn
+        from minihf.utils.imports import check_ref, is_code_ref
+
+        if is_code_ref(self.loss_mode):  # checked without running the recipe's code
+            try:
+                check_ref(self.loss_mode, "policy loss")
+            except (FileNotFoundError, AttributeError) as e:
+                raise ValueError(str(e)) from None
+        else:  # unknown names list the registered ones (it failed on the workers, after start-up)
+            get_policy_loss_fn(self.loss_mode)
+
 
 ROUTER_REPLAY_MODES = ("disabled", "R2", "R3")
 
@@ -205,6 +217,25 @@ def _check_sampling(cfg, where: str) -> None:
         raise ValueError(f"{where}.top_p={cfg.top_p} must be in (0, 1] (1 = off)")
 
 
+def _check_code_refs(tools: list, environment: str | None) -> None:
+    """Each tool a built-in name or a ``file.py:name`` that exists (without running the file:
+    a wrong one failed on the rollout ranks after start-up), and so the environment."""
+    from minihf.multi_turn.tools import BUILTIN_TOOLS
+    from minihf.utils.imports import check_ref, is_code_ref
+
+    refs = [("tools", t, "tool function") for t in tools if t not in BUILTIN_TOOLS]
+    refs += [("environment", environment, "environment class")] if environment else []
+    for key, ref, what in refs:
+        if not is_code_ref(ref):
+            kinds = (f"neither a built-in tool ({', '.join(BUILTIN_TOOLS)}) nor a file.py:function reference"
+                     if key == "tools" else "not a file.py:Class reference")
+            raise ValueError(f"rollout.multi_turn.{key}: {ref!r} is {kinds}")
+        try:
+            check_ref(ref, what)
+        except (FileNotFoundError, AttributeError) as e:
+            raise ValueError(f"rollout.multi_turn.{key}: {e}") from None
+
+
 @dataclass
 class MultiTurnConfig:
     """Multi-turn rollouts with tools or an environment (verl's names; docs/multi-turn.md).
@@ -245,6 +276,7 @@ class MultiTurnConfig:
         if self.tools and self.environment:
             raise ValueError("set rollout.multi_turn.tools or rollout.multi_turn.environment, not both "
                              "(an environment can call tools itself)")
+        _check_code_refs(self.tools, self.environment)
         for key in ("max_assistant_turns", "max_user_turns", "max_tokens_per_turn"):
             v = getattr(self, key)
             if v is not None and (not isinstance(v, int) or v < 1):

@@ -248,12 +248,33 @@ def test_resume_from_path_names_what_it_was_given(tiny_job, tmp_path):  # noqa: 
     out = tmp_path / "run"
     driver_run(model, data, out, 0)
     (out / "global_step_3" / "driver_state.json").unlink()
+    (tmp_path / "empty").mkdir()
     for given, says in ((out, r"is a run dir, not one of its checkpoints; pass .*global_step_5"),
+                        (model, r"is a model dir: it has no driver_state.json and no roles' parts; pass one "
+                                r"of a run's checkpoints"),  # its config.json was read as the run's
+                        (tmp_path / "empty", r"empty' is not a checkpoint: it has no driver_state.json"),
                         (out / "global_step_2" / "actor", r"is the 'actor' part of checkpoint .*global_step_2; pass"),
                         (out / "global_step_3", r"global_step_3 is incomplete: .* not driver_state.json")):
         with pytest.raises(ValueError, match=says):
             driver_run(model, data, out, 0, **{"trainer.resume_mode": "resume_path",
                                                "trainer.resume_from_path": str(given)})
+
+
+def test_resume_from_path_is_checked_before_any_model_loads(tmp_path):
+    """At start-up (``check_paths``), as a config error; and a path that ``resume_mode=auto``
+    ignores is said to be ignored (it was silently, and the run started afresh)."""
+    from types import SimpleNamespace
+
+    from minihf.config import ConfigError
+    from minihf.trainer.common import check_resume_path
+
+    def trainer(mode, path):
+        return SimpleNamespace(resume_mode=mode, resume_from_path=path, default_local_dir=str(tmp_path / "run"))
+    with pytest.raises(ConfigError, match="trainer.resume_from_path='/nope' is not a checkpoint dir"):
+        check_resume_path(trainer("resume_path", "/nope"))
+    with pytest.warns(UserWarning, match="trainer.resume_from_path='/nope' is ignored with trainer.resume_mode=auto"):
+        check_resume_path(trainer("auto", "/nope"))
+    check_resume_path(trainer("disable", None))
 
 
 def test_max_ckpt_to_keep_deletes_the_oldest(tiny_job, tmp_path):  # noqa: F811

@@ -154,6 +154,24 @@ def find_resume_path(default_local_dir: str, resume_mode: str,
     return path
 
 
+def check_resume_path(trainer) -> None:
+    """``trainer.resume_from_path`` checked at start-up, before any model loads (it was found
+    not to be a checkpoint after the models had loaded); a path that ``resume_mode`` ignores
+    is said to be ignored."""
+    from minihf.config import ConfigError
+
+    if trainer.resume_mode != "resume_path":
+        if trainer.resume_from_path:
+            warnings.warn(f"trainer.resume_from_path={trainer.resume_from_path!r} is ignored with "
+                          f"trainer.resume_mode={trainer.resume_mode}; set trainer.resume_mode=resume_path to "
+                          "resume from it", stacklevel=2)
+        return
+    try:
+        find_resume_path(str(run_dir(trainer)), trainer.resume_mode, trainer.resume_from_path)
+    except (ValueError, FileNotFoundError) as e:
+        raise ConfigError(str(e)) from None
+
+
 def check_step_dir(path: Path, key: str) -> None:
     """A ValueError when ``path`` is a run dir or one role's part of a checkpoint, where a
     whole ``global_step_N`` is wanted (they used to load partly, then fail on a missing key
@@ -167,6 +185,11 @@ def check_step_dir(path: Path, key: str) -> None:
                                            path.name.startswith("global_step_")):
         raise ValueError(f"{key}={str(path)!r} is the {path.name!r} part of checkpoint {parent}; pass "
                          f"{parent} (the whole step: every role and the driver state)")
+    if not (path / STATE_FILE).is_file() and not any(p.is_dir() for p in path.iterdir()):
+        what = "a model dir" if (path / "config.json").is_file() else "not a checkpoint"
+        raise ValueError(f"{key}={str(path)!r} is {what}: it has no {STATE_FILE} and no roles' parts; "
+                         "pass one of a run's checkpoints, <run dir>/global_step_N (to start from a "
+                         "model's weights, name it as the model's path instead)")
 
 
 def flatten(cfg: dict, prefix: str = "") -> dict:

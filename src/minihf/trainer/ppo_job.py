@@ -12,7 +12,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from minihf.config import ConfigError, section_of
-from minihf.trainer.common import check_run_dir, run_dir, run_dir_lock
+from minihf.trainer.common import check_resume_path, check_run_dir, run_dir, run_dir_lock
 from minihf.trainer.ppo_config import PPOConfig
 from minihf.trainer.prepare import PrepareConfig, file_list, on_rank0, prepare_job
 from minihf.utils.locks import acquire, release
@@ -77,6 +77,7 @@ def check_paths(cfg: PPOConfig) -> None:
     check_rollout_tp(cfg)
     check_lora(cfg)
     check_run_dir(run_dir(cfg.trainer), "trainer.default_local_dir")
+    check_resume_path(cfg.trainer)
     from minihf.roles import planned_roles
 
     for row in planned_roles(cfg):  # the score models (reward, cost): the role table's "scores" rows

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Literal, Optional, Union
 
 from minihf.controller.config import ControllerConfig, refuse_tp
-from minihf.trainer.common import (MetricsLog, check_keep, check_run_dir, check_run_length, check_token_ids,
-                                   run_dir)
+from minihf.trainer.common import (MetricsLog, check_keep, check_resume_path, check_run_dir, check_run_length,
+                                   check_token_ids, run_dir)
 from minihf.trainer.loop import RunLoop
 from minihf.workers.optim import OptimConfig
 from minihf.workers.config import FSDPConfig, ModelConfig
@@ -260,6 +260,7 @@ def check_paths(cfg: SFTConfig) -> None:
                 raise ConfigError(f"data.{key}: {f!r} does not exist (relative paths are from "
                                   f"{Path.cwd()}); write task data with `minihf make-data`")
     check_run_dir(run_dir(cfg.trainer), "trainer.default_local_dir")
+    check_resume_path(cfg.trainer)
 
 
 def run_sft(cfg: SFTConfig, in_process: bool = False) -> list[dict] | None:

@@ -360,6 +360,8 @@ def test_eval_scores_sampled_and_greedy_answers(bpe_job, tmp_path):
                               "greedy/truncated"]
     with pytest.raises(ValueError, match="nothing to evaluate"):
         EvalConfig(n=0, greedy=False)
+    with pytest.raises(ValueError, match=r"n=-1 must be >= 0"):  # was "nothing to evaluate; use ... or greedy"
+        EvalConfig(n=-1)
     runner = CliRunner()
     res = runner.invoke(app, ["eval", str(model), str(test), "--n", "1", "--max-tokens", "3",
                               "--reward", f"{tmp_path}/r.py:broken", "--no-greedy"])

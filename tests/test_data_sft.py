@@ -62,7 +62,7 @@ def test_truncation_modes(tmp_path):
 
 @pytest.mark.parametrize("row, match", [
     ({"prompt": "1"}, "need 'prompt' and 'response'"),
-    ({"prompt": "1", "response": None}, "need 'prompt' and 'response'"),
+    ({"prompt": "1", "response": None}, r"need 'prompt' and 'response' columns, or 'messages'; \['response'\] are null"),
     ({"prompt": "1", "response": 2}, "column 'response'"),
     ({"messages": [{"role": "user", "content": "1"}]}, "no assistant message"),
     ({"messages": "1+1"}, "column 'messages'"),

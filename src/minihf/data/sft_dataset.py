@@ -164,8 +164,10 @@ class SFTDataset:
         for part in self.response_key.split("."):
             response = response.get(part) if isinstance(response, dict) else None
         if "prompt" not in row or response is None:
+            empty = sorted(k for k in ("prompt", self.response_key) if k in row and row[k] is None)
+            found = f"{empty} are null" if empty else f"found {sorted(row)}"
             raise DataFileError(f"{where}: SFT rows need 'prompt' and {self.response_key!r} columns, or 'messages'; "
-                                f"found {sorted(row)}")
+                                f"{found}")
         if not isinstance(response, str):
             raise DataFileError(f"{where}, column {self.response_key!r}: expected a string, got {describe(response)}")
         return to_messages(row["prompt"], where) + [{"role": "assistant", "content": response}]

@@ -58,7 +58,9 @@ class EvalConfig:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ValueError(f"{key}={value!r} must be a finite number")
-        if self.n < 0 or (self.n == 0 and not self.greedy):
+        if self.n < 0:
+            raise ValueError(f"n={self.n} must be >= 0 (sampled answers per prompt; 0 with greedy: greedy only)")
+        if self.n == 0 and not self.greedy:
             raise ValueError(f"n={self.n} with greedy={self.greedy}: nothing to evaluate; use n >= 1 or greedy")
         if self.max_tokens < 1 or self.max_prompt_length < 1:
             raise ValueError(f"max_tokens={self.max_tokens}, max_prompt_length={self.max_prompt_length}: "

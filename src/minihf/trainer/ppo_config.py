@@ -14,6 +14,7 @@ any model loads) refuses batch sizes that do not fit the ranks, naming the key.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional, Union
@@ -275,6 +276,7 @@ class PPOConfig:
                              f"async_training.staleness={self.async_training.staleness} trains on samples of "
                              "older weights; set check_log_probs=off (training/rollout_probs_diff_* "
                              "still reports the gap)")
+        self._check_token_budgets(r.prompt_length + r.response_length)
         self._check_standalone_rollout()
         refuse_tp(self.controller.placement, "generation's tensor parallelism is actor_rollout_"
                   "ref.rollout.tensor_model_parallel_size; drop tp_size")
@@ -282,6 +284,24 @@ class PPOConfig:
 
         for plugin in BUILTIN_PLUGINS:  # DAPO's and Safe-RLHF's keys are checked by their plug-ins
             plugin.check_config(self)
+
+    def _check_token_budgets(self, longest: int) -> None:
+        """Each section's ``max_tokens_per_micro_batch`` holds the longest sequence the rollout
+        can make (a smaller one failed at the first long row, on a worker, mid-run)."""
+        def walk(obj, key):
+            if dataclasses.is_dataclass(obj):
+                for f in dataclasses.fields(obj):
+                    yield from walk(getattr(obj, f.name), f"{key}.{f.name}" if key else f.name)
+            elif isinstance(obj, dict):
+                for name, value in obj.items():
+                    yield from walk(value, f"{key}.{name}")
+            elif key.endswith(".max_tokens_per_micro_batch") and obj is not None:
+                yield key, obj
+        for key, budget in walk(self, ""):
+            if budget < longest:
+                raise ValueError(f"{key}={budget} is below the longest sequence the rollout makes, "
+                                 f"rollout.prompt_length + rollout.response_length = {longest}; raise it to "
+                                 f"at least {longest}")
 
     def _check_standalone_rollout(self) -> None:
         """``controller.placement.rollout``: the engine on ranks of its own, disjoint from the

@@ -25,12 +25,12 @@ value.
 What runs the function per bucket is the only device-specific part: on CUDA it is captured
 as a CUDA graph (a shared memory pool; no Python, no kernel launches but the graph's) unless
 ``rollout.enforce_eager``. A bucket's first use runs the function as is, which is also the
-capture's warm-up (kernels chosen, lazy allocations made on the device), its second use
-captures it and every later one replays it: a bucket used once (the tail of a batch whose
-rows finish at different lengths) is never captured, and no step is computed twice (a
-warm-up run apart from the step's own would be). Captured or not, it is the same function; elsewhere it is always called as is, which is how the CPU tests cover
-the same logic (and check that no op of it reads a device value on the host, which would
-fail the capture). Captured graphs hold the addresses of the weights, the KV cache and these
+capture's warm-up (kernels chosen, lazy allocations made on the device); its second use
+captures it, then replays it, as every later use does. So a bucket used once (the tail of a
+batch whose rows finish at different lengths) is never captured, and no step is computed
+twice (a warm-up apart from the step's own run would be). Elsewhere the function is always
+called as is, which is how the CPU tests cover the same logic (and check that no op of it
+reads a device value on the host, which would fail the capture). Captured graphs hold the addresses of the weights, the KV cache and these
 buffers: :meth:`StaticDecode.clear` drops them whenever one of those is reallocated
 (sleep, wake-up, a new cache, a parameter replaced instead of written in place: each
 generate compares the weights' addresses with those captured), and the next use

@@ -170,3 +170,28 @@ def test_a_read_key_no_phase_added_is_named(tmp_path):
     with pytest.raises(ValueError, match=r"aux_losses.probe \(.*losses.py:pull_up\) reads batch key 'probe_weight', "
                                          r"which the step's batch does not hold"):
         actor.update_actor(batch)
+
+
+def test_a_policy_loss_returning_something_else_is_named():
+    """A recipe's policy loss (``policy_loss.loss_mode: file.py:fn``): each wrong return
+    failed deep in the update (a non-scalar loss at backward, a 2-tuple at unpacking, None
+    figures at a multiply), and a loss without gradient trained silently on the other terms."""
+    from minihf.workers.aux_loss import policy_loss_terms
+
+    log_prob = torch.zeros(2, 3, requires_grad=True)
+    loss = (log_prob * 2).sum()
+    zero = torch.zeros(())
+    for result, says in (((log_prob * 2, zero, zero, zero), r"returned Tensor\(2, 3\) as the loss; return \(scalar"),
+                         (loss, "returned Tensor; return"),
+                         ((loss, zero), "returned 2 values; return"),
+                         (None, "returned NoneType; return"),
+                         ((torch.tensor(1.0), zero, zero, zero), "a loss without gradient"),
+                         ((loss, None, zero, zero), "statistic 'clipfrac' is NoneType"),
+                         ((loss, zero, torch.ones(3), zero), "statistic 'ppo_kl' is Tensor"),
+                         ((loss, zero, zero, zero, [1.0]), r"its own figures \(the 5th value\) must be a dict")):
+        with pytest.raises(ValueError, match=says):
+            policy_loss_terms(result, "policy loss r/loss.py:fn", log_prob)
+    out = policy_loss_terms((loss, 0.5, zero, zero, {"mine": 2}), "policy loss r/loss.py:fn", log_prob)
+    assert out[0] is not None and out[0].requires_grad and float(out[1]) == 0.5 and float(out[4]["mine"]) == 2.0
+    with torch.no_grad():  # no gradient asked for: none required
+        policy_loss_terms((torch.tensor(1.0), zero, zero, zero), "policy loss vanilla", log_prob.detach())

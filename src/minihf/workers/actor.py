@@ -61,8 +61,8 @@ from minihf.parallel.fsdp import default_mixed_precision
 from minihf.protocol import Batch
 from minihf.rollout.llm import eos_ids_from_dir
 from minihf.workers.actor_checks import check_actor_sp, check_router_replay, reference_source, shard_ranks, sp_sizes
-from minihf.workers.aux_loss import (add_aux_terms, aux_loss_reads, build_aux_losses, check_aux_reads, extra_stats,
-                                     ids_for)
+from minihf.workers.aux_loss import (add_aux_terms, aux_loss_reads, build_aux_losses, check_aux_reads, ids_for,
+                                     policy_loss_terms)
 from minihf.workers.config import ActorRolloutRefConfig
 from minihf.workers.engine import build_fsdp_model, prefixed, run_micro_batches, sp_group, sp_layouts, tensors_of
 from minihf.workers.forward import forward_log_probs
@@ -279,13 +279,14 @@ class ActorRolloutRefWorker(Worker):
             log_prob = out["log_probs"]                                       # [b, R]
             old = log_prob.detach() if own_old else mb["old_log_probs"]
             extra = {"rollout_is_weights": mb["rollout_is_weights"]} if "rollout_is_weights" in mb else {}
-            pg_loss, clipfrac, ppo_kl, clipfrac_lower, *own = policy_loss(  # (+ its own figures)
+            pg_loss, clipfrac, ppo_kl, clipfrac_lower, own = policy_loss_terms(policy_loss(  # (+ its own figures)
                 old, log_prob, mb["advantages"], mask,
-                loss_agg_mode=a.loss_agg_mode, normalizer=norm, config=a, **extra)
+                loss_agg_mode=a.loss_agg_mode, normalizer=norm, config=a, **extra),
+                f"policy loss {a.policy_loss.loss_mode}", log_prob)
             share = mask.float().sum() / tokens  # this micro-batch's weight in token means
             stats = {"pg_loss": pg_loss, "pg_clipfrac": clipfrac * share,
                      "ppo_kl": ppo_kl * share, "pg_clipfrac_lower": clipfrac_lower * share}
-            for k, v in (extra_stats(own[0], f"policy loss {a.policy_loss.loss_mode}") if own else {}).items():
+            for k, v in own.items():
                 stats[k] = v.to(share.device) * share
             loss = pg_loss
             if self.aux_losses:  # none: the policy loss alone, no extra op in the graph

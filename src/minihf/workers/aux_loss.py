@@ -130,6 +130,32 @@ class AuxLoss:
         return loss.reshape(()), stats
 
 
+def policy_loss_terms(result, label: str, log_prob: torch.Tensor) -> tuple:
+    """A policy loss's return, checked: ``(pg_loss, clipfrac, ppo_kl, clipfrac_lower, own)``
+    with ``own`` its own figures (``{}`` when it gives none). A recipe's loss that returned
+    something else failed deep in the update, or (a loss without gradient) trained silently
+    on the other terms alone."""
+    shape = "(scalar loss with grad, clipfrac, ppo_kl, clipfrac_lower[, {name: figure}])"
+    if not isinstance(result, (tuple, list)) or len(result) not in (4, 5):
+        got = f"{len(result)} values" if isinstance(result, (tuple, list)) else type(result).__name__
+        raise ValueError(f"{label} returned {got}; return {shape}")
+    loss, *figures = result[:4]
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise ValueError(f"{label} returned {type(loss).__name__}"
+                         f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''} as the loss; "
+                         f"return {shape}")
+    if log_prob.requires_grad and not loss.requires_grad:
+        raise ValueError(f"{label} returned a loss without gradient (made from detached tensors, or "
+                         f"a constant); compute it from log_prob so that it trains the policy")
+    named = extra_stats(dict(zip(("clipfrac", "ppo_kl", "clipfrac_lower"), figures)), label)
+    own = result[4] if len(result) == 5 else {}
+    if not isinstance(own, dict):
+        raise ValueError(f"{label}: its own figures (the 5th value) must be a dict of name -> number, "
+                         f"got {type(own).__name__}")
+    return (loss.reshape(()), *(named[k].to(loss.device) for k in ("clipfrac", "ppo_kl", "clipfrac_lower")),
+            extra_stats(own, label))
+
+
 def extra_stats(stats, label: str) -> dict:
     """A policy loss's or aux loss's own figures, checked: name -> scalar tensor (detached)."""
     out = {}

@@ -234,6 +234,41 @@ def test_adv_estimator_registry():
     assert get_adv_estimator_fn("grpo") is compute_grpo_outcome_advantage
 
 
+def test_a_recipes_estimator_returning_something_else_is_named():
+    """A recipe's estimator (``adv_estimator: file.py:fn``) that returned advantages of the
+    wrong shape failed in the actor's update, a None in the metrics, NaNs only warned (with
+    advice about the learning rate), grad-carrying ones were backpropagated twice; and one
+    taking ``**kw`` was refused as needing an argument named 'kw'."""
+    from minihf.protocol import Batch
+    from minihf.trainer.advantage import estimate_advantages
+
+    rewards, mask = torch.zeros(4, 3), torch.ones(4, 3)
+    mask[0, 2] = 0
+    batch = Batch({"token_level_rewards": rewards, "response_mask": mask}, {"uid": ["a", "a", "b", "b"]})
+    alg = SimpleNamespace(gamma=1.0, lam=1.0, norm_adv_by_std_in_grpo=True)
+    nan_padding = torch.zeros(4, 3)
+    nan_padding[0, 2] = math.nan  # under the mask: allowed
+    cases = {"shape": (lambda **kw: (torch.zeros(4), torch.zeros(4)), r"returned advantages as a torch.float32 "
+                       r"tensor of shape \(4,\); return \(advantages, returns\): two float tensors shaped like "
+                       r"token_level_rewards \(4, 3\)"),
+             "none": (lambda **kw: (rewards, None), "returned returns as NoneType"),
+             "one": (lambda **kw: rewards, "returned Tensor; return"),
+             "numpy": (lambda **kw: (np.zeros((4, 3)), rewards), "returned advantages as ndarray"),
+             "nan": (lambda **kw: (rewards + math.nan, rewards), "returned non-finite advantages at 11 response tokens")}
+    try:
+        for name, (fn, says) in cases.items():
+            register_adv_est(f"test_{name}")(fn)
+            with pytest.raises(ValueError, match=says):
+                estimate_advantages(batch, alg, f"test_{name}")
+        graph = torch.ones(4, 3, requires_grad=True)
+        register_adv_est("test_ok")(lambda token_level_rewards, **kw: (graph * 2 + nan_padding, token_level_rewards))
+        adv, ret = estimate_advantages(batch, alg, "test_ok")  # **kw takes the rest of the pool
+        assert not adv.requires_grad and adv[1, 0] == 2 and torch.equal(ret, rewards)
+    finally:
+        for name in [*cases, "ok"]:
+            ADV_ESTIMATORS.pop(f"test_{name}", None)
+
+
 CFG = SimpleNamespace(clip_ratio=0.2, clip_ratio_low=None, clip_ratio_high=None, clip_ratio_c=None)
 
 

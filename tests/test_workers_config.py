@@ -89,10 +89,11 @@ def test_rl_config_errors():
     with pytest.raises(ConfigError, match=r"policy_loss: /nope/algo.py does not exist"):
         load_config(PPOJobConfig, None, ["actor_rollout_ref.actor.policy_loss.loss_mode=/nope/algo.py:fn"])
     # a token budget that cannot hold the longest sequence failed at its first long row, on a worker
+    # (checked by check_paths at start-up, after the lengths against the model's context)
     for key in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic"):
         with pytest.raises(ConfigError, match=rf"{key}.max_tokens_per_micro_batch=3 is below the longest sequence "
                                               r"the rollout makes, .* = \d+; raise it"):
-            load_config(PPOJobConfig, "ppo", [f"{key}.max_tokens_per_micro_batch=3"])
+            load_config(PPOJobConfig, "ppo", [f"{key}.max_tokens_per_micro_batch=3"]).check_token_budgets()
     with pytest.raises(ConfigError, match="adv_estimator=gae reads values, which need a critic"):
         load_config(PPOJobConfig, None, ["critic.enable=false"])
     with pytest.raises(ConfigError, match=r"rollout.prompt_length=8 is below data.max_prompt_length=16"):

@@ -276,7 +276,6 @@ class PPOConfig:
                              f"async_training.staleness={self.async_training.staleness} trains on samples of "
                              "older weights; set check_log_probs=off (training/rollout_probs_diff_* "
                              "still reports the gap)")
-        self._check_token_budgets(r.prompt_length + r.response_length)
         self._check_standalone_rollout()
         refuse_tp(self.controller.placement, "generation's tensor parallelism is actor_rollout_"
                   "ref.rollout.tensor_model_parallel_size; drop tp_size")
@@ -285,9 +284,13 @@ class PPOConfig:
         for plugin in BUILTIN_PLUGINS:  # DAPO's and Safe-RLHF's keys are checked by their plug-ins
             plugin.check_config(self)
 
-    def _check_token_budgets(self, longest: int) -> None:
+    def check_token_budgets(self) -> None:
         """Each section's ``max_tokens_per_micro_batch`` holds the longest sequence the rollout
-        can make (a smaller one failed at the first long row, on a worker, mid-run)."""
+        can make (a smaller one failed at the first long row, on a worker, mid-run). Checked at
+        start-up after the lengths are checked against the model's context (a length past it
+        is the thing to fix, not the budget)."""
+        r = self.actor_rollout_ref.rollout
+        longest = r.prompt_length + r.response_length
         def walk(obj, key):
             if dataclasses.is_dataclass(obj):
                 for f in dataclasses.fields(obj):
@@ -299,7 +302,7 @@ class PPOConfig:
                 yield key, obj
         for key, budget in walk(self, ""):
             if budget < longest:
-                raise ValueError(f"{key}={budget} is below the longest sequence the rollout makes, "
+                raise ConfigError(f"{key}={budget} is below the longest sequence the rollout makes, "
                                  f"rollout.prompt_length + rollout.response_length = {longest}; raise it to "
                                  f"at least {longest}")
 

@@ -75,6 +75,7 @@ def check_paths(cfg: PPOConfig) -> None:
     """Fail before any model loads if the model dir or a data file is missing."""
     _check_actor_dir(cfg)
     check_rollout_tp(cfg)
+    cfg.check_token_budgets()
     check_lora(cfg)
     check_run_dir(run_dir(cfg.trainer), "trainer.default_local_dir")
     check_resume_path(cfg.trainer)
@@ -96,6 +97,43 @@ def check_paths(cfg: PPOConfig) -> None:
             if not Path(f).is_file():
                 raise ConfigError(f"data.{key}: {f!r} does not exist (relative paths are from "
                                   f"{Path.cwd()}); write task data with `minihf make-data`")
+    check_role_vocabularies(cfg)
+
+
+def check_role_vocabularies(cfg: PPOConfig) -> None:
+    """Every role reads the actor's token ids: a role's model must embed each of them (a
+    smaller vocabulary failed inside ``F.embedding``) and, where both dirs hold a tokenizer,
+    have the actor's (another tokenizer's ids scored, or distilled, meaningless tokens in
+    silence). Embedding sizes may differ (Qwen2.5's 0.5B and 7B pad the same tokenizer
+    differently)."""
+    from minihf.data import load_tokenizer
+    from minihf.data.tokenizer import _TOKENIZER_FILES
+    from minihf.models import load_args
+    from minihf.roles import planned_roles
+
+    def vocab(path: Path) -> dict | None:
+        return load_tokenizer(path).get_vocab() if any((path / f).exists() for f in _TOKENIZER_FILES) else None
+    actor = Path(cfg.actor_rollout_ref.model.path)
+    mine = vocab(actor)
+    needed = max(mine.values()) + 1 if mine else load_args(actor).vocab_size
+    seen = {actor.resolve()}
+    for row in planned_roles(cfg):
+        path = getattr(getattr(section_of(cfg, row.section), "model", None), "path", None)
+        if not path or Path(path).resolve() in seen or not Path(path, "config.json").is_file():
+            continue
+        seen.add(Path(path).resolve())
+        key = f"{row.section}.model.path={path!r}"
+        size = load_args(path).vocab_size
+        if size < needed:
+            raise ConfigError(f"{key} embeds {size} token ids, but the actor's tokenizer makes ids up to "
+                              f"{needed - 1}: the roles read the actor's token ids; give it a model of the "
+                              f"actor's tokenizer ({actor})")
+        theirs = vocab(Path(path))
+        if mine is not None and theirs is not None and theirs != mine:
+            differ = sorted(set(mine.items()) ^ set(theirs.items()))[:3]
+            raise ConfigError(f"{key} has another tokenizer than the actor's ({actor}; e.g. {differ} are in "
+                              f"one only): the roles read the actor's token ids; give it a model of the actor's "
+                              "tokenizer")
 
 
 def check_rollout_tp(cfg: PPOConfig) -> None:

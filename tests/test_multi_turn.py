@@ -180,6 +180,11 @@ class ReturnsInt(Countdown):
         return 5
 
 
+class RewardsNaN(Countdown):
+    def step(self, action):
+        return None, float("nan"), True
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     from minihf.hub import init_model
@@ -235,6 +240,7 @@ def test_episode_loop_limits(tiny):
     (Raises, r"Raises.step on sample \d \(uid [ab]\) raised ValueError: bad state"),
     (Hangs, r"Hangs.step on sample \d \(uid [ab]\) did not return within rollout.multi_turn.env_timeout_s=0.5"),
     (ReturnsInt, r"ReturnsInt.step on sample \d \(uid [ab]\) returned int; return \(observation"),
+    (RewardsNaN, r"RewardsNaN.step on sample \d \(uid [ab]\) returned reward nan; return a finite float"),
 ])
 def test_failing_environments_name_the_sample(tiny, env_cls, message):
     t0 = time.monotonic()

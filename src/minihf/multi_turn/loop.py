@@ -22,6 +22,7 @@ the other ranks by broadcast in the same engine step, so every rank's engine sta
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from concurrent.futures import Future
@@ -261,8 +262,9 @@ class EpisodeRunner:
             raise EnvironmentFailure(f"{self.mt.env_name}.step on {where} returned {type(result).__name__}; "
                                      "return (observation: str | list[dict] | None, reward: float, done: bool)")
         obs, reward, done = result
-        if not isinstance(reward, Real) or isinstance(reward, bool):
-            raise EnvironmentFailure(f"{self.mt.env_name}.step on {where} returned reward {reward!r}; return a float")
+        if not isinstance(reward, Real) or isinstance(reward, bool) or not math.isfinite(reward):
+            raise EnvironmentFailure(f"{self.mt.env_name}.step on {where} returned reward {reward!r}; return a "
+                                     "finite float (a NaN or infinite reward would poison the advantages)")
         ep.turns += 1
         ep.rewards.append((len(seq.tokens) - 1, float(reward)))
         if done:

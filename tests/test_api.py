@@ -70,6 +70,11 @@ def test_train_sft_and_rm_in_process(tmp_path, monkeypatch, no_process_wide_effe
                                      "data.val_files=pairs/test.parquet", "data.train_batch_size=8",
                                      "trainer.total_training_steps=2", "trainer.default_local_dir=rm"])
     assert rm.metrics["step"] == 2 and (rm.run_dir / "hf" / "config.json").is_file()
+    with pytest.raises(Exception, match=r"data.train_batch_size=64 exceeds the 32 training rows in "
+                                        r"data/train.parquet"):  # was the sampler's own words
+        minihf.train_sft("sft_sort", ["model.path=model", "data.train_files=data/train.parquet",
+                                      "data.val_files=null", "data.train_batch_size=64",
+                                      "trainer.total_training_steps=1", "trainer.default_local_dir=sft_big"])
     with pytest.raises(ValueError, match="not with a config object"):
         from minihf.trainer.sft import SFTConfig
         minihf.train_sft(SFTConfig(), ["trainer.total_training_steps=2"])

@@ -123,6 +123,9 @@ class SFTDriver(RunLoop):
         for files, ds in ((d.train_files, self.train), (d.val_files, self.val)):
             if ds is not None:
                 check_token_ids(self.token_ids(ds), files, cfg.model.path, tok)
+        if d.train_batch_size > len(self.train):  # (the RM's pairs as well: RMDriver is this class's)
+            raise ValueError(f"data.train_batch_size={d.train_batch_size} exceeds the {len(self.train)} "
+                             f"training rows in {d.train_files} (after the filters); lower it or add rows")
         self.sampler = ResumableSampler(len(self.train), d.train_batch_size, shuffle=d.shuffle,
                                         seed=d.seed, drop_last=True)
         t = cfg.trainer

@@ -85,6 +85,30 @@ def test_bad_input(cwd, name, kwargs, message):
     assert not Path("recipes").exists() and not (DEFAULT_RECIPES_DIR / "y").exists()
 
 
+def test_a_base_that_is_not_a_recipe_a_name_that_shadows_its_base_and_a_file_as_dir(cwd):
+    """A YAML that is no recipe was written as `base: ../..` (its folder), and with --copy its
+    folder's every file was copied, with no config.yaml; `recipe new grpo --base grpo` wrote a
+    recipe that shadows the shipped one and builds on itself (a loop); --dir FILE failed in
+    pathlib. A recipe YAML file as the base is that file, copied as config.yaml."""
+    Path("notes.yaml").write_text("just: [some notes\n")
+    Path("list.yaml").write_text("- a\n- b\n")
+    Path("f").touch()
+    Path("other").mkdir()
+    Path("other/exp.yaml").write_text("base: grpo\ntrainer:\n  total_training_steps: 11\n")
+    Path("other/README.txt").touch()
+    for name, base, kwargs, says in (("x", "notes.yaml", {}, "cannot parse recipe notes.yaml as YAML"),
+                                     ("x", "list.yaml", {"copy": True}, "must be a mapping of keys, got list"),
+                                     ("grpo", "grpo", {}, "would shadow it .* and build on itself"),
+                                     ("y", "grpo", {"out_dir": "f"}, "--dir f is a file")):
+        with pytest.raises(ConfigError, match=says):
+            new_recipe(name, base, **kwargs)
+    assert not Path("recipes").exists()
+    for name, copy in (("z", False), ("z2", True)):
+        target = new_recipe(name, "other/exp.yaml", copy=copy)
+        assert sorted(os.listdir(target)) == ["config.yaml"]
+        assert load_config(PPOJobConfig, name).trainer.total_training_steps == 11
+
+
 def test_cli_new_list_and_existing(cwd):
     runner = CliRunner()
     res = runner.invoke(app, ["recipe", "new", "my_exp", "--base", "grpo"])

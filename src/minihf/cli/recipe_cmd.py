@@ -70,7 +70,7 @@ def new_recipe(name: str, base: str, out_dir: str | Path = "recipes", copy: bool
     only what differs is stated), or with ``copy`` every file of the base recipe. Returns the
     folder. Raises ``ConfigError`` on a bad name, an unknown base, an existing folder or a
     folder inside minihf's own (shipped) recipes."""
-    from minihf.config import DEFAULT_RECIPES_DIR, ConfigError, find_recipe
+    from minihf.config import DEFAULT_RECIPES_DIR, ConfigError, find_recipe, recipe_layers
 
     if not NAME.fullmatch(name):
         raise ConfigError(f"recipe name {name!r}: use letters, digits, '_', '-' or '.' (a folder name, "
@@ -82,18 +82,26 @@ def new_recipe(name: str, base: str, out_dir: str | Path = "recipes", copy: bool
                           f"default, from your project's directory)")
     if target.exists():
         raise ConfigError(f"{target} already exists; choose another name or remove it")
+    if Path(out_dir).exists() and not Path(out_dir).is_dir():
+        raise ConfigError(f"--dir {out_dir} is a file; pass the folder your recipes live in")
+    by_name = "/" not in base and not Path(base).exists()
+    if by_name and name == base:  # `base: NAME` is looked up beside the recipe first: itself
+        raise ConfigError(f"a recipe named {name!r} building on the recipe {base!r} would shadow it (recipe="
+                          f"{name} would find yours) and build on itself; choose another name")
     source = find_recipe(base)
+    recipe_layers(source)  # a YAML that is not a recipe (or a broken base chain) fails here, named
     target.mkdir(parents=True)
     if copy:
-        for f in sorted(source.parent.iterdir()):
+        # a recipe folder: its config and its code; a recipe YAML file: that file alone
+        files = sorted(source.parent.iterdir()) if source.name == "config.yaml" else [source]
+        for f in files:
             if f.is_file() and not f.name.endswith(".pyc"):
-                shutil.copy2(f, target / f.name)
-        if source.name == "config.yaml":
-            _rebase_copy(target / "config.yaml", source.parent)
+                shutil.copy2(f, target / ("config.yaml" if f == source else f.name))
+        _rebase_copy(target / "config.yaml", source.parent)
         return target
     # a path is read from the new recipe's folder: written relative to it (as typed, a
-    # relative --base recipes/g2 became recipes/g3/recipes/g2)
-    ref = base if "/" not in base and not Path(base).exists() else os.path.relpath(source.parent, target)
+    # relative --base recipes/g2 became recipes/g3/recipes/g2); a YAML file as itself
+    ref = base if by_name else os.path.relpath(source.parent if source.name == "config.yaml" else source, target)
     (target / "config.yaml").write_text(
         f"# {name}: builds on the `{base}` recipe ({source}); state here only what differs.\n"
         f"# `minihf config show {name}` prints every resolved value, its help and where it came from.\n"

@@ -299,3 +299,47 @@ def test_a_recipe_names_the_actor_class_and_plugins_replace_core_rows(tiny_job, 
         role_table(plain, [Clashing])
     with pytest.raises(ValueError, match=r"plug-in role 'judge' replaces a core role, but there is none"):
         role_table(plain, [Nothing])
+
+
+def test_a_phase_that_returns_something_else_is_named():
+    """A phase's return: a dict failed in the next phase ("'dict' object has no attribute
+    'tensors'"), a batch of no rows (a rejection that kept nothing) at cutting micro-batches."""
+    import contextlib
+    from types import SimpleNamespace
+
+    import torch
+
+    from minihf.protocol import Batch
+    from minihf.trainer.phases import Phase, PluginError, run_phases
+
+    batch = Batch({"x": torch.zeros(4, 2)})
+    ctx = SimpleNamespace(timed=lambda name: contextlib.nullcontext())
+    keep = Phase("keep", lambda c, b, m: None, timed=False)
+    half = Phase("half", lambda c, b, m: b[[0, 1]])
+    assert len(run_phases(ctx, [keep, half], batch, {})) == 2
+    for phase, says in ((Phase("judge", lambda c, b, m: {"x": 1}), "phase 'judge' returned dict {'x': 1}; return the batch"),
+                        (Phase("reject", lambda c, b, m: b[[]]), "phase 'reject' returned a batch of no rows")):
+        with pytest.raises(PluginError, match=says):
+            run_phases(ctx, [keep, phase], batch, {})
+
+
+def test_a_plugin_calling_a_role_the_job_cannot_have_is_named():
+    """A Call to a role that is not in the job is skipped (a ref in a job without one); to
+    a role no job of this config can have (the docs' judge without its roles.judge section)
+    it was skipped too, and a later phase failed on the keys it never produced."""
+    from types import SimpleNamespace
+
+    from minihf.trainer.phases import Call, Phase, Plugin, PluginError, Together, alongside, apply_hooks
+
+    class Judge(Plugin):
+        name = "judge"
+
+        def hooks(self):
+            return [alongside("ref", Call("judge", "judge", "compute_log_prob"))]
+    program = {"step": [Phase("rollout", lambda c, b, m: None), Together((Call("ref", "actor", "compute_ref"),))]}
+    ctx = SimpleNamespace(cfg=SimpleNamespace(algorithm=SimpleNamespace(plugin_config={})))
+    with pytest.raises(PluginError, match=r"plug-in judge .*: calls role 'judge', which this job lacks \(roles: "
+                                          r"\['actor', 'critic'\]\); add a roles.judge section"):
+        apply_hooks(program, [Judge(ctx)], {"actor", "critic"})
+    applied = apply_hooks(program, [Judge(ctx)], {"actor", "critic", "judge"})
+    assert [c.role for c in applied["step"][1].calls] == ["actor", "judge"]

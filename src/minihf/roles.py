@@ -207,6 +207,13 @@ def role_table(cfg, plugin_classes=()) -> list[RoleDef]:
     return [r for r in rows if r.enabled(cfg)]
 
 
+def known_roles(cfg, plugin_classes=()) -> set[str]:
+    """Every role name a job of ``cfg`` could have, enabled or not: minihf's own, its
+    plug-ins' and its ``roles.<name>`` sections."""
+    return ({r.name for r in DECLARED} | {r.name for p in plugin_classes for r in getattr(p, "roles", ())}
+            | set(cfg.roles))
+
+
 def worker_roles(table: list[RoleDef], cfg) -> dict:
     """``controller.Role`` per row, for ``minihf.controller.run``."""
     from minihf.controller import Role

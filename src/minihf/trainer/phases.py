@@ -300,12 +300,19 @@ def plugin_figures(plugin: Plugin, out: Batch) -> dict[str, list]:
     return figures
 
 
-def apply_hooks(programs: dict[str, list[Item]], plugins: list[Plugin]) -> dict[str, list[Item]]:
+def apply_hooks(programs: dict[str, list[Item]], plugins: list[Plugin], roles: set[str] | None = None
+                ) -> dict[str, list[Item]]:
     """The phase lists (e.g. ``{"step": [...], "round": [...]}``) with every plug-in's hooks
-    applied, in plug-in order."""
+    applied, in plug-in order. ``roles``: every role a job of this kind can have (a Call to
+    one of them is skipped when the job lacks it; a Call to another name is an error: it was
+    skipped in silence, and a later phase missed its keys)."""
     out = {k: list(v) for k, v in programs.items()}
     for plugin in plugins:
         for hook in plugin_hooks(plugin):
+            if roles is not None and isinstance(hook.item, Call) and hook.item.role not in roles:
+                raise PluginError(f"{plugin_label(plugin)}: calls role {hook.item.role!r}, which this job "
+                                  f"lacks (roles: {sorted(roles)}); add a roles.{hook.item.role} section, "
+                                  "or bring the role with the plug-in's roles")
             try:
                 applied = any(_apply(items, hook) for items in out.values())
             except ValueError as e:
@@ -337,8 +344,20 @@ def run_phases(ctx: StepContext, items: list[Item], batch: Batch, metrics: dict)
         else:
             out = item.run(ctx, batch, metrics)
         if out is not None:
-            batch = out
+            batch = _checked_output(item.name, out)
     return batch
+
+
+def _checked_output(name: str, out) -> Batch:
+    """A phase's returned batch, checked where the next phase would fail deep inside (a dict
+    had no ``.tensors``; a batch of no rows failed at cutting micro-batches)."""
+    if not isinstance(out, Batch):
+        raise PluginError(f"phase {name!r} returned {_what(out)}; return the batch (a Batch, e.g. batch "
+                          "or batch[rows]) or None to keep it")
+    if len(out) == 0:
+        raise PluginError(f"phase {name!r} returned a batch of no rows; the step needs at least one (to "
+                          "drop every sample, filter before generating more, as algorithm.filter_groups does)")
+    return out
 
 
 def _send_together(ctx: StepContext, calls: list[Call], batch: Batch) -> list:

@@ -53,7 +53,7 @@ from minihf.trainer.ppo_config import PPOConfig
 from minihf.trainer.reward import RuleReward, load_reward
 from minihf.trainer.advantage import estimate_advantages
 from minihf.trainer.balance import balance_batch, layout_differences
-from minihf.roles import role_groups, role_table
+from minihf.roles import known_roles, role_groups, role_table
 from minihf.trainer.staleness import RolloutQueue, WeightSync, busy_metrics
 from minihf.trainer.record import RunRecord
 from minihf.trainer.validation import validate
@@ -105,7 +105,7 @@ class PPOTrainer(RunLoop):
                                overlap=len(trained) > 1 and len(ranks) == len(set(ranks)))
         self.plugins = [cls(self.ctx) for cls in classes]
         PluginStates(self.plugins).state_dict()  # state a checkpoint cannot hold: before any model loads
-        self.program = apply_hooks(self.phases(), self.plugins)
+        self.program = apply_hooks(self.phases(), self.plugins, known_roles(cfg, classes))
         # a standalone rollout (controller.placement.rollout) generates; it gets the
         # actor's weights when they changed since its last sync
         self.sync = WeightSync(self.actor, self.rollout, self.records.phase_totals, cfg.actor_rollout_ref.model.lora)

@@ -67,7 +67,6 @@ from dataclasses import dataclass, field, replace as dc_replace
 from typing import Any, Callable, ClassVar, Optional, Union
 
 from minihf.protocol import Batch
-from minihf.utils.state_json import StateError, encode
 
 PhaseFn = Callable[["StepContext", Batch, dict], Union[Batch, None]]
 
@@ -375,33 +374,3 @@ def _send_together(ctx: StepContext, calls: list[Call], batch: Batch) -> list:
         with ctx.timed(name):
             results.append(future.result())
     return results
-
-
-class PluginStates:
-    """The plug-ins' states as one entry of the driver state, by plug-in name (a plug-in
-    new to a resumed run starts fresh). Each state is checked as it is taken: what a
-    checkpoint cannot hold is a ``StateError`` naming the plug-in and the path."""
-
-    def __init__(self, plugins: list[Plugin]):
-        self.plugins = plugins
-
-    def state_dict(self) -> dict:
-        out = {}
-        for p in self.plugins:
-            state = p.state_dict()
-            try:
-                encode(state, "state_dict()")
-            except StateError as e:
-                raise StateError(f"{plugin_label(p)}: {e}") from None
-            out[p.key()] = state
-        return out
-
-    def load_state_dict(self, state: dict) -> None:
-        for p in self.plugins:
-            if p.key() in state:
-                try:
-                    p.load_state_dict(state[p.key()])
-                except Exception as e:  # the plug-in's own code: name it, and what it raised
-                    raise StateError(f"{plugin_label(p)}: load_state_dict() raised {type(e).__name__}: "
-                                     f"{str(e)[:200]} on the state saved for it; make it read what its "
-                                     "state_dict() saves") from e

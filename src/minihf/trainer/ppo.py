@@ -47,7 +47,8 @@ from minihf.trainer.common import Log, check_token_ids, every, run_dir
 from minihf.trainer.loop import RunLoop
 from minihf.trainer.metrics import data_metrics, group_metrics, sample_rows, sent_bytes, throughput
 from minihf.trainer.old_log_prob import apply_rejection, old_log_prob_phase
-from minihf.trainer.phases import Call, Phase, PluginStates, StepContext, Together, apply_hooks, run_phases
+from minihf.trainer.phases import Call, Phase, StepContext, Together, apply_hooks, run_phases
+from minihf.trainer.plugin_states import PluginStates
 from minihf.trainer.plugins import plugin_classes
 from minihf.trainer.ppo_config import PPOConfig
 from minihf.trainer.reward import RuleReward, load_reward

@@ -146,6 +146,10 @@ def test_tool_and_environment_references_are_checked_at_load(tmp_path):
         with pytest.raises(ValueError, match=says if ".*" in says else re.escape(says)):
             MultiTurnConfig(enable=True, **kw)
     MultiTurnConfig(enable=True, tools=["calculator", "python", f"{tmp_path}/tools.py:add"])
+    for kw in (dict(tools=["calculator"]), dict(environment=f"{tmp_path}/tools.py:Env")):  # ran single-turn, silently
+        with pytest.warns(UserWarning, match=r"rollout.multi_turn.(tools|environment) is set but rollout.multi_turn."
+                                             r"enable=false: the rollout is single-turn"):
+            MultiTurnConfig(**kw)
     MultiTurnConfig(enable=True, environment=f"{tmp_path}/tools.py:Env")
 
 

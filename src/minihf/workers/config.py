@@ -7,6 +7,7 @@ Every field has verl's name where verl has one.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
@@ -276,6 +277,10 @@ class MultiTurnConfig:
         if self.tools and self.environment:
             raise ValueError("set rollout.multi_turn.tools or rollout.multi_turn.environment, not both "
                              "(an environment can call tools itself)")
+        if not self.enable and (self.tools or self.environment):
+            which = "tools" if self.tools else "environment"
+            warnings.warn(f"rollout.multi_turn.{which} is set but rollout.multi_turn.enable=false: the rollout "
+                          "is single-turn and does not use it; set rollout.multi_turn.enable=true", stacklevel=2)
         _check_code_refs(self.tools, self.environment)
         for key in ("max_assistant_turns", "max_user_turns", "max_tokens_per_turn"):
             v = getattr(self, key)

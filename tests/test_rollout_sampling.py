@@ -2,6 +2,7 @@
 distributions (temperature, top-k, top-p) checked statistically on a small vocabulary."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -203,3 +204,19 @@ def check_temperature_division_is_exact(device: str) -> None:
 
 def test_every_path_divides_by_the_temperature_to_the_bit():
     check_temperature_division_is_exact("cpu")
+
+
+def test_sampling_params_of_the_wrong_type_are_refused_by_name():
+    """A string or None failed as a bare comparison TypeError; ``stop_token_ids=2`` as "'int'
+    object is not iterable"; ``ignore_eos="no"`` was truthy, so EOS was ignored."""
+    for kw, says in ((dict(top_p="0.5"), "top_p must be a number in (0, 1] (1 = off), got '0.5'"),
+                     (dict(top_p=None), "top_p must be a number in (0, 1]"),
+                     (dict(top_p=float("nan")), "top_p must be a number in (0, 1]"),
+                     (dict(stop_token_ids=2), "stop_token_ids must be a list of token ids, got 2; write [2]"),
+                     (dict(stop_token_ids=[True]), "stop_token_ids must be non-negative ints, got [True]"),
+                     (dict(ignore_eos="no"), "ignore_eos must be True or False, got 'no'"),
+                     (dict(seed=1.5), "seed must be an int or None, got 1.5")):
+        with pytest.raises(ValueError, match=re.escape(says)):
+            SamplingParams(**kw)
+    ok = SamplingParams(top_p=1, stop_token_ids=(3, 4), seed=0, ignore_eos=True)
+    assert ok.stop_token_ids == [3, 4] and ok.ignore_eos

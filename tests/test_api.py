@@ -93,6 +93,13 @@ def test_arguments_of_the_wrong_kind_are_refused_before_anything_runs():
                        (lambda: minihf.train_rm(None, "x=1"), "overrides must be a list")):
         with pytest.raises(TypeError, match=says):
             call()
+    from minihf.api import _config
+    from minihf.trainer.ppo_job import PPOJobConfig
+
+    steps = (o for o in ["trainer.total_training_steps=7"])  # a generator: read once, all of it
+    assert _config(PPOJobConfig, "grpo", steps).trainer.total_training_steps == 7
+    assert _config(PPOJobConfig, "grpo", None).trainer.total_training_steps == \
+        _config(PPOJobConfig, "grpo", ()).trainer.total_training_steps
 
 
 def test_a_reward_past_floats_range_is_named():

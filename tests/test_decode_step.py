@@ -335,7 +335,7 @@ def test_a_bucket_is_captured_at_its_second_use_and_no_step_runs_twice(tiny, mon
     monkeypatch.setattr(StaticDecode, "__init__", lambda self, rows, device, capture: init(self, rows, device, True))
     monkeypatch.setattr(StaticDecode, "_body", counted_body)
     monkeypatch.setattr(StaticDecode, "run", recorded_run)
-    monkeypatch.setattr(StaticDecode, "_capture", lambda self, body: captured.append(uses[-1:]) or body)
+    monkeypatch.setattr(StaticDecode, "_capture", lambda self, body: captured.append(body) or body)
     # 6 prompts over 4 slots: buckets of 4 and 2 rows used several times, of 1 row once
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (4, 4, 4, 4, 6, 7)]
     eager = LLM(str(tiny), max_num_seqs=4).generate(PROMPTS, params)
@@ -360,3 +360,15 @@ def test_a_bucket_is_captured_at_its_second_use_and_no_step_runs_twice(tiny, mon
     uses.clear()
     llm.generate(PROMPTS, params)  # the weights moved: counted from scratch
     assert llm.engine.last_stats["captures"] == len(static().steps) == len({k for k, c in Counter(uses).items() if c >= 2})
+
+
+def test_a_buckets_first_use_takes_the_path_its_capture_takes():
+    """On CUDA a bucket's first use runs uncaptured; MoE takes its dense experts there as in
+    the capture (not the grouped path, whose sums are ordered otherwise), so the first use
+    computes what the replays do, and the dense path's kernels are warmed up before the capture."""
+    from minihf.models import moe
+    from minihf.rollout.decode_step import _as_captured
+
+    seen = []
+    _as_captured(lambda: seen.append(moe._capturing()))()
+    assert seen == [True] and not moe._capturing()

@@ -321,6 +321,7 @@ def test_a_phase_that_returns_something_else_is_named():
                         (Phase("reject", lambda c, b, m: b[[]]), "phase 'reject' returned a batch of no rows")):
         with pytest.raises(PluginError, match=says):
             run_phases(ctx, [keep, phase], batch, {})
+    assert len(run_phases(ctx, [Phase("reject", lambda c, b, m: b[[]])], batch, {}, rows_needed=False)) == 0
 
 
 def test_a_plugin_calling_a_role_the_job_cannot_have_is_named():
@@ -338,8 +339,8 @@ def test_a_plugin_calling_a_role_the_job_cannot_have_is_named():
             return [alongside("ref", Call("judge", "judge", "compute_log_prob"))]
     program = {"step": [Phase("rollout", lambda c, b, m: None), Together((Call("ref", "actor", "compute_ref"),))]}
     ctx = SimpleNamespace(cfg=SimpleNamespace(algorithm=SimpleNamespace(plugin_config={})))
-    with pytest.raises(PluginError, match=r"plug-in judge .*: calls role 'judge', which this job lacks \(roles: "
-                                          r"\['actor', 'critic'\]\); add a roles.judge section"):
+    with pytest.raises(PluginError, match=r"plug-in judge .*: calls role 'judge', which no job of this config has "
+                                          r"\(known roles: \['actor', 'critic'\]\); add a roles.judge section"):
         apply_hooks(program, [Judge(ctx)], {"actor", "critic"})
     applied = apply_hooks(program, [Judge(ctx)], {"actor", "critic", "judge"})
     assert [c.role for c in applied["step"][1].calls] == ["actor", "judge"]

@@ -293,6 +293,11 @@ def test_prompts_params_and_settings_of_the_wrong_kind_are_refused_by_name(tiny_
         with pytest.raises(TypeError, match="sampling params 0 is a .*: pass SamplingParams"):
             llm.generate([[1, 2]], params)
     assert len(llm.generate([torch.tensor([1, 2, 3]), np.array([4, 5]), (6,)], sp)) == 3  # one per prompt
+    greedy = SamplingParams(temperature=0, max_tokens=3)
+    assert llm.generate([list(np.array([1, 2, 3]))], greedy)[0].outputs[0].token_ids == \
+        llm.generate([[1, 2, 3]], greedy)[0].outputs[0].token_ids  # numpy's ints are token ids too
+    assert LLM(path, eos_token_ids=np.array([2]), max_num_seqs=2).engine.eos_token_ids == {2}
+    assert LLM(path, eos_token_ids=(t for t in [2, 3]), seed=np.int64(1), max_num_seqs=2).engine.eos_token_ids == {2, 3}
     for kw, says in ((dict(seed=None), "seed=None must be an int"),
                      (dict(eos_token_ids=2), "eos_token_ids=2 must be a list of token ids in [0, 128)"),
                      (dict(eos_token_ids=[128]), "eos_token_ids=[128] must be a list of token ids in [0, 128)"),

@@ -220,3 +220,10 @@ def test_sampling_params_of_the_wrong_type_are_refused_by_name():
             SamplingParams(**kw)
     ok = SamplingParams(top_p=1, stop_token_ids=(3, 4), seed=0, ignore_eos=True)
     assert ok.stop_token_ids == [3, 4] and ok.ignore_eos
+    # numpy's numbers and vLLM's None for no stop ids, as before; kept as Python's
+    import numpy as np
+
+    ok = SamplingParams(n=np.int64(2), temperature=np.float32(0.5), top_p=np.float64(0.9), stop_token_ids=None,
+                        seed=np.int64(3), ignore_eos=np.bool_(False))
+    assert (ok.n, ok.temperature, ok.top_p, ok.stop_token_ids, ok.seed, ok.ignore_eos) == (2, 0.5, 0.9, [], 3, False)
+    assert type(ok.temperature) is float and type(ok.seed) is int and SamplingParams(ignore_eos=1).ignore_eos is True

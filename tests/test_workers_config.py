@@ -88,11 +88,13 @@ def test_rl_config_errors():
         load_config(PPOJobConfig, None, ["actor_rollout_ref.actor.policy_loss.loss_mode=foo"])
     with pytest.raises(ConfigError, match=r"policy_loss: /nope/algo.py does not exist"):
         load_config(PPOJobConfig, None, ["actor_rollout_ref.actor.policy_loss.loss_mode=/nope/algo.py:fn"])
-    # a token budget that cannot hold the longest sequence failed at its first long row, on a worker
-    # (checked by check_paths at start-up, after the lengths against the model's context)
+    # a token budget that cannot hold the longest sequence failed at its first long row, on a worker:
+    # said at start-up (check_paths, after the lengths against the model's context); runs do run
+    # while every row fits (micro-batches are cut by real lengths)
     for key in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic"):
-        with pytest.raises(ConfigError, match=rf"{key}.max_tokens_per_micro_batch=3 is below the longest sequence "
-                                              r"the rollout makes, .* = \d+; raise it"):
+        with pytest.warns(UserWarning, match=rf"{key}.max_tokens_per_micro_batch=3 is below the longest sequence "
+                                             r"the rollout may make \(\d+ prompt \+ \d+ response tokens\): a "
+                                             r"longer row will stop the run; raise it to \d+"):
             load_config(PPOJobConfig, "ppo", [f"{key}.max_tokens_per_micro_batch=3"]).check_token_budgets()
     with pytest.raises(ConfigError, match="adv_estimator=gae reads values, which need a critic"):
         load_config(PPOJobConfig, None, ["critic.enable=false"])

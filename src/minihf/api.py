@@ -15,6 +15,8 @@ signal, no ``os._exit``, no ``gc.freeze`` at exit (those belong to the scripts a
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -37,13 +39,17 @@ def _config(cls, recipe, overrides):
             raise ValueError("pass overrides with a recipe name, not with a config object "
                              "(change the object's fields instead)")
         return recipe
-    if isinstance(recipe, (list, tuple)) or recipe is not None and not isinstance(recipe, (str, Path)):
+    if recipe is not None and not isinstance(recipe, (str, os.PathLike)):
         raise TypeError(f"recipe must be a name, a folder or a YAML path (or None for the default), got "
                         f"{type(recipe).__name__} {recipe!r}; overrides go second: train(recipe, ['key=value', ...])")
-    if isinstance(overrides, (str, dict)) or not all(isinstance(o, str) for o in overrides):
-        raise TypeError(f"overrides must be a list of 'key=value' strings, got {overrides!r}; e.g. "
+    given = overrides
+    if isinstance(given, (str, dict)) or given is not None and not isinstance(given, Iterable):
+        overrides = [None]  # refused below, named as given
+    overrides = list(overrides or [])  # (a generator is read once, here)
+    if not all(isinstance(o, str) for o in overrides):
+        raise TypeError(f"overrides must be a list of 'key=value' strings, got {given!r}; e.g. "
                         "['trainer.total_training_steps=2']")
-    return load_config(cls, recipe, list(overrides))
+    return load_config(cls, os.fspath(recipe) if recipe is not None else None, overrides)
 
 
 def _result(history: list[dict] | None, trainer) -> TrainResult:

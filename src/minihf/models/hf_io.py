@@ -59,8 +59,8 @@ def load_hf(path: str | Path, dtype: torch.dtype | str = torch.float32,
     files, cast to ``dtype``. The shapes are checked against the checkpoint's before any
     memory is allocated, so a config.json that disagrees with its weights (say a vocab_size
     with an extra digit) is one line, not an allocation of the size it claims. ``dtype`` may
-    also be one of :data:`DTYPE_NAMES` or ``"auto"`` (bf16 on CUDA, fp32 elsewhere)."""
-    dtype = resolve_dtype(dtype, device)
+    also be one of :data:`DTYPE_NAMES` or ``"auto"`` (bf16 on CUDA, fp32 elsewhere); None is fp32."""
+    dtype = torch.float32 if dtype is None else resolve_dtype(dtype, device)
     reader = CheckpointReader(path, head)
     model = build_model(reader.args, head, device="meta", dtype=dtype)
     reader.check({n: tuple(p.shape) for n, p in model.named_parameters()})  # dedups tied lm_head

@@ -45,6 +45,9 @@ model passes it to every block:
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -206,8 +209,24 @@ class _GatherRows(torch.autograd.Function):
         return _sum_slots(grad, token, slot, ctx.n, ctx.k), None, None, None
 
 
+_DENSE = threading.local()  # set by dense_experts()
+
+
+@contextlib.contextmanager
+def dense_experts():
+    """Run the dense experts' path inside, as a CUDA graph's capture does: the uncaptured
+    first use of a decode bucket (``minihf.rollout.decode_step``) computes what its replays
+    will, to the bit."""
+    was = getattr(_DENSE, "on", False)
+    _DENSE.on = True
+    try:
+        yield
+    finally:
+        _DENSE.on = was
+
+
 def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    return getattr(_DENSE, "on", False) or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
 class SparseMoE(nn.Module):

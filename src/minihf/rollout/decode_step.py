@@ -24,13 +24,15 @@ value.
 
 What runs the function per bucket is the only device-specific part: on CUDA it is captured
 as a CUDA graph (a shared memory pool; no Python, no kernel launches but the graph's) unless
-``rollout.enforce_eager``. A bucket's first use runs the function as is, which is also the
-capture's warm-up (kernels chosen, lazy allocations made on the device); its second use
-captures it, then replays it, as every later use does. So a bucket used once (the tail of a
-batch whose rows finish at different lengths) is never captured, and no step is computed
-twice (a warm-up apart from the step's own run would be). Elsewhere the function is always
-called as is, which is how the CPU tests cover the same logic (and check that no op of it
-reads a device value on the host, which would fail the capture). Captured graphs hold the addresses of the weights, the KV cache and these
+``rollout.enforce_eager``. A bucket's first use runs the function as is, on the path a
+capture takes (MoE's dense experts), which is also the capture's warm-up (kernels chosen,
+lazy allocations made on the device); its second use captures it, then replays it, as every
+later use does. So a bucket used once (the tail of a batch whose rows finish at different
+lengths) is never captured, no step is computed twice (a warm-up apart from the step's own
+run would be), and the first use computes what the replays do. Elsewhere the function is
+always called as is, which is how the CPU tests cover the same logic (and check that no op
+of it reads a device value on the host, which would fail the capture). Captured graphs hold
+the addresses of the weights, the KV cache and these
 buffers: :meth:`StaticDecode.clear` drops them whenever one of those is reallocated
 (sleep, wake-up, a new cache, a parameter replaced instead of written in place: each
 generate compares the weights' addresses with those captured), and the next use
@@ -67,6 +69,17 @@ def length_bucket(kv_len: int, max_len: int, floor: int = 256) -> int:
     """The cache prefix a decode step reads: the next power of two >= ``kv_len`` (at least
     ``floor``), capped at the cache's ``max_len``: log2(max_len / floor) + 1 lengths at most."""
     return min(max_len, max(floor, 1 << (kv_len - 1).bit_length()))
+
+
+def _as_captured(body: Callable[[], None]) -> Callable[[], None]:
+    """``body`` run uncaptured on the path a capture takes (MoE's dense experts), so that a
+    bucket's first use computes what its replays will."""
+    from minihf.models.moe import dense_experts
+
+    def run() -> None:
+        with dense_experts():
+            body()
+    return run
 
 
 class StaticDecode:
@@ -140,12 +153,11 @@ class StaticDecode:
         self.inputs[:, :rows].copy_(staged, non_blocking=True)
         key = (rows, length, *self._flags)
         step = self.steps.get(key)
-        if step is None and self.capture and key not in self._first:
-            step = self._first[key] = self._body(key, forward, cache)  # first use: as is
+        if step is None and self.capture and key not in self._first:  # first use: as is
+            step = self._first[key] = _as_captured(self._body(key, forward, cache))
         elif step is None:
             t0 = time.perf_counter()
-            body = self._first.pop(key, None) or self._body(key, forward, cache)
-            step = self.steps[key] = self._capture(body) if self.capture else body
+            step = self.steps[key] = self._prepare(key, forward, cache)
             self.captures += 1
             self.capture_s += time.perf_counter() - t0
         step()
@@ -165,6 +177,11 @@ class StaticDecode:
             tok, logp = sample(logits, params, counters)
             out.copy_(torch.stack([tok.double(), logp.double()]))
         return body
+
+    def _prepare(self, key: tuple, forward: Callable, cache) -> Callable[[], None]:
+        """The step kept for bucket ``key``: its function captured (``capture``), else as is."""
+        body = self._first.pop(key, None) or self._body(key, forward, cache)
+        return self._capture(body) if self.capture else body
 
     def _capture(self, body: Callable[[], None]) -> Callable[[], None]:
         """``body`` captured as a CUDA graph (it ran once before, uncaptured: its warm-up);

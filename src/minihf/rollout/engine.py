@@ -37,7 +37,9 @@ engine can be built on the meta device and never holds weights it was not given.
 
 from __future__ import annotations
 
+import numbers
 import time
+from collections.abc import Iterable
 from typing import Protocol
 
 import torch
@@ -93,17 +95,25 @@ def as_prompts(prompts) -> list:
                         f"lists; {fix}")
     if not isinstance(prompts, (list, tuple)):
         raise TypeError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
-    return [p.tolist() if hasattr(p, "tolist") else p for p in prompts]
+    out = []
+    for p in prompts:
+        p = p.tolist() if hasattr(p, "tolist") else p
+        if isinstance(p, (list, tuple)) and not all(type(t) is int for t in p):  # e.g. numpy's ints
+            p = [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t for t in p]
+        out.append(p)
+    return out
 
 
-def check_settings(seed, eos_token_ids, kv_cache_memory, gpu_memory_utilization, vocab: int) -> None:
+def check_settings(seed, eos_token_ids, kv_cache_memory, gpu_memory_utilization, vocab: int) -> list[int]:
     """The engine's other settings, each named with the fix where it is wrong (a wrong type
     failed at the first generate, deep in the sampler or the cache sizing; an eos id past the
-    vocabulary never matched)."""
-    if isinstance(seed, bool) or not isinstance(seed, int):
+    vocabulary never matched); returns the eos ids as a list of ints."""
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
         raise ValueError(f"seed={seed!r} must be an int")
-    ids = list(eos_token_ids) if isinstance(eos_token_ids, (list, tuple, set, frozenset)) else None
-    if ids is None or any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+    listed = isinstance(eos_token_ids, Iterable) and not isinstance(eos_token_ids, (str, bytes, dict))
+    ids = list(eos_token_ids) if listed else None
+    if ids is None or any(isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab
+                          for t in ids):
         raise ValueError(f"eos_token_ids={eos_token_ids!r} must be a list of token ids in [0, {vocab}) "
                          f"(the model's vocabulary); [] for none")
     if kv_cache_memory is not None and (isinstance(kv_cache_memory, bool) or not isinstance(kv_cache_memory, int)
@@ -114,6 +124,7 @@ def check_settings(seed, eos_token_ids, kv_cache_memory, gpu_memory_utilization,
     if g is not None and (isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 < g <= 1):
         raise ValueError(f"gpu_memory_utilization={g!r} must be a fraction of the free memory in (0, 1], "
                          "or None")
+    return [int(t) for t in ids]
 
 
 class Engine:
@@ -146,7 +157,7 @@ class Engine:
                                   decode=decode, capture_sizes=cudagraph_capture_sizes, prepack=not enforce_eager,
                                   record_routes=record_routes)
         args = model.args
-        check_settings(seed, eos_token_ids, kv_cache_memory, gpu_memory_utilization, args.vocab_size)
+        eos_ids = check_settings(seed, eos_token_ids, kv_cache_memory, gpu_memory_utilization, args.vocab_size)
         limit = args.max_position_embeddings
         message = context_error(f"max_model_len={max_model_len}", max_model_len or limit, limit, "the model's config",
                                 f"pass at most {limit}, or None for the model's context")
@@ -161,8 +172,8 @@ class Engine:
             raise ValueError("enable_chunked_prefill cuts prefills at max_num_batched_tokens tokens a "
                              "step, which is not set; set it too (e.g. max_num_batched_tokens=2048)")
         self.enable_chunked_prefill = enable_chunked_prefill
-        self.eos_token_ids = frozenset(eos_token_ids)
-        self.seed = seed
+        self.eos_token_ids = frozenset(eos_ids)
+        self.seed = int(seed)
         self._calls = 0
         # the last generate call's seconds in prefill and decode forwards (sampling included;
         # each step ends in a host sync, so the times hold on CUDA too) and its decode steps

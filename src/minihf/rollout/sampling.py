@@ -17,8 +17,10 @@ top-p only restrict which tokens can be drawn. Greedy (``temperature == 0``) ret
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from minihf.models.temperature import over_temperature
@@ -59,11 +61,11 @@ def uniforms(keys: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
 
 
 def _int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+    return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
 
 
 def _real(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
 
 
 @dataclass
@@ -88,31 +90,38 @@ class SamplingParams:
     seed: int | None = None
     max_turn_tokens: int | None = None
 
-    def __post_init__(self):
-        if not isinstance(self.n, int) or self.n < 1:
+    def __post_init__(self):  # numpy's numbers are taken too, as Python's
+        if not _int(self.n) or self.n < 1:
             raise ValueError(f"SamplingParams.n must be an int >= 1, got {self.n!r}")
         if not (_real(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"SamplingParams.temperature must be a finite number >= 0 (0 = greedy), got "
                              f"{self.temperature!r}")
         if not (_real(self.top_p) and 0.0 < self.top_p <= 1.0):  # nan compares False
             raise ValueError(f"SamplingParams.top_p must be a number in (0, 1] (1 = off), got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if not _int(self.top_k) or self.top_k < -1:
             raise ValueError(f"SamplingParams.top_k must be an int; -1 or 0 disables it, got {self.top_k!r}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not _int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"SamplingParams.max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if isinstance(self.stop_token_ids, (int, str)) or not hasattr(self.stop_token_ids, "__iter__"):
+        if self.stop_token_ids is None:  # vLLM's default
+            self.stop_token_ids = []
+        if isinstance(self.stop_token_ids, (numbers.Number, str)) or not hasattr(self.stop_token_ids, "__iter__"):
             raise ValueError(f"SamplingParams.stop_token_ids must be a list of token ids, got "
                              f"{self.stop_token_ids!r}; write [{self.stop_token_ids!r}] for one id")
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop_token_ids = list(self.stop_token_ids)
         bad = [t for t in self.stop_token_ids if not _int(t) or t < 0]
         if bad:
             raise ValueError(f"SamplingParams.stop_token_ids must be non-negative ints, got {bad}")
-        if self.max_turn_tokens is not None and (not isinstance(self.max_turn_tokens, int) or self.max_turn_tokens < 1):
+        if self.max_turn_tokens is not None and (not _int(self.max_turn_tokens) or self.max_turn_tokens < 1):
             raise ValueError(f"SamplingParams.max_turn_tokens must be an int >= 1 or None, got {self.max_turn_tokens!r}")
         if self.seed is not None and not _int(self.seed):
             raise ValueError(f"SamplingParams.seed must be an int or None, got {self.seed!r}")
-        if not isinstance(self.ignore_eos, bool):
+        if not (isinstance(self.ignore_eos, (bool, np.bool_)) or _int(self.ignore_eos) and self.ignore_eos in (0, 1)):
             raise ValueError(f"SamplingParams.ignore_eos must be True or False, got {self.ignore_eos!r}")
+        self.n, self.top_k, self.max_tokens = int(self.n), int(self.top_k), int(self.max_tokens)
+        self.temperature, self.top_p, self.ignore_eos = float(self.temperature), float(self.top_p), bool(self.ignore_eos)
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+        self.seed = None if self.seed is None else int(self.seed)
+        self.max_turn_tokens = None if self.max_turn_tokens is None else int(self.max_turn_tokens)
 
     @property
     def greedy(self) -> bool:

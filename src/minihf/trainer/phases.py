@@ -308,9 +308,10 @@ def apply_hooks(programs: dict[str, list[Item]], plugins: list[Plugin], roles: s
     out = {k: list(v) for k, v in programs.items()}
     for plugin in plugins:
         for hook in plugin_hooks(plugin):
-            if roles is not None and isinstance(hook.item, Call) and hook.item.role not in roles:
-                raise PluginError(f"{plugin_label(plugin)}: calls role {hook.item.role!r}, which this job "
-                                  f"lacks (roles: {sorted(roles)}); add a roles.{hook.item.role} section, "
+            calls = hook.item.calls if isinstance(hook.item, Together) else (hook.item,)
+            for call in (c for c in calls if isinstance(c, Call) and roles is not None and c.role not in roles):
+                raise PluginError(f"{plugin_label(plugin)}: calls role {call.role!r}, which no job of this "
+                                  f"config has (known roles: {sorted(roles)}); add a roles.{call.role} section, "
                                   "or bring the role with the plug-in's roles")
             try:
                 applied = any(_apply(items, hook) for items in out.values())
@@ -326,8 +327,10 @@ def apply_hooks(programs: dict[str, list[Item]], plugins: list[Plugin], roles: s
     return out
 
 
-def run_phases(ctx: StepContext, items: list[Item], batch: Batch, metrics: dict) -> Batch:
-    """Run ``items`` on ``batch``; the final batch."""
+def run_phases(ctx: StepContext, items: list[Item], batch: Batch, metrics: dict, rows_needed: bool = True
+               ) -> Batch:
+    """Run ``items`` on ``batch``; the final batch. ``rows_needed``: a phase may not leave it
+    empty (a step's program; a generation round's may keep no rows, rounds are joined)."""
     for item in items:
         if isinstance(item, Together):
             calls = [c for c in item.calls if c.wanted(ctx)]
@@ -343,17 +346,17 @@ def run_phases(ctx: StepContext, items: list[Item], batch: Batch, metrics: dict)
         else:
             out = item.run(ctx, batch, metrics)
         if out is not None:
-            batch = _checked_output(item.name, out)
+            batch = _checked_output(item.name, out, rows_needed)
     return batch
 
 
-def _checked_output(name: str, out) -> Batch:
+def _checked_output(name: str, out, rows_needed: bool) -> Batch:
     """A phase's returned batch, checked where the next phase would fail deep inside (a dict
     had no ``.tensors``; a batch of no rows failed at cutting micro-batches)."""
     if not isinstance(out, Batch):
         raise PluginError(f"phase {name!r} returned {_what(out)}; return the batch (a Batch, e.g. batch "
                           "or batch[rows]) or None to keep it")
-    if len(out) == 0:
+    if rows_needed and len(out) == 0:
         raise PluginError(f"phase {name!r} returned a batch of no rows; the step needs at least one (to "
                           "drop every sample, filter before generating more, as algorithm.filter_groups does)")
     return out

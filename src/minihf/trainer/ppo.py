@@ -226,7 +226,7 @@ class PPOTrainer(RunLoop):
         prompts.non_tensors["uid"] = np.array([str(i) if round_ == 0 else f"{i}#{round_}" for i in index],
                                               dtype=object)
         m = {}
-        return run_phases(self.cur, self.program["round"], prompts, m), m
+        return run_phases(self.cur, self.program["round"], prompts, m, rows_needed=False), m
 
     def _gen_phase(self, ctx: StepContext, prompts: Batch, m: dict) -> Batch:
         n = self.cfg.actor_rollout_ref.rollout.n

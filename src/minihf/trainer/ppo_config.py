@@ -15,6 +15,7 @@ any model loads) refuses batch sizes that do not fit the ranks, naming the key.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional, Union
@@ -285,12 +286,13 @@ class PPOConfig:
             plugin.check_config(self)
 
     def check_token_budgets(self) -> None:
-        """Each section's ``max_tokens_per_micro_batch`` holds the longest sequence the rollout
-        can make (a smaller one failed at the first long row, on a worker, mid-run). Checked at
-        start-up after the lengths are checked against the model's context (a length past it
-        is the thing to fix, not the budget)."""
+        """Warn where a ``max_tokens_per_micro_batch`` is below the longest sequence the rollout
+        may make: micro-batches are cut by the rows' real lengths, so it runs until a row is
+        longer, then stops the run mid-way on a worker. Checked at start-up after the lengths
+        are checked against the model's context (a length past it is the thing to fix)."""
         r = self.actor_rollout_ref.rollout
         longest = r.prompt_length + r.response_length
+
         def walk(obj, key):
             if dataclasses.is_dataclass(obj):
                 for f in dataclasses.fields(obj):
@@ -302,9 +304,9 @@ class PPOConfig:
                 yield key, obj
         for key, budget in walk(self, ""):
             if budget < longest:
-                raise ConfigError(f"{key}={budget} is below the longest sequence the rollout makes, "
-                                 f"rollout.prompt_length + rollout.response_length = {longest}; raise it to "
-                                 f"at least {longest}")
+                warnings.warn(f"{key}={budget} is below the longest sequence the rollout may make ({r.prompt_length} "
+                              f"prompt + {r.response_length} response tokens): a longer row will stop the run; "
+                              f"raise it to {longest} to be safe", stacklevel=2)
 
     def _check_standalone_rollout(self) -> None:
         """``controller.placement.rollout``: the engine on ranks of its own, disjoint from the

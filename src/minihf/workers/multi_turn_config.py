@@ -71,7 +71,8 @@ class MultiTurnConfig:
             which = "tools" if self.tools else "environment"
             warnings.warn(f"rollout.multi_turn.{which} is set but rollout.multi_turn.enable=false: the rollout "
                           "is single-turn and does not use it; set rollout.multi_turn.enable=true", stacklevel=2)
-        _check_code_refs(self.tools, self.environment)
+        if self.enable:  # (off: not used, so not checked; the warning above says so)
+            _check_code_refs(self.tools, self.environment)
         for key in ("max_assistant_turns", "max_user_turns", "max_tokens_per_turn"):
             v = getattr(self, key)
             if v is not None and (not isinstance(v, int) or v < 1):

@@ -108,15 +108,9 @@ class AlgorithmConfig:
 
     def __post_init__(self):
         from minihf.algorithms import get_adv_estimator_fn
-        from minihf.utils.imports import check_ref, is_code_ref
+        from minihf.utils.imports import check_name_or_ref, check_ref
 
-        if is_code_ref(self.adv_estimator):  # checked without running the recipe's code
-            try:
-                check_ref(self.adv_estimator, "advantage estimator")
-            except (FileNotFoundError, AttributeError) as e:
-                raise ValueError(str(e)) from None
-        else:
-            get_adv_estimator_fn(self.adv_estimator)  # unknown names list the registered ones
+        check_name_or_ref(self.adv_estimator, get_adv_estimator_fn, "advantage estimator")
         for name in ("gamma", "lam"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"algorithm.{name}={getattr(self, name)} must be in [0, 1]")

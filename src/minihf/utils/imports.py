@@ -19,6 +19,7 @@ import hashlib
 import importlib.util
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -114,6 +115,18 @@ def _bound_names(body: list[ast.stmt]) -> set[str] | None:
                     return None
                 names |= inner
     return names
+
+
+def check_name_or_ref(value: str, lookup: Callable[[str], object], what: str) -> None:
+    """``value`` a name ``lookup`` knows (it raises a ValueError listing the registered ones) or
+    a ``file.py:name`` reference, checked without running the file (a ValueError too)."""
+    if not is_code_ref(value):
+        lookup(value)
+        return
+    try:
+        check_ref(value, what)
+    except (FileNotFoundError, AttributeError) as e:
+        raise ValueError(str(e)) from None
 
 
 def check_ref(ref: str, what: str = "function") -> None:

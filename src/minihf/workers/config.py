@@ -82,17 +82,11 @@ class PolicyLossConfig:
     recipe registers."""
     loss_mode: str = "vanilla"           # a registered loss (vanilla, gspo) or file.py:function
 
-    def __post_init__(self):
+    def __post_init__(self):  # (a wrong one failed on the workers, after start-up)
         from minihf.algorithms import get_policy_loss_fn
-        from minihf.utils.imports import check_ref, is_code_ref
+        from minihf.utils.imports import check_name_or_ref
 
-        if is_code_ref(self.loss_mode):  # checked without running the recipe's code
-            try:
-                check_ref(self.loss_mode, "policy loss")
-            except (FileNotFoundError, AttributeError) as e:
-                raise ValueError(str(e)) from None
-        else:  # unknown names list the registered ones (it failed on the workers, after start-up)
-            get_policy_loss_fn(self.loss_mode)
+        check_name_or_ref(self.loss_mode, get_policy_loss_fn, "policy loss")
 
 
 ROUTER_REPLAY_MODES = ("disabled", "R2", "R3")

@@ -151,6 +151,7 @@ def run(driver_fn: DriverFn, roles: Mapping[str, Role | type[Worker]],
     return result
 
 
+ABORTED_GRACE_S = 10.0  # how long an aborted worker rank leaves rank 0 to report and exit first
 USER_ERRORS = (ValueError, OSError)  # bad config (ConfigError), data rows, missing files
 
 
@@ -292,6 +293,10 @@ def launch_job(job: Callable[[torch.device], Any], config: ControllerConfig | No
         sys.stderr.flush()
         if rank == 0:
             kill_lost_rank(e, processes)
+        elif isinstance(e, ControllerAborted):
+            # rank 0 prints the failing rank's traceback just after it aborts the others: a rank
+            # that exited first would have torchrun stop rank 0 before it could (a race CI lost)
+            time.sleep(ABORTED_GRACE_S)  # ends sooner: torchrun stops this rank once rank 0 exits
         release_all()  # this job's run-dir locks: the next run starts without a takeover message
         # not sys.exit: threads blocked in a receive must not delay the exit; 130 = SIGINT's
         os._exit(130 if isinstance(e, KeyboardInterrupt) else 1)

@@ -147,6 +147,9 @@ def test_type_errors():
         load_config(RootConfig, None, ["actor.optim.warmup_steps=true"])
     with pytest.raises(ConfigError, match=r"actor\.micro_batches\[1\]: expected int, got 'x'"):
         load_config(RootConfig, None, ["actor.micro_batches=[1, x]"])
+    # a value where a list is expected: the example is that value in a list (it was always [1, 2])
+    with pytest.raises(ConfigError, match=r"actor\.micro_batches: expected list\[int\] \(e.g. \[4\]\), got 4"):
+        load_config(RootConfig, None, ["actor.micro_batches=4"])
     with pytest.raises(ConfigError, match=r"actor\.optim\.betas: expected 2 items"):
         load_config(RootConfig, None, ["actor.optim.betas=[0.9]"])
     with pytest.raises(ConfigError, match=r"actor\.clip: expected float or null, got 'big'"):

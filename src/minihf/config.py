@@ -115,7 +115,8 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
                           f"{', '.join(_field_names(tp))}), got {value!r}")
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{path}: expected {_describe(tp)} (e.g. [1, 2]), got {value!r}")
+            example = f"[{value}]" if isinstance(value, (str, int, float)) and not isinstance(value, bool) else "[1, 2]"
+            raise ConfigError(f"{path}: expected {_describe(tp)} (e.g. {example}), got {value!r}")
         if origin is list or not args or (len(args) == 2 and args[1] is Ellipsis):
             args = (args[0] if args else Any,) * len(value)
         if len(args) != len(value):

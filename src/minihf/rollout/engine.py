@@ -82,9 +82,9 @@ def check_sizes(**sizes: int | None) -> None:
 
 
 def as_prompts(prompts) -> list:
-    """``generate``'s prompts as a list of token-id lists (tensors and arrays per prompt made
-    lists); refuses what would be read wrong: a tokenizer's output, one 2-D tensor (its
-    padding would be read as tokens), an iterator (read once)."""
+    """``generate``'s prompts, a list (each prompt is checked by ``Engine``); refuses what would
+    be read wrong: a tokenizer's output, one 2-D tensor (its padding would be read as tokens),
+    an iterator (read once)."""
     if hasattr(prompts, "keys"):
         raise TypeError("prompts is a dict (a tokenizer's output?): pass its input_ids as a list of "
                         "token-id lists, one per prompt, without padding")
@@ -95,13 +95,7 @@ def as_prompts(prompts) -> list:
                         f"lists; {fix}")
     if not isinstance(prompts, (list, tuple)):
         raise TypeError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
-    out = []
-    for p in prompts:
-        p = p.tolist() if hasattr(p, "tolist") else p
-        if isinstance(p, (list, tuple)) and not all(type(t) is int for t in p):  # e.g. numpy's ints
-            p = [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t for t in p]
-        out.append(p)
-    return out
+    return prompts
 
 
 def check_settings(seed, eos_token_ids, kv_cache_memory, gpu_memory_utilization, vocab: int) -> list[int]:
@@ -214,7 +208,7 @@ class Engine:
         if not self.awake:
             raise RuntimeError("this engine is asleep (weights freed); call wake_up() and load "
                                "the weights before generating")
-        prompts = as_prompts(prompts)
+        prompts = self._checked_prompts(as_prompts(prompts))
         plist = params if isinstance(params, list) else [params] * len(prompts)
         bad = next((i for i, sp in enumerate(plist) if not isinstance(sp, SamplingParams)), None)
         if bad is not None:
@@ -230,7 +224,6 @@ class Engine:
         seqs = [s for g in groups for s in g]
         if not seqs:
             return groups
-        self._check_prompts(prompts)
         max_len = min(self.max_model_len, max(len(s.prompt) + s.max_tokens for s in seqs))
         sched = Scheduler(self.runner.ensure_cache(len(seqs), max_len), max_len, self.max_num_batched_tokens,
                           self.enable_chunked_prefill)
@@ -273,19 +266,29 @@ class Engine:
             groups.append(group)
         return groups
 
-    def _check_prompts(self, prompts: list[list[int]]) -> None:
+    def _checked_prompts(self, prompts: list) -> list[list[int]]:
+        """Each prompt as a list of Python ints (a tensor's or numpy's made so), checked: shorter
+        than ``max_model_len``, token ids of the vocabulary. One pass over the tokens when they
+        are such ints already (the hybrid engine's, every step)."""
         vocab = self.model.args.vocab_size
+        out = []
         for i, prompt in enumerate(prompts):
+            prompt = prompt.tolist() if hasattr(prompt, "tolist") else prompt
             if len(prompt) >= self.max_model_len:
                 raise ValueError(f"prompt {i} has {len(prompt)} tokens but max_model_len is {self.max_model_len}; "
                                  "shorten it or raise max_model_len")
-            kinds = {type(t).__name__ for t in prompt if isinstance(t, bool) or not isinstance(t, int)}
-            if kinds:  # e.g. text, a tokenizer's dict (its keys), float ids (they were truncated)
+            odd = [t for t in prompt if type(t) is not int or not 0 <= t < vocab]
+            if odd and all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in odd):
+                prompt = [int(t) for t in prompt]  # e.g. numpy's ints
+                odd = [t for t in prompt if not 0 <= t < vocab]
+            elif odd:  # e.g. text, a tokenizer's dict (its keys), float ids (they were truncated)
+                kinds = {type(t).__name__ for t in odd if isinstance(t, bool) or not isinstance(t, numbers.Integral)}
                 raise ValueError(f"prompt {i} is not a list of token ids (ints): it holds {sorted(kinds)}; "
                                  "tokenize it first (the tokenizer's input_ids)")
-            bad = [t for t in prompt if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"prompt {i} has token ids {bad[:5]} outside the vocabulary [0, {vocab})")
+            if odd:
+                raise ValueError(f"prompt {i} has token ids {odd[:5]} outside the vocabulary [0, {vocab})")
+            out.append(prompt)
+        return out
 
     def _step(self, sched: Scheduler, turns: TurnHandler | None) -> None:
         """One engine step: schedule, run (moves, prefill, extend, decode), postprocess."""

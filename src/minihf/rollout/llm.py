@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from .engine import Engine, as_prompts
+from .engine import Engine
 from .sampling import SamplingParams
 
 from minihf.models.hf_io import resolve_dtype
@@ -149,15 +149,14 @@ class LLM:
         """One RequestOutput per prompt (token-id lists), each with ``n`` completions."""
         if isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int):
             raise TypeError("prompts must be a list of token-id lists; wrap a single prompt as [ids]")
-        prompts = as_prompts(prompts)
         groups = self.engine.generate(prompts, sampling_params or SamplingParams())
         return [
             RequestOutput(
-                request_id=i, prompt_token_ids=list(prompt),
+                request_id=i, prompt_token_ids=list(group[0].prompt),  # as the engine read it: ints
                 outputs=[CompletionOutput(j, s.tokens, s.logprobs, s.finish_reason, float(sum(s.logprobs)))
                          for j, s in enumerate(group)],
             )
-            for i, (prompt, group) in enumerate(zip(prompts, groups))
+            for i, group in enumerate(groups)
         ]
 
     def free(self, weights: bool = True) -> None:

@@ -308,8 +308,8 @@ def apply_hooks(programs: dict[str, list[Item]], plugins: list[Plugin], roles: s
     out = {k: list(v) for k, v in programs.items()}
     for plugin in plugins:
         for hook in plugin_hooks(plugin):
-            calls = hook.item.calls if isinstance(hook.item, Together) else (hook.item,)
-            for call in (c for c in calls if isinstance(c, Call) and roles is not None and c.role not in roles):
+            call = hook.item  # (a Call is alongside's item; no hook takes a Together)
+            if roles is not None and isinstance(call, Call) and call.role not in roles:
                 raise PluginError(f"{plugin_label(plugin)}: calls role {call.role!r}, which no job of this "
                                   f"config has (known roles: {sorted(roles)}); add a roles.{call.role} section, "
                                   "or bring the role with the plug-in's roles")

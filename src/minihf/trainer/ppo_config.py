@@ -285,6 +285,15 @@ class PPOConfig:
         for plugin in BUILTIN_PLUGINS:  # DAPO's and Safe-RLHF's keys are checked by their plug-ins
             plugin.check_config(self)
 
+    def length_keys(self) -> tuple[str, str]:
+        """The keys that set the rollout's prompt and response lengths: the data's, which they
+        follow by default, or the rollout's own where those were set apart."""
+        r, d = self.actor_rollout_ref.rollout, self.data
+        return ("data.max_prompt_length" if r.prompt_length == d.max_prompt_length
+                else "actor_rollout_ref.rollout.prompt_length",
+                "data.max_response_length" if r.response_length == d.max_response_length
+                else "actor_rollout_ref.rollout.response_length")
+
     def check_token_budgets(self) -> None:
         """Warn where a ``max_tokens_per_micro_batch`` is below the longest sequence the rollout
         may make: micro-batches are cut by the rows' real lengths, so it runs until a row is

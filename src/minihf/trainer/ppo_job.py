@@ -158,10 +158,7 @@ def check_rollout_tp(cfg: PPOConfig) -> None:
     tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
     args = load_args(cfg.actor_rollout_ref.model.path)
     r = cfg.actor_rollout_ref.rollout
-    d = cfg.data  # the rollout's lengths default to the data's; name the keys that set them
-    keys = ("data.max_prompt_length" if r.prompt_length == d.max_prompt_length else "actor_rollout_ref.rollout.prompt_length",
-            "data.max_response_length" if r.response_length == d.max_response_length
-            else "actor_rollout_ref.rollout.response_length")
+    keys = cfg.length_keys()  # the rollout's lengths default to the data's: the keys that set them
     message = context_error(f"{keys[0]} + {keys[1]} = {r.prompt_length} + "
                             f"{r.response_length}", r.prompt_length + r.response_length, args.max_position_embeddings,
                             f"actor_rollout_ref.model.path={cfg.actor_rollout_ref.model.path!r}", "lower them to fit")

@@ -18,15 +18,6 @@ LINE_KEYS = {"step": "step", "critic/score/mean": "score", "val-core/mean": "val
              "response_length/mean": "resp_len", "timing_s/step": "step_s"}  # key -> label
 
 
-def response_cap(cfg) -> tuple[int, str]:
-    """The response length the engine stops at and the key that set it (``rollout.response_length``
-    when set apart from ``data.max_response_length``)."""
-    r, d = cfg.actor_rollout_ref.rollout.response_length, cfg.data.max_response_length
-    if r is None or r == d:
-        return d, "data.max_response_length"
-    return r, "actor_rollout_ref.rollout.response_length"
-
-
 class RunRecord:
     def __init__(self, cfg, out, total_steps: int, log: Log):
         t = cfg.trainer
@@ -35,7 +26,7 @@ class RunRecord:
         self.samples = MetricsLog(out, t.log_samples_freq > 0, "samples.jsonl")
         self.trackers = None  # wandb / tensorboard, opened by open()
         self.console = Console(total_steps, log, LINE_KEYS)
-        self.watch = RunWatch(*response_cap(cfg))
+        self.watch = RunWatch(cfg.actor_rollout_ref.rollout.response_length, cfg.length_keys()[1])
         self.skips = SkipCounter(t.max_skipped_steps)
         self.history: list[dict] = []
         self.phase_totals: dict[str, float] = {}  # seconds per phase over the run (the summary's)

@@ -12,18 +12,20 @@ def _check_code_refs(tools: list, environment: str | None) -> None:
     """Each tool a built-in name or a ``file.py:name`` that exists (without running the file:
     a wrong one failed on the rollout ranks after start-up), and so the environment."""
     from minihf.multi_turn.tools import BUILTIN_TOOLS
-    from minihf.utils.imports import check_ref, is_code_ref
+    from minihf.utils.imports import check_name_or_ref
 
-    refs = [("tools", t, "tool function") for t in tools if t not in BUILTIN_TOOLS]
-    refs += [("environment", environment, "environment class")] if environment else []
-    for key, ref, what in refs:
-        if not is_code_ref(ref):
-            kinds = (f"neither a built-in tool ({', '.join(BUILTIN_TOOLS)}) nor a file.py:function reference"
-                     if key == "tools" else "not a file.py:Class reference")
-            raise ValueError(f"rollout.multi_turn.{key}: {ref!r} is {kinds}")
+    def not_built_in(name: str) -> None:
+        raise ValueError(f"{name!r} is neither a built-in tool ({', '.join(BUILTIN_TOOLS)}) nor a "
+                         "file.py:function reference")
+
+    def not_a_ref(name: str) -> None:
+        raise ValueError(f"{name!r} is not a file.py:Class reference")
+    refs = [("tools", t, "tool function", not_built_in) for t in tools if t not in BUILTIN_TOOLS]
+    refs += [("environment", environment, "environment class", not_a_ref)] if environment else []
+    for key, ref, what, lookup in refs:
         try:
-            check_ref(ref, what)
-        except (FileNotFoundError, AttributeError) as e:
+            check_name_or_ref(ref, lookup, what)
+        except ValueError as e:
             raise ValueError(f"rollout.multi_turn.{key}: {e}") from None
 
 

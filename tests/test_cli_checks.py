@@ -264,6 +264,10 @@ def test_export_and_make_data_name_a_bad_meta_json_or_an_unwritable_target(root,
     save_checkpoint(ckpt, load_hf(root / "m"), hf_source=root / "m")
     refused(*run("export", ckpt, "/proc/x"), "export target /proc/x cannot be created: making an entry in /proc fails")
     refused(*run("make-data", "digits", "/proc/md"), "/proc/md cannot be created: making an entry in /proc fails")
+    refused(*run("make-data", "sort", tmp_path / "md", "--pairs-by", "cost"), "--pairs-by cost ranks preference "
+            "pairs: pass --pairs too")  # (it wrote prompts without a word)
+    with pytest.warns(UserWarning, match="has no LoRA adapters to merge; it is exported as the plain model"):
+        assert run("export", ckpt, tmp_path / "merged", "--merge")[0] == 0
     meta = ckpt / "meta.json"
     for text, needle in (("[]\n", "holds a JSON list, not an object"),
                          ('{"head": "lm", "lora": {"rank": 2}}\n', "lacks ['alpha', 'modules'")):

@@ -121,6 +121,8 @@ def test_config_keys():
         from_dict(TrainedModelConfig, {"lora_rank": 4, "lora_alpha": 0}, "model")
     cfg = from_dict(TrainedModelConfig, {"lora_rank": 8, "target_modules": ["q_proj", "v_proj"]})
     assert cfg.lora and cfg.target_modules == ["q_proj", "v_proj"]
+    with pytest.warns(UserWarning, match=r"lora_alpha=32.0 is set but lora_rank=0"):  # recipe=grpo_lora lora_rank=0
+        assert not from_dict(TrainedModelConfig, {"lora_alpha": 32}, "model").lora
 
 
 def _fsdp_lora_update(rank, world, path):

@@ -115,6 +115,10 @@ def test_config_errors():
     with pytest.raises(ConfigError, match="bypass mode"):
         load_config(PPOJobConfig, "grpo", [f"{key}.rollout_is=token",
                                            "actor_rollout_ref.actor.recompute_log_prob=false"])
+    for set_, switch in [("rollout_is_threshold=3", "rollout_is"), ("rollout_is_batch_normalize=true", "rollout_is"),
+                         ("rollout_rs_threshold=2", "rollout_rs")]:  # a setting whose switch is off does nothing
+        with pytest.warns(UserWarning, match=rf"{set_.split('=')[0]} is set but {switch} is null"):
+            assert not load_config(PPOJobConfig, "grpo", [f"{key}.{set_}"]).algorithm.rollout_correction.enabled
     # an on-policy one-step update recomputes its old log-probs once correction is on
     on_policy = ["actor_rollout_ref.actor.ppo_epochs=1", "actor_rollout_ref.actor.ppo_mini_batch_size=256"]
     assert load_config(PPOJobConfig, "grpo", on_policy).old_log_prob_source == "update"

@@ -104,6 +104,8 @@ def make_data(
         raise typer.BadParameter(str(exc)) from exc
     if sample_model and not pairs:
         raise typer.BadParameter("--sample-model adds preference pairs: pass --pairs too")
+    if pairs_by != "reward" and not pairs:
+        raise typer.BadParameter(f"--pairs-by {pairs_by} ranks preference pairs: pass --pairs too")
     if sample_model and not Path(sample_model, "config.json").is_file():
         raise typer.BadParameter(f"--sample-model {sample_model} has no config.json; pass an HF model dir")
     try:

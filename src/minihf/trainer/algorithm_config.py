@@ -4,6 +4,7 @@ correction, and a recipe's plug-ins with their settings. ``PPOConfig`` holds it.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
@@ -85,6 +86,13 @@ class RolloutCorrectionConfig:
         if self.rollout_rs_threshold is not None:
             self.rollout_rs_threshold = str(self.rollout_rs_threshold)
         parse_rs_options(self.rollout_rs, self.rollout_rs_threshold)   # raises naming the value
+        unused = [(key, "rollout_is") for key in ("rollout_is_threshold", "rollout_is_batch_normalize")
+                  if self.rollout_is is None and getattr(self, key) != getattr(RolloutCorrectionConfig, key)]
+        if self.rollout_rs is None and self.rollout_rs_threshold is not None:
+            unused.append(("rollout_rs_threshold", "rollout_rs"))
+        for key, switch in unused:
+            warnings.warn(f"algorithm.rollout_correction.{key} is set but {switch} is null (off), so it does "
+                          f"nothing; set algorithm.rollout_correction.{switch} to use it", stacklevel=2)
 
     @property
     def enabled(self) -> bool:

@@ -7,6 +7,7 @@ Every field has verl's name where verl has one.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
@@ -73,6 +74,9 @@ class TrainedModelConfig(RLModelConfig):
             if stray:
                 raise ValueError(f"{', '.join(stray)} set but lora_rank=0 (LoRA is off); set "
                                  "lora_rank > 0 (e.g. 16) or drop them")
+            if self.lora_alpha != TrainedModelConfig.lora_alpha:  # (a LoRA recipe run with rank 0: a warning)
+                warnings.warn(f"lora_alpha={self.lora_alpha} is set but lora_rank=0 (LoRA is off), so it "
+                              "does nothing; set lora_rank > 0 to train adapters", stacklevel=2)
 
 
 @dataclass

@@ -39,6 +39,9 @@ def test_train_in_process_returns_raises_and_runs_again(tmp_path, monkeypatch, n
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError, match=r"unknown key 'trainer.total_trainig_steps'.*did you mean"):
         minihf.train("grpo", ["trainer.total_trainig_steps=2"])
+    with pytest.raises(ConfigError, match=r"controller.placement.actor.ranks: \[1\] out of range for world size 1"):
+        minihf.train("grpo", TINY + ["controller.placement.actor.ranks=[1]"])
+    assert not (tmp_path / "outputs" / "data").exists()  # (it failed after the preparation: data, model, SFT)
     result = minihf.train("grpo", TINY)
     assert [row["step"] for row in result.history] == [0, 1, 2]
     assert "val-core/mean" in result.metrics and "actor/pg_loss" in result.metrics

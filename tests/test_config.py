@@ -259,7 +259,7 @@ def test_placement_resolution():
 
 
 def test_placement_errors():
-    with pytest.raises(ConfigError, match=r"placement\.critic\.ranks: \[2\] out of range for "
+    with pytest.raises(ConfigError, match=r"^controller\.placement\.critic\.ranks: \[2\] out of range for "
                                           r"world size 2 \(valid ranks 0\.\.1\)"):
         resolve_placement({"critic": {"ranks": [0, 2]}}, 2)
     with pytest.raises(ConfigError, match=r"placement\.actor: role 'actor', layout 'default': "

@@ -55,12 +55,12 @@ def resolve_placement(placement: PlacementConfig, world_size: int,
     """
     if world_size < 1:
         raise ConfigError(f"world_size must be >= 1, got {world_size}")
-    placement = {k: v if isinstance(v, RoleSpec) else from_dict(RoleSpec, v, f"placement.{k}")
+    placement = {k: v if isinstance(v, RoleSpec) else from_dict(RoleSpec, v, f"controller.placement.{k}")
                  for k, v in placement.items()}
     if roles is not None:
         for name in placement:
             if name not in roles:
-                raise ConfigError(f"placement names unknown role {name!r}; "
+                raise ConfigError(f"controller.placement names unknown role {name!r}; "
                                   f"{suggest(name, list(roles))}roles: {', '.join(roles)}")
         placement = {r: placement.get(r, RoleSpec()) for r in roles}
     out = {}
@@ -68,12 +68,12 @@ def resolve_placement(placement: PlacementConfig, world_size: int,
         ranks = list(range(world_size)) if spec.ranks == "all" else sorted(spec.ranks)
         bad = [r for r in ranks if not 0 <= r < world_size]
         if bad:
-            raise ConfigError(f"placement.{name}.ranks: {bad} out of range for world size "
+            raise ConfigError(f"controller.placement.{name}.ranks: {bad} out of range for world size "
                               f"{world_size} (valid ranks 0..{world_size - 1})")
         try:
             out[name] = RoleLayout(name, tuple(ranks), spec.tp_size)
         except ConfigError as e:
-            raise ConfigError(f"placement.{name}: {e}") from None
+            raise ConfigError(f"controller.placement.{name}: {e}") from None
     return out
 
 

@@ -233,6 +233,7 @@ def rl_job(cfg: PPOJobConfig, device, trainer=None):
     """Every rank's part of one RL job inside a launched job: the run dir taken (held to the
     end), the preparation, the checks, the run. ``trainer``: as in :func:`ppo_driver`."""
     from minihf.controller import run
+    from minihf.controller.config import resolve_placement
 
     rl_dir = run_dir(cfg.trainer)
 
@@ -243,6 +244,8 @@ def rl_job(cfg: PPOJobConfig, device, trainer=None):
 
     on_rank0(take_run_dir, "taking the run dir")  # before anything is prepared or written
     try:
+        resolve_placement(cfg.controller.placement, dist.get_world_size(), list(ppo_roles(cfg)))  # (checks:
+        # ranks out of range failed after the preparation, which may train the SFT warm start)
         prepare_job(cfg, device)
         check_paths(cfg)
         check_sequence_parallel(cfg, dist.get_world_size())

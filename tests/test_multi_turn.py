@@ -151,6 +151,14 @@ def test_tool_and_environment_references_are_checked_at_load(tmp_path):
                                              r"enable=false: the rollout is single-turn"):
             MultiTurnConfig(**kw)
     MultiTurnConfig(enable=True, environment=f"{tmp_path}/tools.py:Env")
+    doc = '    """Add.\n\n    Args:\n        a: a number\n        b: a number\n    """\n'
+    (tmp_path / "tools.py").write_text(f"def add(a: int, b: int) -> int:\n{doc}    return a + b\n")
+    (tmp_path / "more.py").write_text(f"def add(a: int, b: int) -> int:\n{doc}    return a - b\n\nplus = add\n")
+    with pytest.raises(ValueError, match=r"names \['add'\] more than once"):  # one of them silently unreachable
+        MultiTurnConfig(enable=True, tools=[f"{tmp_path}/tools.py:add", f"{tmp_path}/more.py:add"])
+    from minihf.multi_turn.loop import load_tools  # an alias is the function's own name
+    with pytest.raises(ValueError, match=r"'.*more.py:plus' is a tool named 'add', as is one listed before it"):
+        load_tools([f"{tmp_path}/tools.py:add", f"{tmp_path}/more.py:plus"])
 
 
 # -- the environment loop with the engine ---------------------------------------------------

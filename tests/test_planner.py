@@ -259,6 +259,11 @@ def test_cli_ranks_plans_and_refuses_bad_input(tmp_path):
                        (["--devices", "2", "--profile", "H100", "--model", "llama-7b"], "give ROLE=DIR|NAME")]:
         res = run(app, ["plan", "ppo", *over, *args])
         assert res.exit_code != 0 and want in res.output, (args, res.output)
+    # grpo's one group on 3 devices splits 64 sequences unevenly: the advice was "use more devices"
+    res = run(app, ["plan", "grpo", *over[:1], *over[2:], "--devices", "3", "--profile", "H100"])
+    assert res.exit_code != 0 and ("ppo_mini_batch_size (64 sequences) splits evenly over no group these 3 devices "
+                                   "allow; use --devices 2 or 4, or a ppo_mini_batch_size that is a multiple of 3"
+                                   in " ".join(res.output.split())), res.output
 
 
 def test_a_written_plan_runs_a_step(tmp_path):

@@ -46,3 +46,7 @@ def test_plot_errors(tmp_path):
     (tmp_path / "bad" / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2, "x\n')
     res = CliRunner().invoke(app, ["plot", str(tmp_path / "bad")])
     assert res.exit_code != 0 and "metrics.jsonl:2isnotJSON" in flat(res.output)
+    (tmp_path / "empty").mkdir()  # a run before its first step: blank figures before
+    (tmp_path / "empty" / "metrics.jsonl").write_text("")
+    res = CliRunner().invoke(app, ["plot", str(tmp_path / "empty"), "--out", str(tmp_path / "plots")])
+    assert res.exit_code != 0 and "hasnorowsyet" in flat(res.output) and not (tmp_path / "plots").exists()

@@ -5,6 +5,7 @@ metadata, the latest-step pointer, the driver state), and the RL driver's resume
 import json
 import math
 import shutil
+import warnings
 
 import pytest
 
@@ -152,18 +153,23 @@ def test_export_refuses_a_non_empty_target(tmp_path):
 def test_non_finite_gradient_skips_the_update():
     import torch
 
-    from minihf.workers.optim import OptimConfig, build_optimizer
+    from minihf.workers.optim import OptimConfig, build_lr_scheduler, build_optimizer
     from minihf.workers.train_step import train_minibatch
 
     model = small()
-    opt = build_optimizer(model.parameters(), OptimConfig(lr=1e-2))
+    cfg = OptimConfig(lr=1e-2, warmup_steps=2)
+    opt = build_optimizer(model.parameters(), cfg)
+    schedule = build_lr_scheduler(opt, cfg)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     ids = torch.randint(0, 48, (2, 5), generator=torch.Generator().manual_seed(0))
 
     def nan_loss(mb):
         return model(mb["ids"]).float().mean() * float("nan"), {}
-    out = train_minibatch(model, opt, None, [{"ids": ids}], nan_loss, clip_grad=1.0)
+    with warnings.catch_warnings():  # a skipped first update: torch's schedule warning leaked
+        warnings.simplefilter("error")
+        out = train_minibatch(model, opt, schedule, [{"ids": ids}], nan_loss, clip_grad=1.0)
     assert out["skipped"] == 1.0 and not math.isfinite(out["grad_norm"])
+    assert schedule.last_epoch == 1  # the schedule still moved on
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
     def loss(mb):

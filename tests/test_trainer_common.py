@@ -157,3 +157,18 @@ def test_summary_says_when_only_one_validation_ran():
                                         console=SimpleNamespace(close=lambda: None),
                                         phase_totals={"gen": 1.0}, log=lines.append), 2.0, {})
         assert lines[0].startswith(want) and lines[1] == "wall time 2.0s; by phase: gen 1.0s"
+
+
+def test_a_steps_metrics_are_numbers():
+    """A plug-in's metric given as a tensor or numpy value is read out; a string or a vector
+    was written to metrics.jsonl as its repr (and dropped by the trackers): now refused."""
+    import numpy as np
+
+    from minihf.trainer.record import numbers_only
+
+    got = numbers_only({"step": 3, "a": torch.tensor(2.5), "b": np.float32(1.5), "c": torch.ones(1, 1), "d": 0.1})
+    assert got == {"step": 3, "a": 2.5, "b": 1.5, "c": 1.0, "d": 0.1}
+    assert all(type(v) in (int, float) for v in got.values())
+    for bad in ("high", torch.ones(3), np.zeros(2), None, [1.0]):
+        with pytest.raises(ValueError, match="metric 'm' = .* is not a number; a step's metrics are numbers"):
+            numbers_only({"step": 1, "m": bad})

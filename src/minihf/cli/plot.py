@@ -37,6 +37,9 @@ def read_run(run_dir: str | Path) -> list[dict]:
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{n} is not JSON ({e}); the file is damaged") from None
             rows[int(row.get("step", n))] = row
+    if not rows:
+        raise ValueError(f"{path} has no rows yet (the run logs one per step); plot it after its "
+                         "first step")
     return [rows[s] for s in sorted(rows)]
 
 

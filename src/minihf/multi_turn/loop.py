@@ -67,6 +67,9 @@ def load_tools(refs: list[str]) -> dict:
     for ref in refs:
         fn = BUILTIN_TOOLS.get(ref) or load_ref(ref, "tool function")
         tool_schema(fn)  # a tool without a usable schema fails at start-up, naming it
+        if fn.__name__ in tools:  # (the model calls a tool by name: one of the two was unreachable)
+            raise ValueError(f"tools {refs}: {ref!r} is a tool named {fn.__name__!r}, as is one listed "
+                             "before it; list each tool once, and give tools distinct function names")
         tools[fn.__name__] = fn
     return tools
 

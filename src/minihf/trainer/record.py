@@ -50,6 +50,7 @@ class RunRecord:
             self.trackers.samples(rows, step)
 
     def record(self, metrics: dict) -> None:
+        metrics = numbers_only(metrics)
         self.history.append(metrics)
         self.metrics_log.append(metrics)
         if self.trackers is not None:
@@ -77,3 +78,19 @@ class RunRecord:
             self.log("sent by the driver: " + ", ".join(f"{k} {v / 1e3:.0f} kB" for k, v in sent))
         if self.trackers is not None:
             self.trackers.close()
+
+
+def numbers_only(metrics: dict) -> dict:
+    """``metrics`` with each value a Python number: a one-element tensor or numpy value (a
+    plug-in's ``loss.detach()``) is read out; anything else (a string, a vector) raises
+    naming the key, since the trackers and ``minihf plot`` read numbers only."""
+    out = {}
+    for key, value in metrics.items():
+        if not isinstance(value, (int, float)) and hasattr(value, "item"):
+            size = value.numel() if callable(getattr(value, "numel", None)) else getattr(value, "size", None)
+            value = value.item() if size == 1 else value
+        if not isinstance(value, (int, float)):
+            raise ValueError(f"metric {key!r} = {str(value)[:60]!r} is not a number; a step's metrics are "
+                             "numbers (log a vector's mean or max under its own key, text with the samples)")
+        out[key] = value
+    return out

@@ -20,6 +20,11 @@ def _check_code_refs(tools: list, environment: str | None) -> None:
 
     def not_a_ref(name: str) -> None:
         raise ValueError(f"{name!r} is not a file.py:Class reference")
+    names = [str(t).rpartition(":")[2] for t in tools]  # the name the model calls it by
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"rollout.multi_turn.tools={tools} names {twice} more than once; the model calls "
+                         "a tool by its name, so list each once, with distinct function names")
     refs = [("tools", t, "tool function", not_built_in) for t in tools if t not in BUILTIN_TOOLS]
     refs += [("environment", environment, "environment class", not_a_ref)] if environment else []
     for key, ref, what, lookup in refs:

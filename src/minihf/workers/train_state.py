@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -36,7 +35,7 @@ from minihf.workers.config import FSDPConfig, ModelConfig
 from minihf.workers.engine import build_fsdp_model
 from minihf.workers.optim import OptimConfig, build_lr_scheduler, build_optimizer
 from minihf.workers.packing import response_prompt_groups
-from minihf.workers.train_step import (LossFn, global_normalizer, global_token_count, group_size,
+from minihf.workers.train_step import (LossFn, advance_schedule, global_normalizer, global_token_count, group_size,
                                        mean_metrics, plan_micro_batches, take_rows,
                                        train_minibatch)
 
@@ -134,10 +133,7 @@ class TrainState:
     def advance_schedule(self, steps: int) -> None:
         """Move the LR schedule ``steps`` optimizer steps on without taking them (the steps a
         step's dropped rows would have taken)."""
-        with warnings.catch_warnings():  # torch warns of a schedule step without an optimizer step
-            warnings.simplefilter("ignore", UserWarning)
-            for _ in range(steps):
-                self.lr_scheduler.step()
+        advance_schedule(self.lr_scheduler, steps)
 
     def save(self, path: str, extra: dict | None = None) -> str:
         """Sharded model + optimizer + schedule + RNG (+ ``extra``) under ``path``; every

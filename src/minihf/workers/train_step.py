@@ -21,6 +21,7 @@ micro-batch's share of a global mean and summed over micro-batches and ranks.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
@@ -133,7 +134,7 @@ def train_minibatch(model: nn.Module, optimizer: torch.optim.Optimizer, lr_sched
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     if lr_scheduler is not None:
-        lr_scheduler.step()
+        advance_schedule(lr_scheduler, 1, taken=finite)
     keys = sorted(sums)
     out: dict[str, float] = {"grad_norm": float(grad_norm), "lr": float(lr)}
     if not finite:
@@ -152,3 +153,14 @@ def mean_metrics(steps: Sequence[dict[str, float]]) -> dict[str, float]:
     if not steps:
         return {}
     return {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}
+
+
+def advance_schedule(lr_scheduler, steps: int, taken: bool = False) -> None:
+    """Move ``lr_scheduler`` on ``steps`` optimizer steps; ``taken`` False: steps not taken
+    (a skipped update, a step's dropped rows), for which torch's warning of a schedule step
+    without an optimizer step is silenced."""
+    with warnings.catch_warnings():
+        if not taken:
+            warnings.simplefilter("ignore", UserWarning)
+        for _ in range(steps):
+            lr_scheduler.step()

@@ -244,8 +244,9 @@ def rl_job(cfg: PPOJobConfig, device, trainer=None):
 
     on_rank0(take_run_dir, "taking the run dir")  # before anything is prepared or written
     try:
-        resolve_placement(cfg.controller.placement, dist.get_world_size(), list(ppo_roles(cfg)))  # (checks:
-        # ranks out of range failed after the preparation, which may train the SFT warm start)
+        # the placement against the world size, before the preparation (which may train the SFT
+        # warm start): run() resolves it again
+        resolve_placement(cfg.controller.placement, dist.get_world_size(), list(ppo_roles(cfg)))
         prepare_job(cfg, device)
         check_paths(cfg)
         check_sequence_parallel(cfg, dist.get_world_size())

@@ -22,6 +22,7 @@ positions, so the code before these checks fails fast instead of hanging.
 import json
 import shutil
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -268,6 +269,10 @@ def test_export_and_make_data_name_a_bad_meta_json_or_an_unwritable_target(root,
             "pairs: pass --pairs too")  # (it wrote prompts without a word)
     with pytest.warns(UserWarning, match="has no LoRA adapters to merge; it is exported as the plain model"):
         assert run("export", ckpt, tmp_path / "merged", "--merge")[0] == 0
+    from minihf.hub.export import model_dir_of  # (eval and generate export with merge: no warning there)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert (model_dir_of(ckpt, tmp_path / "scratch") / "config.json").is_file()
     meta = ckpt / "meta.json"
     for text, needle in (("[]\n", "holds a JSON list, not an object"),
                          ('{"head": "lm", "lora": {"rank": 2}}\n', "lacks ['alpha', 'modules'")):

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from typer.testing import CliRunner
 
 from minihf.cli import app
@@ -50,3 +52,8 @@ def test_plot_errors(tmp_path):
     (tmp_path / "empty" / "metrics.jsonl").write_text("")
     res = CliRunner().invoke(app, ["plot", str(tmp_path / "empty"), "--out", str(tmp_path / "plots")])
     assert res.exit_code != 0 and "hasnorowsyet" in flat(res.output) and not (tmp_path / "plots").exists()
+    fake_run(tmp_path / "full", 1.0)  # beside a run with rows, an empty one is left out, with a warning
+    with pytest.warns(UserWarning, match="empty/metrics.jsonl has no rows yet; that run is left out"):
+        res = CliRunner().invoke(app, ["plot", str(tmp_path / "empty"), str(tmp_path / "full"),
+                                       "--out", str(tmp_path / "plots")])
+    assert res.exit_code == 0 and (tmp_path / "plots" / "overview.png").is_file(), res.output

@@ -172,3 +172,21 @@ def test_a_steps_metrics_are_numbers():
     for bad in ("high", torch.ones(3), np.zeros(2), None, [1.0]):
         with pytest.raises(ValueError, match="metric 'm' = .* is not a number; a step's metrics are numbers"):
             numbers_only({"step": 1, "m": bad})
+
+
+
+def test_a_run_records_its_metrics_as_numbers(tmp_path):
+    """``RunRecord.record`` (every RL row's way to metrics.jsonl and the history) reads a
+    plug-in's tensor out and refuses a string before anything is written."""
+    from minihf.config import load_config
+    from minihf.trainer.ppo_job import PPOJobConfig
+    from minihf.trainer.record import RunRecord
+
+    cfg = load_config(PPOJobConfig, "grpo", ["trainer.logger=[jsonl]"])
+    record = RunRecord(cfg, tmp_path, 2, log=lambda line: None)
+    record.record({"step": 1, "recipe/loss": torch.tensor(0.25)})
+    assert record.history == [{"step": 1, "recipe/loss": 0.25}]
+    with pytest.raises(ValueError, match="metric 'recipe/note' = 'hi' is not a number"):
+        record.record({"step": 2, "recipe/note": "hi"})
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows == [{"step": 1, "recipe/loss": 0.25}] and len(record.history) == 1

@@ -234,15 +234,22 @@ def export(
 
     A LoRA checkpoint is written as a PEFT adapter dir that peft loads on its base model, or
     with --merge as a plain model dir with the adapters folded into the weights."""
+    import warnings
+
     import torch
 
     from minihf.hub import export_hf
+    from minihf.hub.export import read_meta, role_checkpoint
 
     if dtype not in ("float32", "bfloat16", "float16"):
         raise typer.BadParameter(f"dtype {dtype!r}; use float32, bfloat16 or float16")
     if Path(out).is_dir() and any(Path(out).iterdir()) and not overwrite:
         raise typer.BadParameter(f"{out} is not empty; pass --overwrite to replace it, or choose a new dir")
     try:
+        found = role_checkpoint(ckpt)
+        if merge and found is not None and read_meta(found)[1] is None:
+            warnings.warn(f"--merge: {ckpt} has no LoRA adapters to merge; it is exported as the plain "
+                          "model dir it already is", stacklevel=1)
         path = export_hf(ckpt, out, dtype=getattr(torch, dtype), merge=merge)
     except (FileNotFoundError, FileExistsError, ValueError) as exc:
         raise typer.BadParameter(str(exc)) from exc

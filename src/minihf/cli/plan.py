@@ -178,7 +178,7 @@ def plan(
     typer.echo(f"candidates: {result.considered} considered, {result.refused} refused by the batch sizes, "
                f"{result.infeasible} over memory, {len(result.ranked)} feasible")
     if not result.ranked:
-        typer.echo(_no_plan_advice(w, devices, result), err=True)
+        typer.echo(_no_plan_advice(w, devices, unit, result), err=True)
         raise typer.Exit(1)
     typer.echo("| # | plan | s/step | " + " | ".join(PHASES) + " | peak GB/device |")
     typer.echo("|---|---|---|" + "---|" * len(PHASES) + "---|")
@@ -191,16 +191,16 @@ def plan(
         typer.echo(f"wrote {write_plan(out, recipe, overrides, keys)}")
 
 
-def _no_plan_advice(w, devices: int, result) -> str:
+def _no_plan_advice(w, devices: int, unit: int, result) -> str:
     """Why no plan fits, and the fix: batch sizes that split over no group's devices, or memory."""
     if result.infeasible:
         return "no plan fits: use more devices, smaller micro-batches or activation checkpointing"
     minis = sorted({r.mini_batch for r in w.roles if r.trains})
-    fits = [n for n in range(2, 2 * devices + 1) if n != devices and all(m % n == 0 for m in minis)]
+    fits = [n for n in range(unit, 2 * devices + 1, unit) if n != devices and all(m % n == 0 for m in minis)]
     near = sorted(fits, key=lambda n: abs(n - devices))[:2]
     return (f"no plan fits: ppo_mini_batch_size ({' and '.join(map(str, minis))} sequences) splits evenly "
             f"over no group these {devices} devices allow; use --devices "
-            f"{' or '.join(map(str, sorted(near))) or 1}, or a ppo_mini_batch_size that is a multiple of {devices}")
+            f"{' or '.join(map(str, sorted(near))) or unit}, or a ppo_mini_batch_size that is a multiple of {devices}")
 
 
 def _param_count(model) -> str:

@@ -9,6 +9,7 @@ phase (``timing_s/*``). Needs matplotlib (``pip install -e ".[plot]"``); rendere
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 PANELS = [  # (title, [(metric, label)], y label)
@@ -37,9 +38,6 @@ def read_run(run_dir: str | Path) -> list[dict]:
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{n} is not JSON ({e}); the file is damaged") from None
             rows[int(row.get("step", n))] = row
-    if not rows:
-        raise ValueError(f"{path} has no rows yet (the run logs one per step); plot it after its "
-                         "first step")
     return [rows[s] for s in sorted(rows)]
 
 
@@ -57,6 +55,13 @@ def plot_runs(run_dirs: list[str | Path], out_dir: str | Path) -> list[Path]:
     except ImportError:
         raise ImportError("minihf plot needs matplotlib: pip install -e \".[plot]\"") from None
     runs = {_name(d, run_dirs): read_run(d) for d in run_dirs}
+    empty = [str(Path(d) / "metrics.jsonl") for d, rows in zip(run_dirs, runs.values()) if not rows]
+    if len(empty) == len(runs):  # (blank figures before)
+        raise ValueError(f"{', '.join(empty)} {'has' if len(empty) == 1 else 'have'} no rows yet (a run "
+                         "logs one per step); plot a run after its first step")
+    for path in empty:
+        warnings.warn(f"{path} has no rows yet; that run is left out of the figures", stacklevel=2)
+    runs = {name: rows for name, rows in runs.items() if rows}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]

@@ -11,7 +11,6 @@ after ``minihf.hub.peft``'s checks (a broken adapter is one line, never merged).
 from __future__ import annotations
 
 import shutil
-import warnings
 from pathlib import Path
 
 import torch
@@ -61,9 +60,6 @@ def export_hf(ckpt: str | Path, out: str | Path, dtype: torch.dtype | None = Non
     check_not_over(out, keep)
     if lora:
         return _export_lora(ckpt, out, head, lora, dtype, merge)
-    if merge:
-        warnings.warn(f"merge: {ckpt} has no LoRA adapters to merge; it is exported as the plain model "
-                      "dir it already is", stacklevel=2)
     model = build_model(load_args(ckpt / "hf"), head)
     state = model.state_dict()
     load_model_state(ckpt, state)

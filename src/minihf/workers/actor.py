@@ -107,7 +107,7 @@ class ActorRolloutRefWorker(Worker):
         instead: no engine is built here, and the weights go out by ``send_weights``."""
         super().__init__()
         if self.tp_size != 1:
-            raise ValueError(f"placement.{self.role}.tp_size={self.tp_size}: the actor trains "
+            raise ValueError(f"controller.placement.{self.role}.tp_size={self.tp_size}: the actor trains "
                              "over all its ranks; set the generation TP size with "
                              "actor_rollout_ref.rollout.tensor_model_parallel_size instead")
         reference = reference or reference_source(config.model)

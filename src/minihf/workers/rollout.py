@@ -36,7 +36,7 @@ class RolloutWorker(Worker):
     def __init__(self, config: ActorRolloutRefConfig):
         super().__init__()
         if self.tp_size != 1:
-            raise ValueError(f"placement.{self.role}.tp_size={self.tp_size}: set the rollout's TP "
+            raise ValueError(f"controller.placement.{self.role}.tp_size={self.tp_size}: set the rollout's TP "
                              "size with actor_rollout_ref.rollout.tensor_model_parallel_size instead")
         self.config = config
         self.engine = None

@@ -159,8 +159,11 @@ def advance_schedule(lr_scheduler, steps: int, taken: bool = False) -> None:
     """Move ``lr_scheduler`` on ``steps`` optimizer steps; ``taken`` False: steps not taken
     (a skipped update, a step's dropped rows), for which torch's warning of a schedule step
     without an optimizer step is silenced."""
+    if taken:  # (catch_warnings would reset which warnings were already shown)
+        for _ in range(steps):
+            lr_scheduler.step()
+        return
     with warnings.catch_warnings():
-        if not taken:
-            warnings.simplefilter("ignore", UserWarning)
+        warnings.simplefilter("ignore", UserWarning)
         for _ in range(steps):
             lr_scheduler.step()

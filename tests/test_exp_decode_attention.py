@@ -23,10 +23,10 @@ def test_a_path_that_disagrees_is_caught(monkeypatch):
     real = exp_decode_attention.attention_paths
 
     def off(*args, **kw):
-        paths = real(*args, **kw)
+        paths, values = real(*args, **kw)
         right = paths["manual"]
         paths["manual"] = lambda: right() + 1e-3
-        return paths
+        return paths, values
     monkeypatch.setattr(exp_decode_attention, "attention_paths", off)
     with pytest.raises(AssertionError, match="manual differs from sdpa_bool"):
         exp_decode_attention.main(["--rows", "2", "--keys", "8", "--calls", "1", "--repeats", "1"])

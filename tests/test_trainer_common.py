@@ -174,7 +174,6 @@ def test_a_steps_metrics_are_numbers():
             numbers_only({"step": 1, "m": bad})
 
 
-
 def test_a_run_records_its_metrics_as_numbers(tmp_path):
     """``RunRecord.record`` (every RL row's way to metrics.jsonl and the history) reads a
     plug-in's tensor out and refuses a string before anything is written."""

@@ -376,29 +376,13 @@ def convert_gguf(
     typer.echo(f"converted {gguf_file} to {path}")
 
 
-@app.command()
-def plot(
-    run_dirs: list[str] = typer.Argument(..., help="Run dirs holding metrics.jsonl (trainer.default_local_dir)."),
-    out: str = typer.Option("plots", help="Directory for overview.png and timing.png."),
-) -> None:
-    """PNG figures of one or more runs, overlaid.
-
-    Score, validation, KL, entropy, lengths, clip fractions, and a per-phase timing bar."""
-    from minihf.cli.plot import plot_runs
-
-    try:
-        paths = plot_runs(run_dirs, out)
-    except (FileNotFoundError, ValueError, ImportError) as exc:
-        raise typer.BadParameter(str(exc)) from exc
-    for p in paths:
-        typer.echo(f"wrote {p}")
-
-
 from minihf.cli.config_cmd import config_app  # noqa: E402 - the commands live beside the app
 from minihf.cli.plan import plan as _plan  # noqa: E402
+from minihf.cli.plot import plot as _plot  # noqa: E402
 from minihf.cli.recipe_cmd import recipe_app  # noqa: E402
 
 app.command("plan")(_plan)
+app.command("plot")(_plot)
 app.add_typer(config_app, name="config")
 app.add_typer(recipe_app, name="recipe")
 

@@ -12,6 +12,8 @@ import json
 import warnings
 from pathlib import Path
 
+import typer
+
 PANELS = [  # (title, [(metric, label)], y label)
     ("score", [("critic/score/mean", "train"), ("val-core/mean", "validation")], "mean score"),
     ("KL to the reference", [("actor/kl_loss", "kl_loss"), ("actor/reward_kl_penalty", "in-reward")], "KL"),
@@ -120,3 +122,18 @@ def _name(run_dir, all_dirs) -> str:
     p = Path(run_dir).resolve()
     names = [Path(d).resolve().name for d in all_dirs]
     return f"{p.parent.name}/{p.name}" if names.count(p.name) > 1 else p.name
+
+
+def plot(
+    run_dirs: list[str] = typer.Argument(..., help="Run dirs holding metrics.jsonl (trainer.default_local_dir)."),
+    out: str = typer.Option("plots", help="Directory for overview.png and timing.png."),
+) -> None:
+    """PNG figures of one or more runs, overlaid.
+
+    Score, validation, KL, entropy, lengths, clip fractions, and a per-phase timing bar."""
+    try:
+        paths = plot_runs(run_dirs, out)
+    except (FileNotFoundError, ValueError, ImportError) as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    for p in paths:
+        typer.echo(f"wrote {p}")

@@ -55,7 +55,7 @@ def test_reference_defaults_are_the_built_ones():
             checked += 1
         assert checked > 20, title
     # a mapping of sections lists one entry's keys, with the entry class's defaults
-    from minihf.trainer.ppo_config import RoleSection
+    from minihf.trainer.role_section import RoleSection
     from minihf.trainer.ppo_job import PPOJobConfig
     from minihf.workers.aux_loss import AuxLossConfig
 

@@ -5,7 +5,7 @@ of each response token under this model, at ``batch.meta["temperature"]`` (defau
 as the actor's), zero under the mask's pads; the key carries the role's name
 (``teacher_log_prob`` for a role ``teacher``), so several such roles can score one batch.
 It reads the actor's token ids, so it must share the actor's tokenizer. A recipe's role
-section (``roles.<name>``, ``minihf.trainer.ppo_config.RoleSection``) builds it by default.
+section (``roles.<name>``, ``minihf.trainer.role_section.RoleSection``) builds it by default.
 """
 
 from __future__ import annotations
